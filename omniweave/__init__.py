@@ -1,0 +1,3 @@
+"""omniweave: train multimodal models (text, images, video) on an LLM backbone."""
+
+__version__ = "0.1.0"

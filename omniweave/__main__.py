@@ -1,0 +1,3 @@
+from omniweave.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""One entry point: ``omniweave data|train|hf|demo …``.
+
+Each command lives in its own module, which defines ``add_arguments(parser)`` and
+``run(args) -> int``. Only the chosen command's module is imported, so ``--help`` and the
+data tools start fast without importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (group, command) -> (module, one-line help). A command of ``None`` is a group-less command.
+COMMANDS: dict[tuple[str, str | None], tuple[str, str]] = {
+    ("data", "demo"): ("omniweave.data.demo", "generate the synthetic multimodal dataset"),
+    ("data", "convert"): ("omniweave.data.convert", "conversations JSON/JSONL + media -> raw shards"),
+    ("data", "inspect"): ("omniweave.data.inspect", "summarise raw shards or a packed dataset"),
+    ("data", "pack"): ("omniweave.data.pack", "raw shards -> packed dataset"),
+    ("train", None): ("omniweave.train.trainer", "train a recipe"),
+    ("hf", "verify"): ("omniweave.models.hf.verify", "compare a HF model directory against omniweave"),
+    ("hf", "export"): ("omniweave.models.hf.export", "export a checkpoint to a HF directory"),
+    ("demo", None): ("omniweave.demo", "the whole pipeline on the synthetic dataset"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: omniweave <command> [args]", "", "commands:"]
+    for (group, cmd), (_, help_) in COMMANDS.items():
+        name = group if cmd is None else f"{group} {cmd}"
+        lines.append(f"  {name:<16} {help_}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    group = argv[0]
+    if (group, None) in COMMANDS:
+        key, rest, prog = (group, None), argv[1:], f"omniweave {group}"
+    else:
+        cmd = argv[1] if len(argv) > 1 else None
+        key, rest, prog = (group, cmd), argv[2:], f"omniweave {group} {cmd}"
+        if key not in COMMANDS:
+            print(_usage(), file=sys.stderr)
+            print(f"\nomniweave: unknown command {' '.join(argv[:2])!r}", file=sys.stderr)
+            return 2
+    module_name, help_ = COMMANDS[key]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        print(f"omniweave: '{prog[10:]}' is not available in this version", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=prog, description=help_)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

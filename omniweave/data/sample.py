@@ -1,0 +1,109 @@
+"""The data types that the pipeline stages hand to each other.
+
+    formats.py  -> Conversation          (parsed, validated user input)
+    shards.py   -> RawSample             (one sample read back from a raw shard)
+    tokenize.py -> TokenizedSample       (ids, loss mask, M-RoPE positions, media spans)
+    packed.py   -> packs of TokenizedSamples + media bytes
+
+Roles are normalised to: system, user, assistant, observation, function.
+Media placeholders inside message text are exactly ``<image>`` and ``<video>``; the i-th
+``<image>`` in reading order refers to ``images[i]`` (same for videos).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant", "observation", "function")
+IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+MediaKind = Literal["image", "video"]
+
+
+@dataclass
+class Message:
+    role: str  # one of ROLES
+    content: str  # text with <image> / <video> placeholders
+
+
+@dataclass
+class Conversation:
+    """One normalised training sample.
+
+    ``images`` / ``videos`` are paths relative to the media directory while converting, and the
+    names of the media parts in the shard once written (e.g. ``img0.png``, ``vid0.mp4``).
+    """
+
+    id: str
+    messages: list[Message]
+    images: list[str] = field(default_factory=list)
+    videos: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)  # e.g. {"source": "f.jsonl", "index": 12}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "messages": [{"role": m.role, "content": m.content} for m in self.messages],
+            "images": list(self.images),
+            "videos": list(self.videos),
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Conversation":
+        return cls(
+            id=str(obj["id"]),
+            messages=[Message(m["role"], m["content"]) for m in obj["messages"]],
+            images=list(obj.get("images", [])),
+            videos=list(obj.get("videos", [])),
+            meta=dict(obj.get("meta", {})),
+        )
+
+
+@dataclass
+class RawSample:
+    """A sample read back from a raw shard: the conversation plus its media parts' bytes."""
+
+    key: str  # the WebDataset key (no dots)
+    conversation: Conversation  # images/videos name parts in ``media``
+    media: dict[str, bytes]  # part name -> original file bytes
+
+
+@dataclass
+class MediaSpan:
+    """Where one media item sits in a tokenized sample and how to turn its bytes into patches.
+
+    Everything here is computed from the file's header / stream metadata alone, and equals what
+    full decoding + processing produces later (``media.py`` guarantees it).
+    """
+
+    kind: MediaKind
+    part: str  # media part name in the raw sample (key into RawSample.media)
+    grid_thw: tuple[int, int, int]  # patch grid before merging: (t, h, w)
+    resized_hw: tuple[int, int]  # resize target in pixels (height, width)
+    start: int  # index of the first vision pad token in input_ids
+    length: int  # number of pad tokens = t*h*w // merge_size**2
+    frame_indices: list[int] | None = None  # videos: source frames sampled, after padding
+    second_per_grid: float | None = None  # videos: seconds covered by one temporal grid step
+
+
+@dataclass
+class TokenizedSample:
+    """One conversation rendered with a chat template and expanded media placeholders.
+
+    ``labels`` are *unshifted*: ``labels[i] == input_ids[i]`` where token i carries loss
+    (assistant content and its end token) and -100 elsewhere. The packer shifts per document.
+    """
+
+    id: str
+    input_ids: np.ndarray  # int32 [L]
+    labels: np.ndarray  # int32 [L]
+    position_ids: np.ndarray  # int32 [3, L] for M-RoPE families, [1, L] for 1-D RoPE
+    media: list[MediaSpan] = field(default_factory=list)
+    truncated: bool = False  # trailing turns were dropped to fit max_len
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
