@@ -4,6 +4,7 @@ header counting == full processing per sample, assistant labels, media-aware tru
 from __future__ import annotations
 
 import json
+import pickle
 from collections import Counter
 
 import numpy as np
@@ -204,5 +205,8 @@ def test_fingerprint_is_stable_json_and_tracks_settings():
     assert json.dumps(a.fingerprint(), sort_keys=True) == json.dumps(b.fingerprint(), sort_keys=True)
     assert a.fingerprint()["max_len"] != c.fingerprint()["max_len"]
     assert len(a.fingerprint()["tokenizer_sha256"]) == 64 and a.fingerprint()["template"]["name"] == "chatml"
+    clone = pickle.loads(pickle.dumps(a))  # packer workers receive the processor by pickle
+    assert clone.fingerprint() == a.fingerprint()
+    np.testing.assert_array_equal(clone.tokenize(SAMPLES["mixed"]).input_ids, a.tokenize(SAMPLES["mixed"]).input_ids)
     with pytest.raises(ValueError, match="truncation"):
         SampleProcessor({"truncation": "cut"})

@@ -284,6 +284,7 @@ def process_image(data: bytes, cfg: VisionConfig) -> tuple[np.ndarray, MediaPlan
 def process_video(data: bytes, cfg: VisionConfig, plan: MediaPlan | None = None) -> tuple[np.ndarray, MediaPlan]:
     """Full decode of the planned frames: pixel_values float32 [t*h*w, 3*tp*p*p] and the plan."""
     plan = plan or plan_video(probe_video(data), cfg)
-    rgb_frames = decode_video_frames(data, plan.frame_indices)
-    frames = np.stack([resize_normalize(f, plan.resized_hw, cfg) for f in rgb_frames])
+    unique = tuple(sorted(set(plan.frame_indices)))
+    resized = dict(zip(unique, (resize_normalize(f, plan.resized_hw, cfg) for f in decode_video_frames(data, unique))))
+    frames = np.stack([resized[i] for i in plan.frame_indices])  # [T, 3, h, w], padding repeats the last
     return patchify(frames, cfg), plan
