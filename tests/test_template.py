@@ -151,3 +151,11 @@ def test_tokenizer_round_trips_arbitrary_text(tok):
     assert tok.decode(tok.encode(text)) == text
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_tokenizer("/nonexistent/dir")
+
+
+def test_tool_turns_function_calls_carry_loss_observations_do_not(tok):
+    messages = [Message("user", "Weather?"), Message("function", '{"name": "weather"}'),
+                Message("observation", "sunny"), Message("assistant", "It is sunny.")]
+    ids, labels, rendered, _ = encode_conversation(BUILTIN_TEMPLATES["chatml"], tok, messages)
+    assert "<tool_response>\nsunny\n</tool_response>" in rendered.text
+    assert tok.decode(ids[labels != IGNORE_INDEX]) == '{"name": "weather"}<|im_end|>\nIt is sunny.<|im_end|>\n'

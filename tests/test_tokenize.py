@@ -108,6 +108,7 @@ def test_rope1d_positions_are_a_range():
 def test_placeholders_expand_to_counted_tokens_and_counting_equals_processing(name, proc):
     sample = proc.tokenize(SAMPLES[name])
     r = SAMPLES[name]
+    assert sample.input_ids.dtype == np.int32 and sample.labels.dtype == np.int32 and not sample.truncated
     conv = r.conversation
     assert [s.part for s in sample.media if s.kind == "image"] == conv.images  # reading order
     assert [s.part for s in sample.media if s.kind == "video"] == conv.videos
