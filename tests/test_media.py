@@ -167,3 +167,17 @@ def test_vision_config_rejects_unknown_keys():
         M.VisionConfig.from_mapping({"patch": 14})
     assert M.VisionConfig.from_mapping({"image_mean": [0.5, 0.5, 0.5]}).image_mean == (0.5, 0.5, 0.5)
     assert math.isclose(M.VisionConfig().factor, 28)
+
+
+def test_vision_settings_come_from_a_models_preprocessor_config(tmp_path, hf_image_processor):
+    hf = hf_image_processor(min_pixels=28 * 28 * 3, max_pixels=28 * 28 * 30, image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.2, 0.2])
+    hf.save_pretrained(tmp_path)
+    cfg = M.VisionConfig.from_mapping({"preprocessor_config": str(tmp_path), "max_frames": 64})
+    assert (cfg.min_pixels, cfg.max_pixels, cfg.max_frames) == (28 * 28 * 3, 28 * 28 * 30, 64)
+    assert cfg.image_mean == (0.5, 0.4, 0.3) and cfg.image_std == (0.2, 0.2, 0.2)
+    data = png_bytes(300, 500, seed=9)
+    pixel_values, _ = M.process_image(data, cfg)
+    np.testing.assert_array_equal(pixel_values, np.asarray(hf(images=[Image.open(io.BytesIO(data))])["pixel_values"]))
+    legacy = tmp_path / "legacy.json"  # the Qwen2-VL hub file spells the limits min_pixels / max_pixels
+    legacy.write_text('{"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2}')
+    assert M.VisionConfig.from_mapping({"preprocessor_config": str(legacy)}).max_pixels == 12845056

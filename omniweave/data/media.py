@@ -19,8 +19,10 @@ the whole video's ``video_total_pixels`` budget, and the last frame repeated up 
 from __future__ import annotations
 
 import io
+import json
 import math
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Mapping
 
 import numpy as np
@@ -64,7 +66,11 @@ class VisionConfig:
 
     @classmethod
     def from_mapping(cls, cfg: Mapping | None) -> "VisionConfig":
+        """From a recipe's ``data.vision``; ``preprocessor_config: DIR_OR_JSON`` reads a model's
+        Hugging Face image processor config first, and the other keys override it."""
         cfg = dict(cfg or {})
+        if "preprocessor_config" in cfg:
+            cfg = {**vision_settings_from_hf(cfg.pop("preprocessor_config")), **cfg}
         known = {f.name for f in fields(cls)}
         unknown = set(cfg) - known
         if unknown:
@@ -76,6 +82,26 @@ class VisionConfig:
 
     def spec(self) -> dict:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+
+def vision_settings_from_hf(path: str | Path) -> dict:
+    """Patch sizes, pixel limits and normalisation constants of a Qwen2-VL-style
+    ``preprocessor_config.json`` (a file, or the model directory holding it)."""
+    path = Path(path)
+    file = path / "preprocessor_config.json" if path.is_dir() else path
+    hf = json.loads(file.read_text())
+    if not hf.get("do_rescale", True) or not hf.get("do_normalize", True) or hf.get("resample", 3) != 3:
+        raise ValueError(f"{file}: only rescale + normalise + bicubic (resample=3) processing is supported")
+    if not math.isclose(hf.get("rescale_factor", 1 / 255), 1 / 255):
+        raise ValueError(f"{file}: rescale_factor must be 1/255, got {hf['rescale_factor']}")
+    size = hf.get("size") or {}
+    out = {k: hf[k] for k in ("patch_size", "merge_size", "temporal_patch_size") if k in hf}
+    out.update({k: tuple(float(x) for x in hf[k]) for k in ("image_mean", "image_std") if k in hf})
+    for ours, legacy, size_key in (("min_pixels", "min_pixels", "shortest_edge"), ("max_pixels", "max_pixels", "longest_edge")):
+        value = hf.get(legacy, size.get(size_key))
+        if value is not None:
+            out[ours] = int(value)
+    return out
 
 
 @dataclass(frozen=True)
