@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from media_factory import png_bytes, video_bytes
+from data_factory import png_bytes, video_bytes
 from PIL import Image
 
 from omniweave.data import media as M

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from data_factory import to_hf_messages
 
 from omniweave.data.sample import Message
 from omniweave.data.template import (
@@ -48,20 +48,6 @@ def hf_tokenizer():
     hf = PreTrainedTokenizerFast(tokenizer_file=str(DEMO_TOKENIZER_DIR / "tokenizer.json"))
     hf.chat_template = (ASSETS / "qwen2_vl_chat_template.jinja").read_text()
     return hf
-
-
-def to_hf_messages(messages: list[Message]) -> list[dict]:
-    """Our placeholders -> the content-list form the Qwen2-VL template expects."""
-    out = []
-    for m in messages:
-        parts = []
-        for piece in re.split(r"(<image>|<video>)", m.content):
-            if piece in ("<image>", "<video>"):
-                parts.append({"type": piece[1:-1]})
-            elif piece:
-                parts.append({"type": "text", "text": piece})
-        out.append({"role": m.role, "content": parts})
-    return out
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
@@ -136,8 +122,10 @@ def test_bad_templates_fail_clearly(tmp_path):
         render(BUILTIN_TEMPLATES["chatml"], [Message("narrator", "x")])
 
 
-def test_demo_tokenizer_has_every_special_token_and_regenerates_identically(tmp_path, tok):
+def test_demo_tokenizer_has_every_special_token_and_regenerates_identically(tmp_path, tok, monkeypatch):
     from omniweave.assets.tokenizers.make_demo_tokenizer import SPECIAL_TOKENS, build
+
+    monkeypatch.setenv("RAYON_NUM_THREADS", "1")  # build() sets it; restored after the test
 
     for special in SPECIAL_TOKENS:
         assert tok.encode(special) == [tok.token_id(special)]

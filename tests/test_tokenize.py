@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from media_factory import png_bytes, video_bytes
+from data_factory import png_bytes, to_hf_messages, video_bytes
 
 from omniweave.data.sample import Conversation, Message, RawSample
 from omniweave.data.template import IGNORE_INDEX
@@ -211,3 +211,25 @@ def test_fingerprint_is_stable_json_and_tracks_settings():
     np.testing.assert_array_equal(clone.tokenize(SAMPLES["mixed"]).input_ids, a.tokenize(SAMPLES["mixed"]).input_ids)
     with pytest.raises(ValueError, match="truncation"):
         SampleProcessor({"truncation": "cut"})
+
+
+def test_image_sample_ids_equal_the_qwen2vl_processor_recipe(proc):
+    """What Qwen2VLProcessor does: render the chat template, replace each <|image_pad|> by
+    grid.prod() // merge² pads (grid from the image processor), tokenize the text."""
+    import io
+    from pathlib import Path
+
+    from PIL import Image
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(proc.tokenizer.path / "tokenizer.json"))
+    hf_tok.chat_template = (Path(__file__).parent / "assets" / "qwen2_vl_chat_template.jinja").read_text()
+    hf_images = Qwen2VLImageProcessorPil(min_pixels=VISION["min_pixels"], max_pixels=VISION["max_pixels"])
+    r = SAMPLES["multi_image"]
+    grids = hf_images(images=[Image.open(io.BytesIO(r.media[p])) for p in r.conversation.images])["image_grid_thw"]
+    text = hf_tok.apply_chat_template(to_hf_messages(r.conversation.messages), tokenize=False)
+    for grid in grids.tolist():
+        text = text.replace("<|image_pad|>", "<|placeholder|>" * (grid[0] * grid[1] * grid[2] // 4), 1)
+    expected = hf_tok(text.replace("<|placeholder|>", "<|image_pad|>"))["input_ids"]
+    assert proc.tokenize(r).input_ids.tolist() == list(expected)

@@ -1,8 +1,10 @@
-"""Tiny synthetic images and videos for tests (PNG via Pillow, MPEG-4 via PyAV)."""
+"""Synthetic test data: tiny images (PNG via Pillow), videos (MPEG-4 via PyAV), and
+conversations in the content-list form Hugging Face chat templates expect."""
 
 from __future__ import annotations
 
 import io
+import re
 from fractions import Fraction
 
 import numpy as np
@@ -47,3 +49,17 @@ def video_bytes(
         for packet in stream.encode():
             out.mux(packet)
     return buf.getvalue()
+
+
+def to_hf_messages(messages) -> list[dict]:
+    """Our Messages (with <image>/<video> placeholders) -> the content-list form of Qwen2-VL's template."""
+    out = []
+    for m in messages:
+        parts = []
+        for piece in re.split(r"(<image>|<video>)", m.content):
+            if piece in ("<image>", "<video>"):
+                parts.append({"type": piece[1:-1]})
+            elif piece:
+                parts.append({"type": "text", "text": piece})
+        out.append({"role": m.role, "content": parts})
+    return out
