@@ -181,3 +181,13 @@ def test_vision_settings_come_from_a_models_preprocessor_config(tmp_path, hf_ima
     legacy = tmp_path / "legacy.json"  # the Qwen2-VL hub file spells the limits min_pixels / max_pixels
     legacy.write_text('{"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2}')
     assert M.VisionConfig.from_mapping({"preprocessor_config": str(legacy)}).max_pixels == 12845056
+
+
+def test_video_counting_equals_processing_with_default_qwen2vl_limits():
+    data = video_bytes(9, fps=30.0, height=64, width=96)  # tiny source, upscaled to video_min_pixels
+    cfg = M.VisionConfig()
+    plan = M.plan_video(M.probe_video(data), cfg)
+    pixel_values, processed = M.process_video(data, cfg)
+    assert processed == plan and plan.grid_thw == (2, 20, 28) and plan.frame_indices == (0, 3, 5, 8)
+    assert pixel_values.shape == (2 * 20 * 28, 1176)
+    assert plan.resized_hw[0] * plan.resized_hw[1] >= cfg.video_min_pixels
