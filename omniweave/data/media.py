@@ -1,0 +1,316 @@
+"""Images and videos the Qwen2-VL way: header probing, smart resize, frame sampling, patchify.
+
+Two paths that must always agree:
+
+    plan_image(probe_image(data), cfg)   header only -> grid_thw, resize target   (packing time)
+    process_image(data, cfg)             decode + resize + normalise + patchify   (train time)
+
+and the same for videos, where the plan also fixes which source frames are used (decided from
+the stream header alone: frame count, frame rate, size), so decoding reads exactly those frames.
+
+Images follow ``transformers.Qwen2VLImageProcessorPil`` exactly (RGB with alpha composited on
+white, PIL bicubic resize of uint8 pixels, rescale in float64 then float32, normalise, patchify).
+Videos follow qwen-vl-utils: ``fps`` sampling clamped to [min_frames, max_frames] and rounded
+down to a multiple of the temporal patch, evenly spaced frame indices, a per-frame pixel cap from
+the whole video's ``video_total_pixels`` budget, and the last frame repeated up to a multiple of
+``temporal_patch_size``. Frames are resized like images (PIL bicubic).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+from PIL import Image
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses anything more elongated
+
+
+class MediaError(ValueError):
+    """A media item that cannot be used; ``reason`` is a short machine-readable tag."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Vision processing parameters (Qwen2-VL / Qwen2.5-VL defaults)."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    video_total_pixels: int = int(128000 * 28 * 28 * 0.9)
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    tokens_per_second: float = 2.0  # Qwen2.5-VL temporal position scale
+    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, ...] = OPENAI_CLIP_STD
+
+    @property
+    def factor(self) -> int:  # resized sides are multiples of this
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping | None) -> "VisionConfig":
+        """From a recipe's ``data.vision``; ``preprocessor_config: DIR_OR_JSON`` reads a model's
+        Hugging Face image processor config first, and the other keys override it."""
+        cfg = dict(cfg or {})
+        if "preprocessor_config" in cfg:
+            cfg = {**vision_settings_from_hf(cfg.pop("preprocessor_config")), **cfg}
+        known = {f.name for f in fields(cls)}
+        unknown = set(cfg) - known
+        if unknown:
+            raise ValueError(f"unknown vision keys {sorted(unknown)}; allowed: {sorted(known)}")
+        for key in ("image_mean", "image_std"):
+            if key in cfg:
+                cfg[key] = tuple(float(x) for x in cfg[key])
+        return cls(**cfg)
+
+    def spec(self) -> dict:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+
+def vision_settings_from_hf(path: str | Path) -> dict:
+    """Patch sizes, pixel limits and normalisation constants of a Qwen2-VL-style
+    ``preprocessor_config.json`` (a file, or the model directory holding it)."""
+    path = Path(path)
+    file = path / "preprocessor_config.json" if path.is_dir() else path
+    hf = json.loads(file.read_text())
+    if not hf.get("do_rescale", True) or not hf.get("do_normalize", True) or hf.get("resample", 3) != 3:
+        raise ValueError(f"{file}: only rescale + normalise + bicubic (resample=3) processing is supported")
+    if not math.isclose(hf.get("rescale_factor", 1 / 255), 1 / 255):
+        raise ValueError(f"{file}: rescale_factor must be 1/255, got {hf['rescale_factor']}")
+    size = hf.get("size") or {}
+    out = {k: hf[k] for k in ("patch_size", "merge_size", "temporal_patch_size") if k in hf}
+    out.update({k: tuple(float(x) for x in hf[k]) for k in ("image_mean", "image_std") if k in hf})
+    for ours, legacy, size_key in (("min_pixels", "min_pixels", "shortest_edge"), ("max_pixels", "max_pixels", "longest_edge")):
+        value = hf.get(legacy, size.get(size_key))
+        if value is not None:
+            out[ours] = int(value)
+    return out
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    height: int
+    width: int
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    num_frames: int
+    fps: float
+    height: int
+    width: int
+
+    @property
+    def duration(self) -> float:
+        return self.num_frames / self.fps
+
+
+@dataclass(frozen=True)
+class MediaPlan:
+    """What metadata decides about one media item; full processing must reproduce it."""
+
+    kind: str  # "image" | "video"
+    grid_thw: tuple[int, int, int]  # patch grid before merging
+    resized_hw: tuple[int, int]
+    frame_indices: tuple[int, ...] | None = None  # videos: source frames, padded
+    second_per_grid: float | None = None  # videos: seconds per temporal grid step
+
+    def num_tokens(self, merge_size: int) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w // merge_size**2
+
+
+# ---------------------------------------------------------------------------- pure rules
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL resize target: sides multiples of ``factor``, area within [min, max], aspect kept."""
+    if min(height, width) <= 0:
+        raise MediaError("empty_media", f"size {height}x{width}")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise MediaError(
+            "aspect_ratio_too_extreme",
+            f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got {max(height, width) / min(height, width)}",
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def video_frame_count(num_frames: int, fps: float, cfg: VisionConfig) -> int:
+    """Frames to sample (before padding): duration × cfg.fps, clamped, floored to the temporal patch."""
+    tp = cfg.temporal_patch_size
+    min_frames = math.ceil(cfg.min_frames / tp) * tp
+    max_frames = math.floor(min(cfg.max_frames, num_frames) / tp) * tp
+    wanted = num_frames / fps * cfg.fps
+    n = math.floor(min(max(wanted, min_frames), max_frames, num_frames) / tp) * tp
+    return max(n, min(num_frames, tp))  # a 1-frame video still yields one frame (padded later)
+
+
+def video_frame_indices(num_frames: int, n: int, temporal_patch_size: int) -> tuple[int, ...]:
+    """``n`` evenly spaced source frames, the last repeated up to a multiple of the temporal patch."""
+    idx = np.linspace(0, num_frames - 1, n).round().astype(np.int64).tolist()
+    idx += [idx[-1]] * (-len(idx) % temporal_patch_size)
+    return tuple(idx)
+
+
+def plan_image(info: ImageInfo, cfg: VisionConfig) -> MediaPlan:
+    h, w = smart_resize(info.height, info.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    return MediaPlan("image", (1, h // cfg.patch_size, w // cfg.patch_size), (h, w))
+
+
+def plan_video(info: VideoInfo, cfg: VisionConfig) -> MediaPlan:
+    tp = cfg.temporal_patch_size
+    if info.num_frames < 1:
+        raise MediaError("video_no_frames", "the stream has no frames")
+    n = video_frame_count(info.num_frames, info.fps, cfg)
+    indices = video_frame_indices(info.num_frames, n, tp)
+    # per-frame pixel cap from the whole-video budget (qwen-vl-utils)
+    max_pixels = max(min(cfg.video_max_pixels, cfg.video_total_pixels / n * tp), int(cfg.video_min_pixels * 1.05))
+    h, w = smart_resize(info.height, info.width, cfg.factor, cfg.video_min_pixels, max_pixels)
+    sample_fps = n / info.num_frames * info.fps
+    grid = (len(indices) // tp, h // cfg.patch_size, w // cfg.patch_size)
+    return MediaPlan("video", grid, (h, w), indices, tp / sample_fps)
+
+
+def patchify(frames: np.ndarray, cfg: VisionConfig) -> np.ndarray:
+    """float32 [T, C, H, W] (T a multiple of the temporal patch) -> [t*h*w, C*tp*p*p].
+
+    Rows are ordered (t, h/merge, w/merge, merge, merge) so that each merge×merge block of patches
+    is contiguous, as the Qwen2-VL vision tower expects.
+    """
+    T, C, H, W = frames.shape
+    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    gt, gh, gw = T // tp, H // p, W // p
+    x = frames.reshape(gt, tp, C, gh // m, m, p, gw // m, m, p)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (gt, gh/m, gw/m, m, m, C, tp, p, p)
+    return np.ascontiguousarray(x).reshape(gt * gh * gw, C * tp * p * p)
+
+
+# ---------------------------------------------------------------------------- probing (header only)
+
+
+def probe_image(data: bytes) -> ImageInfo:
+    """Image size from the file header (Pillow opens lazily; no pixel is decoded)."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+    except Exception as e:  # noqa: BLE001 - any undecodable header is a bad image
+        raise MediaError("bad_image", f"cannot read image header: {e}") from e
+    return ImageInfo(height=height, width=width)
+
+
+def probe_video(data: bytes) -> VideoInfo:
+    """Frame count, frame rate and size from the container / stream header (no decoding).
+
+    Containers that do not store a frame count (e.g. Matroska) are demuxed to count packets,
+    which reads compressed data but decodes nothing.
+    """
+    import av
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise MediaError("bad_video", "no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            num_frames = stream.frames
+            if num_frames <= 0:
+                num_frames = sum(1 for pkt in container.demux(stream) if pkt.size > 0)
+            height, width = stream.codec_context.height, stream.codec_context.width
+    except MediaError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise MediaError("bad_video", f"cannot read video header: {e}") from e
+    if not rate or float(rate) <= 0:
+        raise MediaError("bad_video", "the stream has no frame rate")
+    return VideoInfo(num_frames=int(num_frames), fps=float(rate), height=int(height), width=int(width))
+
+
+# ---------------------------------------------------------------------------- full processing
+
+
+def decode_image(data: bytes) -> np.ndarray:
+    """uint8 [H, W, 3] RGB; transparency is composited onto white (as transformers does)."""
+    with Image.open(io.BytesIO(data)) as img:
+        if "A" in img.getbands() or img.info.get("transparency") is not None:
+            rgba = img.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            rgb = Image.alpha_composite(white, rgba).convert("RGB")
+        else:
+            rgb = img.convert("RGB")
+        return np.asarray(rgb)
+
+
+def decode_video_frames(data: bytes, indices: tuple[int, ...]) -> list[np.ndarray]:
+    """uint8 [H, W, 3] RGB frames at ``indices`` (may repeat); stops after the last one needed."""
+    import av
+
+    wanted = set(indices)
+    last = max(indices)
+    frames: dict[int, np.ndarray] = {}
+    with av.open(io.BytesIO(data), mode="r") as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        for i, frame in enumerate(container.decode(stream)):
+            if i in wanted:
+                frames[i] = frame.to_ndarray(format="rgb24")
+            if i >= last:
+                break
+    missing = sorted(wanted - set(frames))
+    if missing:
+        raise MediaError("video_truncated", f"frames {missing[:5]} promised by the header could not be decoded")
+    return [frames[i] for i in indices]
+
+
+def resize_normalize(rgb: np.ndarray, resized_hw: tuple[int, int], cfg: VisionConfig) -> np.ndarray:
+    """uint8 [H, W, 3] -> float32 [3, h, w]: PIL bicubic resize, /255, (x - mean) / std."""
+    h, w = resized_hw
+    if rgb.shape[:2] != (h, w):
+        rgb = np.asarray(Image.fromarray(rgb).resize((w, h), resample=Image.BICUBIC))
+    x = (rgb.astype(np.float64) * (1 / 255)).astype(np.float32)
+    x = (x - np.asarray(cfg.image_mean, dtype=np.float32)) / np.asarray(cfg.image_std, dtype=np.float32)
+    return x.transpose(2, 0, 1)
+
+
+def process_image(data: bytes, cfg: VisionConfig) -> tuple[np.ndarray, MediaPlan]:
+    """Full decode: pixel_values float32 [h*w, 3*tp*p*p] and the plan (grid) it matches."""
+    rgb = decode_image(data)
+    plan = plan_image(ImageInfo(height=rgb.shape[0], width=rgb.shape[1]), cfg)
+    frame = resize_normalize(rgb, plan.resized_hw, cfg)
+    frames = np.broadcast_to(frame, (cfg.temporal_patch_size, *frame.shape))  # an image is a still clip
+    return patchify(frames, cfg), plan
+
+
+def process_video(data: bytes, cfg: VisionConfig, plan: MediaPlan | None = None) -> tuple[np.ndarray, MediaPlan]:
+    """Full decode of the planned frames: pixel_values float32 [t*h*w, 3*tp*p*p] and the plan."""
+    plan = plan or plan_video(probe_video(data), cfg)
+    unique = tuple(sorted(set(plan.frame_indices)))
+    resized = dict(zip(unique, (resize_normalize(f, plan.resized_hw, cfg) for f in decode_video_frames(data, unique))))
+    frames = np.stack([resized[i] for i in plan.frame_indices])  # [T, 3, h, w], padding repeats the last
+    return patchify(frames, cfg), plan

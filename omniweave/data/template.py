@@ -1,0 +1,191 @@
+"""Chat templates: render a Conversation to text, token ids and assistant-only loss labels.
+
+A template is a handful of format strings, one per role, each holding ``{content}``::
+
+    chatml     <|im_start|>user\\n{content}<|im_end|>\\n      (Qwen2 / Qwen2-VL / Qwen2.5-VL)
+    llama3     <|start_header_id|>user<|end_header_id|>\\n\\n{content}<|eot_id|>
+    plain      {content}\\n
+
+Loss rule: in an assistant (or function-call) turn, the reply and everything after it in the
+format string carry loss; the role header before ``{content}`` does not. For ChatML that is
+``reply<|im_end|>\\n``: the trailing newline carries loss, as in LLaMA-Factory's ``qwen2_vl``
+template and Qwen2.5-VL's own fine-tuning script (both label ``<|im_end|>\\n``). Media blocks never
+carry loss. Every assistant turn of a multi-turn conversation is labelled.
+
+Media placeholders ``<image>`` / ``<video>`` become ``image`` / ``video`` (by default
+``<|vision_start|><|image_pad|><|vision_end|>``); tokenize.py later repeats the pad token once per
+vision token. Custom templates: a YAML file with any of the ChatTemplate fields, e.g.::
+
+    name: my_chatml
+    system: "<|im_start|>system\\n{content}<|im_end|>\\n"
+    user: "<|im_start|>user\\n{content}<|im_end|>\\n"
+    assistant: "<|im_start|>assistant\\n{content}<|im_end|>\\n"
+    default_system: null
+    stop_tokens: ["<|im_end|>"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from omniweave.data.sample import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message
+from omniweave.data.tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+LOSS_ROLES = ("assistant", "function")
+_PLACEHOLDER_RE = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    name: str
+    system: str
+    user: str
+    assistant: str
+    observation: str
+    function: str
+    default_system: str | None = None  # inserted when the conversation has no system turn
+    bos: str = ""  # prepended once, no loss
+    image: str = "<|vision_start|><|image_pad|><|vision_end|>"
+    video: str = "<|vision_start|><|video_pad|><|vision_end|>"
+    image_pad: str = "<|image_pad|>"  # the token repeated once per image token
+    video_pad: str = "<|video_pad|>"
+    stop_tokens: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for role in ("system", "user", "assistant", "observation", "function"):
+            fmt = getattr(self, role)
+            if fmt.count("{content}") != 1:
+                raise ValueError(f"template {self.name!r}: {role} format must hold '{{content}}' once: {fmt!r}")
+        if self.image_pad not in self.image or self.video_pad not in self.video:
+            raise ValueError(f"template {self.name!r}: image/video formats must contain their pad token")
+
+    def spec(self) -> dict:
+        """JSON-serialisable description (for fingerprints)."""
+        d = dataclasses.asdict(self)
+        d["stop_tokens"] = list(self.stop_tokens)
+        return d
+
+
+BUILTIN_TEMPLATES = {
+    "chatml": ChatTemplate(
+        name="chatml",
+        system="<|im_start|>system\n{content}<|im_end|>\n",
+        user="<|im_start|>user\n{content}<|im_end|>\n",
+        assistant="<|im_start|>assistant\n{content}<|im_end|>\n",
+        observation="<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n",
+        function="<|im_start|>assistant\n{content}<|im_end|>\n",
+        default_system="You are a helpful assistant.",
+        stop_tokens=("<|im_end|>",),
+    ),
+    "llama3": ChatTemplate(
+        name="llama3",
+        bos="<|begin_of_text|>",
+        system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
+        user="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>",
+        assistant="<|start_header_id|>assistant<|end_header_id|>\n\n{content}<|eot_id|>",
+        observation="<|start_header_id|>ipython<|end_header_id|>\n\n{content}<|eot_id|>",
+        function="<|start_header_id|>assistant<|end_header_id|>\n\n{content}<|eot_id|>",
+        stop_tokens=("<|eot_id|>",),
+    ),
+    "plain": ChatTemplate(
+        name="plain",
+        system="{content}\n\n",
+        user="{content}\n",
+        assistant="{content}<|endoftext|>\n",
+        observation="{content}\n",
+        function="{content}<|endoftext|>\n",
+        stop_tokens=("<|endoftext|>",),
+    ),
+}
+
+
+def load_template(name_or_path: str | Path) -> ChatTemplate:
+    """A built-in template by name (chatml | llama3 | plain) or a YAML file of ChatTemplate fields.
+
+    A YAML template may name ``base: chatml`` and override only some fields.
+    """
+    if str(name_or_path) in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[str(name_or_path)]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"template {str(name_or_path)!r}: not a built-in ({', '.join(BUILTIN_TEMPLATES)}) nor a YAML file"
+        )
+    spec = yaml.safe_load(path.read_text()) or {}
+    known = {f.name for f in dataclasses.fields(ChatTemplate)}
+    unknown = set(spec) - known - {"base"}
+    if unknown:
+        raise ValueError(f"template {path}: unknown keys {sorted(unknown)}; allowed: {sorted(known)} + base")
+    base = dataclasses.asdict(BUILTIN_TEMPLATES[spec.pop("base", "chatml")])
+    base.update(spec)
+    base.setdefault("name", path.stem)
+    base["stop_tokens"] = tuple(base.get("stop_tokens") or ())
+    return ChatTemplate(**base)
+
+
+@dataclass
+class Rendered:
+    """A conversation as one string, with the character ranges that carry loss."""
+
+    text: str
+    loss_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) char ranges
+    message_ends: list[int] = field(default_factory=list)  # char offset after each message
+    media_kinds: list[str] = field(default_factory=list)  # "image"/"video" in reading order
+
+
+def render(template: ChatTemplate, messages: list[Message]) -> Rendered:
+    """Render messages (default system prompt added when there is none) to text + loss spans."""
+    out = Rendered(text=template.bos)
+    if template.default_system is not None and (not messages or messages[0].role != "system"):
+        out.text += template.system.format(content=template.default_system)
+    for msg in messages:
+        fmt = getattr(template, msg.role, None)
+        if fmt is None or msg.role not in ("system", "user", "assistant", "observation", "function"):
+            raise ValueError(f"unknown role {msg.role!r}")
+        prefix, suffix = fmt.split("{content}")
+        out.text += prefix
+        carries_loss = msg.role in LOSS_ROLES
+        loss_from = len(out.text)
+        for piece in _PLACEHOLDER_RE.split(msg.content):
+            if piece in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
+                kind = "image" if piece == IMAGE_PLACEHOLDER else "video"
+                if carries_loss and loss_from < len(out.text):
+                    out.loss_spans.append((loss_from, len(out.text)))
+                out.text += template.image if kind == "image" else template.video
+                out.media_kinds.append(kind)
+                loss_from = len(out.text)
+            else:
+                out.text += piece
+        out.text += suffix
+        if carries_loss and loss_from < len(out.text):
+            out.loss_spans.append((loss_from, len(out.text)))
+        out.message_ends.append(len(out.text))
+    return out
+
+
+def loss_mask_from_offsets(offsets: list[tuple[int, int]], loss_spans: list[tuple[int, int]]) -> np.ndarray:
+    """bool [L]: a token carries loss when its first character lies inside a loss span."""
+    starts = np.fromiter((s for s, _ in offsets), dtype=np.int64, count=len(offsets))
+    mask = np.zeros(len(offsets), dtype=bool)
+    for lo, hi in loss_spans:
+        mask |= (starts >= lo) & (starts < hi)
+    return mask
+
+
+def encode_conversation(
+    template: ChatTemplate, tokenizer: Tokenizer, messages: list[Message]
+) -> tuple[np.ndarray, np.ndarray, Rendered, list[tuple[int, int]]]:
+    """Token ids int32 [L] and unshifted labels int32 [L] (-100 where no loss), before media
+    expansion; also the rendering and each token's character offsets."""
+    rendered = render(template, messages)
+    ids, offsets = tokenizer.encode_with_offsets(rendered.text)
+    input_ids = np.asarray(ids, dtype=np.int32)
+    labels = np.where(loss_mask_from_offsets(offsets, rendered.loss_spans), input_ids, IGNORE_INDEX)
+    return input_ids, labels.astype(np.int32), rendered, offsets

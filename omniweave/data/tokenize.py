@@ -1,0 +1,181 @@
+"""RawSample -> TokenizedSample: template rendering, media planning, placeholder expansion,
+M-RoPE positions and media-aware truncation. Metadata only: no pixel is ever decoded here.
+
+    proc = SampleProcessor({"tokenizer": "demo", "template": "chatml", "max_len": 4096})
+    sample = proc.tokenize(raw)                              # raises SampleRejected(reason)
+    pixel_values = proc.process_media(sample.media[0], raw.media[sample.media[0].part])
+
+Truncation never cuts a vision span. ``truncation: drop`` rejects an over-long sample
+(reason ``too_long``, or ``vision_span_exceeds_max_len`` when ``max_len`` falls inside a vision
+block); ``drop_turns`` drops trailing turns so the sample ends with the last complete assistant
+turn that fits, keeping at least one, and sets ``truncated=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import numpy as np
+
+from omniweave.data import media as M
+from omniweave.data.rope_index import ROPE_KINDS, position_ids
+from omniweave.data.sample import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MediaSpan, Message, RawSample, TokenizedSample
+from omniweave.data.template import IGNORE_INDEX, LOSS_ROLES, encode_conversation, load_template
+from omniweave.data.tokenizer import load_tokenizer
+
+TRUNCATION_POLICIES = ("drop", "drop_turns")
+DATA_DEFAULTS = {"tokenizer": "demo", "template": "chatml", "max_len": 4096, "truncation": "drop", "rope": "mrope"}
+
+
+class SampleRejected(Exception):
+    """A sample that cannot be used; ``reason`` is the tag counted in reports."""
+
+    def __init__(self, reason: str, message: str = ""):
+        super().__init__(f"{reason}: {message}" if message else reason)
+        self.reason = reason
+
+
+def _plain(cfg) -> dict:
+    """dict from a dict or an OmegaConf DictConfig."""
+    if cfg is None:
+        return {}
+    if hasattr(cfg, "_metadata"):  # DictConfig, without importing omegaconf eagerly
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(cfg, resolve=True)
+    return dict(cfg)
+
+
+def overflow_reason(spans: list[MediaSpan], max_len: int) -> str:
+    """Why a sample longer than max_len cannot simply be cut there."""
+    cuts_vision = any(s.start <= max_len <= s.start + s.length for s in spans)
+    return "vision_span_exceeds_max_len" if cuts_vision else "too_long"
+
+
+class SampleProcessor:
+    def __init__(self, data_cfg: Mapping | None = None):
+        cfg = {**DATA_DEFAULTS, **_plain(data_cfg)}
+        self.tokenizer = load_tokenizer(cfg["tokenizer"])
+        self.template = load_template(cfg["template"])
+        self.vision = M.VisionConfig.from_mapping(_plain(cfg.get("vision")))
+        self.max_len = int(cfg["max_len"])
+        self.truncation = str(cfg["truncation"])
+        self.rope = str(cfg["rope"])
+        if self.truncation not in TRUNCATION_POLICIES:
+            raise ValueError(f"data.truncation={self.truncation!r}; choose one of {TRUNCATION_POLICIES}")
+        if self.rope not in ROPE_KINDS:
+            raise ValueError(f"data.rope={self.rope!r}; choose one of {ROPE_KINDS}")
+        if self.max_len < 1:
+            raise ValueError(f"data.max_len must be positive, got {self.max_len}")
+        self.image_pad_id = self.tokenizer.token_id(self.template.image_pad)
+        self.video_pad_id = self.tokenizer.token_id(self.template.video_pad)
+
+    # ------------------------------------------------------------------ identity
+
+    def fingerprint(self) -> dict:
+        """What decides the token stream; a pack built with another fingerprint is not ours."""
+        return {
+            "tokenizer_sha256": self.tokenizer.sha256(),
+            "template": self.template.spec(),
+            "vision": self.vision.spec(),
+            "max_len": self.max_len,
+            "rope": self.rope,
+            "truncation": self.truncation,
+        }
+
+    # ------------------------------------------------------------------ metadata-only path
+
+    def plan_media(self, kind: str, data: bytes) -> M.MediaPlan:
+        """Grid / resize / frames of one media item from its header."""
+        if kind == "image":
+            return M.plan_image(M.probe_image(data), self.vision)
+        return M.plan_video(M.probe_video(data), self.vision)
+
+    def tokenize(self, raw: RawSample) -> TokenizedSample:
+        conv = raw.conversation
+        plans = {"image": [], "video": []}
+        for kind, parts in (("image", conv.images), ("video", conv.videos)):
+            for part in parts:
+                if part not in raw.media:
+                    raise SampleRejected("missing_media", f"{kind} part {part!r} not in the sample")
+                try:
+                    plans[kind].append((part, self.plan_media(kind, raw.media[part])))
+                except M.MediaError as e:
+                    raise SampleRejected(e.reason, f"{part}: {e}") from e
+        sample = self._encode(conv.id, conv.messages, plans)
+        if not (sample.labels != IGNORE_INDEX).any():
+            raise SampleRejected("no_assistant_turn", "nothing carries loss")
+        if len(sample) <= self.max_len:
+            return sample
+        if self.truncation == "drop":
+            raise SampleRejected(overflow_reason(sample.media, self.max_len), f"{len(sample)} > {self.max_len}")
+        return self._drop_turns(conv.id, conv.messages, plans, sample)
+
+    def _encode(self, sample_id: str, messages: list[Message], plans: dict) -> TokenizedSample:
+        """Render, tokenize, and expand each media pad token to the item's token count."""
+        ids, labels, rendered, _ = encode_conversation(self.template, self.tokenizer, messages)
+        kinds = rendered.media_kinds
+        if kinds.count("image") != len(plans["image"]) or kinds.count("video") != len(plans["video"]):
+            raise SampleRejected(
+                "media_count_mismatch",
+                f"{kinds.count('image')} <image>/{kinds.count('video')} <video> placeholders for "
+                f"{len(plans['image'])} images/{len(plans['video'])} videos",
+            )
+        pad_at = np.flatnonzero((ids == self.image_pad_id) | (ids == self.video_pad_id))
+        pad_kinds = ["image" if ids[i] == self.image_pad_id else "video" for i in pad_at]
+        if pad_kinds != kinds:  # e.g. a literal <|image_pad|> typed in the text
+            raise SampleRejected("placeholder_mismatch", f"pad tokens {pad_kinds} != placeholders {kinds}")
+        next_item = {"image": iter(plans["image"]), "video": iter(plans["video"])}
+        ordered = [next(next_item[k]) for k in kinds]  # (part, plan) in reading order
+        repeats = np.ones(len(ids), dtype=np.int64)
+        repeats[pad_at] = [plan.num_tokens(self.vision.merge_size) for _, plan in ordered]
+        starts = np.cumsum(repeats) - repeats  # index of each original token after expansion
+        spans = [
+            MediaSpan(
+                kind=plan.kind,
+                part=part,
+                grid_thw=tuple(plan.grid_thw),
+                resized_hw=tuple(plan.resized_hw),
+                start=int(starts[i]),
+                length=int(repeats[i]),
+                frame_indices=list(plan.frame_indices) if plan.frame_indices is not None else None,
+                second_per_grid=plan.second_per_grid,
+            )
+            for i, (part, plan) in zip(pad_at, ordered)
+        ]
+        input_ids = np.repeat(ids, repeats)
+        label_ids = np.repeat(labels, repeats)
+        for span in spans:  # vision tokens never carry loss
+            label_ids[span.start : span.start + span.length] = IGNORE_INDEX
+        pos = position_ids(self.rope, len(input_ids), spans, self.vision.merge_size, self.vision.tokens_per_second)
+        return TokenizedSample(id=sample_id, input_ids=input_ids, labels=label_ids, position_ids=pos, media=spans)
+
+    def _drop_turns(self, sample_id: str, messages: list[Message], plans: dict, full: TokenizedSample):
+        """Longest message prefix ending in an assistant turn that fits max_len (≥ 1 assistant turn)."""
+        ends = [k + 1 for k, m in enumerate(messages) if m.role in LOSS_ROLES]
+        for k in reversed(ends[:-1] if ends and ends[-1] == len(messages) else ends):
+            kept = messages[:k]
+            n_img = sum(m.content.count(IMAGE_PLACEHOLDER) for m in kept)
+            n_vid = sum(m.content.count(VIDEO_PLACEHOLDER) for m in kept)
+            sample = self._encode(sample_id, kept, {"image": plans["image"][:n_img], "video": plans["video"][:n_vid]})
+            if len(sample) <= self.max_len:
+                return dataclasses.replace(sample, truncated=True)
+        raise SampleRejected(overflow_reason(full.media, self.max_len), "no assistant turn fits max_len")
+
+    # ------------------------------------------------------------------ full processing
+
+    def process_media(self, span: MediaSpan, data: bytes) -> np.ndarray:
+        """Decode + resize + patchify one media item: float32 [t*h*w, 3*tp*p*p] matching span.grid_thw."""
+        if span.kind == "image":
+            pixel_values, plan = M.process_image(data, self.vision)
+        else:
+            planned = M.MediaPlan("video", tuple(span.grid_thw), tuple(span.resized_hw),
+                                  tuple(span.frame_indices), span.second_per_grid)
+            pixel_values, plan = M.process_video(data, self.vision, plan=planned)
+        t, h, w = span.grid_thw
+        if tuple(plan.grid_thw) != tuple(span.grid_thw) or pixel_values.shape[0] != t * h * w:
+            raise AssertionError(
+                f"{span.part}: processed grid {plan.grid_thw} ({pixel_values.shape[0]} patches) != planned {span.grid_thw}"
+            )
+        return pixel_values
