@@ -6,7 +6,7 @@ including panoramas) and MPEG-4 clips (640x360, 30 fps, a few seconds). "metadat
 plus ``process_media`` on every media item (decode, resize, normalise, patchify), i.e. what a
 pipeline that decodes media to count tokens pays.
 
-    python bench/tokenize.py [--images 48] [--videos 6] [--repeats 3] [--out bench/out]
+    python bench/tokenization.py [--images 48] [--videos 6] [--repeats 3] [--out bench/out]
 """
 
 from __future__ import annotations
