@@ -14,10 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# This file is named like the stdlib ``tokenize`` module: keep its folder off the import path.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import argparse  # noqa: E402
 import io  # noqa: E402
