@@ -147,3 +147,12 @@ def test_tool_turns_function_calls_carry_loss_observations_do_not(tok):
     ids, labels, rendered, _ = encode_conversation(BUILTIN_TEMPLATES["chatml"], tok, messages)
     assert "<tool_response>\nsunny\n</tool_response>" in rendered.text
     assert tok.decode(ids[labels != IGNORE_INDEX]) == '{"name": "weather"}<|im_end|>\nIt is sunny.<|im_end|>\n'
+
+
+@pytest.mark.parametrize("name", ["text_only", "with_system", "image_first"])
+def test_generation_prompt_matches_apply_chat_template(name, tok, hf_tokenizer):
+    prompt = CONVERSATIONS[name][:-1]  # drop the assistant reply
+    expected = hf_tokenizer.apply_chat_template(to_hf_messages(prompt), tokenize=False, add_generation_prompt=True)
+    rendered = render(BUILTIN_TEMPLATES["chatml"], prompt, add_generation_prompt=True)
+    assert rendered.text == expected
+    assert rendered.text.endswith("<|im_start|>assistant\n")

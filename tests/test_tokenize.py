@@ -233,3 +233,19 @@ def test_image_sample_ids_equal_the_qwen2vl_processor_recipe(proc):
         text = text.replace("<|image_pad|>", "<|placeholder|>" * (grid[0] * grid[1] * grid[2] // 4), 1)
     expected = hf_tok(text.replace("<|placeholder|>", "<|image_pad|>"))["input_ids"]
     assert proc.tokenize(r).input_ids.tolist() == list(expected)
+
+
+def test_tokenize_prompt_drops_the_reply_and_keeps_media_positions():
+    """The eval prompt equals the training sample cut right after the assistant header."""
+    proc = SampleProcessor({"tokenizer": "demo", "template": "chatml", "max_len": 4096})
+    png = png_bytes(56, 84)
+    conv = Conversation("p", [Message("user", "<image>What colour?"), Message("assistant", "red")], images=["img0.png"])
+    raw = RawSample("p", conv, {"img0.png": png})
+    full, prompt = proc.tokenize(raw), proc.tokenize_prompt(raw)
+    header = proc.tokenizer.encode("<|im_start|>assistant\n")
+    n = len(prompt)
+    assert (prompt.labels == -100).all()
+    assert list(prompt.input_ids[-len(header):]) == header
+    assert np.array_equal(full.input_ids[:n], prompt.input_ids)
+    assert np.array_equal(full.position_ids[:, :n], prompt.position_ids)
+    assert [(s.start, s.length) for s in prompt.media] == [(s.start, s.length) for s in full.media]

@@ -140,8 +140,12 @@ class Rendered:
     media_kinds: list[str] = field(default_factory=list)  # "image"/"video" in reading order
 
 
-def render(template: ChatTemplate, messages: list[Message]) -> Rendered:
-    """Render messages (default system prompt added when there is none) to text + loss spans."""
+def render(template: ChatTemplate, messages: list[Message], add_generation_prompt: bool = False) -> Rendered:
+    """Render messages (default system prompt added when there is none) to text + loss spans.
+
+    ``add_generation_prompt`` appends the assistant header (e.g. ``<|im_start|>assistant\\n``) so
+    a model continues with its reply, as ``apply_chat_template(add_generation_prompt=True)`` does.
+    """
     out = Rendered(text=template.bos)
     if template.default_system is not None and (not messages or messages[0].role != "system"):
         out.text += template.system.format(content=template.default_system)
@@ -167,6 +171,8 @@ def render(template: ChatTemplate, messages: list[Message]) -> Rendered:
         if carries_loss and loss_from < len(out.text):
             out.loss_spans.append((loss_from, len(out.text)))
         out.message_ends.append(len(out.text))
+    if add_generation_prompt:
+        out.text += template.assistant.split("{content}")[0]
     return out
 
 
@@ -180,11 +186,11 @@ def loss_mask_from_offsets(offsets: list[tuple[int, int]], loss_spans: list[tupl
 
 
 def encode_conversation(
-    template: ChatTemplate, tokenizer: Tokenizer, messages: list[Message]
+    template: ChatTemplate, tokenizer: Tokenizer, messages: list[Message], add_generation_prompt: bool = False
 ) -> tuple[np.ndarray, np.ndarray, Rendered, list[tuple[int, int]]]:
     """Token ids int32 [L] and unshifted labels int32 [L] (-100 where no loss), before media
     expansion; also the rendering and each token's character offsets."""
-    rendered = render(template, messages)
+    rendered = render(template, messages, add_generation_prompt)
     ids, offsets = tokenizer.encode_with_offsets(rendered.text)
     input_ids = np.asarray(ids, dtype=np.int32)
     labels = np.where(loss_mask_from_offsets(offsets, rendered.loss_spans), input_ids, IGNORE_INDEX)

@@ -94,15 +94,7 @@ class SampleProcessor:
 
     def tokenize(self, raw: RawSample) -> TokenizedSample:
         conv = raw.conversation
-        plans = {"image": [], "video": []}
-        for kind, parts in (("image", conv.images), ("video", conv.videos)):
-            for part in parts:
-                if part not in raw.media:
-                    raise SampleRejected("missing_media", f"{kind} part {part!r} not in the sample")
-                try:
-                    plans[kind].append((part, self.plan_media(kind, raw.media[part])))
-                except M.MediaError as e:
-                    raise SampleRejected(e.reason, f"{part}: {e}") from e
+        plans = self._plan_all(raw)
         sample = self._encode(conv.id, conv.messages, plans)
         if not (sample.labels != IGNORE_INDEX).any():
             raise SampleRejected("no_assistant_turn", "nothing carries loss")
@@ -112,9 +104,35 @@ class SampleProcessor:
             raise SampleRejected(overflow_reason(sample.media, self.max_len), f"{len(sample)} > {self.max_len}")
         return self._drop_turns(conv.id, conv.messages, plans, sample)
 
-    def _encode(self, sample_id: str, messages: list[Message], plans: dict) -> TokenizedSample:
+    def tokenize_prompt(self, raw: RawSample) -> TokenizedSample:
+        """A generation prompt: the conversation without its trailing assistant turn(s), plus the
+        assistant header. Labels are all -100; used by evaluation (greedy decoding)."""
+        conv = raw.conversation
+        messages = list(conv.messages)
+        while messages and messages[-1].role in LOSS_ROLES:
+            messages.pop()
+        if not messages:
+            raise SampleRejected("empty_conversation", "no prompt left once the assistant turns are removed")
+        sample = self._encode(conv.id, messages, self._plan_all(raw), add_generation_prompt=True)
+        sample.labels[:] = IGNORE_INDEX
+        return sample
+
+    def _plan_all(self, raw: RawSample) -> dict:
+        conv = raw.conversation
+        plans = {"image": [], "video": []}
+        for kind, parts in (("image", conv.images), ("video", conv.videos)):
+            for part in parts:
+                if part not in raw.media:
+                    raise SampleRejected("missing_media", f"{kind} part {part!r} not in the sample")
+                try:
+                    plans[kind].append((part, self.plan_media(kind, raw.media[part])))
+                except M.MediaError as e:
+                    raise SampleRejected(e.reason, f"{part}: {e}") from e
+        return plans
+
+    def _encode(self, sample_id: str, messages: list[Message], plans: dict, add_generation_prompt: bool = False) -> TokenizedSample:
         """Render, tokenize, and expand each media pad token to the item's token count."""
-        ids, labels, rendered, _ = encode_conversation(self.template, self.tokenizer, messages)
+        ids, labels, rendered, _ = encode_conversation(self.template, self.tokenizer, messages, add_generation_prompt)
         kinds = rendered.media_kinds
         if kinds.count("image") != len(plans["image"]) or kinds.count("video") != len(plans["video"]):
             raise SampleRejected(
