@@ -161,7 +161,8 @@ def test_killed_run_leaves_no_partial_shard_and_rerun_completes(demo, tmp_path, 
     assert rerun.returncode == 0, rerun.stderr
     assert "60 rows -> 60 samples" in rerun.stdout
     reference = tmp_path / "ref"
-    assert convert_demo(demo, reference, "--workers", "1").returncode == 0
+    assert run_convert("--input", str(demo / "train.jsonl"), "--media-dir", str(demo / "media"), "--output",
+                       str(reference), "--maxcount", "10", "--workers", "1") == 0
     assert shard_bytes(raw) == shard_bytes(reference)
     ds = RawDataset(raw)
     assert len(ds) == 60 and [s.key for s in ds] == [f"s{i:09d}" for i in range(60)]
