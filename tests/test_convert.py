@@ -166,3 +166,20 @@ def test_killed_run_leaves_no_partial_shard_and_rerun_completes(demo, tmp_path, 
     assert shard_bytes(raw) == shard_bytes(reference)
     ds = RawDataset(raw)
     assert len(ds) == 60 and [s.key for s in ds] == [f"s{i:09d}" for i in range(60)]
+
+
+def test_inspect_summarises_raw_output_and_rejects(bad_run, capsys):
+    import argparse
+
+    from omniweave.data import inspect
+
+    root = bad_run[0]
+    p = argparse.ArgumentParser()
+    inspect.add_arguments(p)
+    assert inspect.run(p.parse_args([str(root / "raw"), "--show", "1"])) == 0
+    out = capsys.readouterr().out
+    assert "3 samples in 1 shard(s)" in out
+    assert "text-only         1" in out and "mixed             2" in out
+    assert f"rejected {len(BAD_ROWS)}" in out and "undecodable_media" in out
+    assert "height min 20" in out and "width  min 30" in out  # from the PNG header
+    assert out.strip().splitlines()[-1].startswith("inspect: 3 samples")
