@@ -126,8 +126,6 @@ def _resolve_media(path: str, media_dir: str) -> str:
 
 
 def _load_media(path: str, media_dir: str, kind: str) -> bytes:
-    from omniweave.data.media import MediaError, probe_image, probe_video
-
     full = _resolve_media(path, media_dir)
     if not os.path.exists(full):
         raise FormatError("missing_media", f"{path} does not exist under {media_dir}")
@@ -136,29 +134,36 @@ def _load_media(path: str, media_dir: str, kind: str) -> bytes:
             data = f.read()
     except OSError as e:
         raise FormatError("unreadable_media", f"{path}: {e.strerror or e}") from e
-    try:
-        if kind == "image":
-            probe_image(data)
-            _verify_image(data)
-        else:
-            probe_video(data)
-    except MediaError as e:
-        raise FormatError("undecodable_media", f"{path}: {e}") from e
+    (_check_image if kind == "image" else _check_video)(path, data)
     return data
 
 
-def _verify_image(data: bytes) -> None:
+def _check_image(path: str, data: bytes) -> None:
+    """Header + Pillow's ``verify`` (chunk CRCs for PNG); no pixel decoding."""
     import io
 
     from PIL import Image
 
-    from omniweave.data.media import MediaError
-
     try:
         with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
             img.verify()
-    except Exception as e:  # noqa: BLE001
-        raise MediaError("bad_image", f"image verification failed: {e}") from e
+    except Exception as e:  # noqa: BLE001 - any failure means the file is not a usable image
+        raise FormatError("undecodable_media", f"{path}: not a readable image ({e})") from e
+    if width <= 0 or height <= 0:
+        raise FormatError("undecodable_media", f"{path}: empty image {width}x{height}")
+
+
+def _check_video(path: str, data: bytes) -> None:
+    """The container / stream header (frame count, rate, size) as ``media.probe_video`` reads it."""
+    from omniweave.data.media import MediaError, probe_video
+
+    try:
+        info = probe_video(data)
+    except MediaError as e:
+        raise FormatError("undecodable_media", f"{path}: {e}") from e
+    if info.num_frames < 1 or info.height <= 0 or info.width <= 0:
+        raise FormatError("undecodable_media", f"{path}: no frames ({info})")
 
 
 def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: bool):
@@ -310,6 +315,10 @@ def run(args) -> int:
     todo = [job for job in jobs if job.number not in done]
 
     from tqdm import tqdm
+
+    import PIL.Image  # noqa: F401 - imported once here so forked workers inherit it
+    if any(rows_by_file.values()):
+        import av  # noqa: F401
 
     bar = tqdm(total=len(rows), initial=sum(d["rows"] for d in done.values()), unit="row", desc="convert",
                disable=args.no_progress or None, dynamic_ncols=True)

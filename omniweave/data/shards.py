@@ -23,18 +23,21 @@ import io
 import json
 import os
 import sqlite3
+import struct
 import tarfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
-
-import numpy as np
+from typing import TYPE_CHECKING, Iterator
 
 from omniweave.data.sample import Conversation, RawSample
 
+if TYPE_CHECKING:
+    import numpy as np
+
 META_DIR = ".nv-meta"
 SAMPLE_TYPE = "omniweave_conversation"
+BLOCK, RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE  # 512, 10240
 ENERGON_VERSION = "7.4.1"  # the version whose on-disk format these files follow
 
 
@@ -57,16 +60,17 @@ class ShardInfo:
 
 
 class ShardWriter:
-    """Writes one tar shard to ``tmp_path``; ``close()`` returns per-sample offsets.
+    """Writes one tar shard to ``tmp_path``; ``close()`` returns the end offset of the last sample.
 
-    Members are written with fixed metadata (mtime 0, uid/gid 0, mode 0o644) so the same input
-    gives byte-identical shards.
+    USTAR members with fixed metadata (mtime 0, uid/gid 0, mode 0o644), so the same input gives
+    byte-identical shards; headers come from ``tarfile`` and data is written in one call per
+    part (no chunked copy).
     """
 
     def __init__(self, tmp_path: str | Path):
         self.tmp_path = Path(tmp_path)
         self._file = open(self.tmp_path, "wb")
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+        self._offset = 0
         self.offsets: list[int] = []  # offset of each sample's first header
         self.keys: list[str] = []
         self.parts: list[list[tuple[str, int, int]]] = []  # per sample: (part, data offset, size)
@@ -77,39 +81,43 @@ class ShardWriter:
 
     @property
     def size(self) -> int:
-        return self._tar.offset
+        return self._offset
 
     def write(self, key: str, parts: dict[str, bytes]) -> None:
         """One sample: ``parts`` maps part name (``json``, ``img0.png``…) to bytes, in order."""
         if "." in key or "/" in key:
             raise ValueError(f"sample key {key!r} must not contain '.' or '/'")
-        self.offsets.append(self._tar.offset)
+        self.offsets.append(self._offset)
         self.keys.append(key)
         sample_parts = []
         for part, data in parts.items():
             info = tarfile.TarInfo(f"{key}.{part}")
             info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o644, 0, 0
             info.uname = info.gname = ""
-            header_at = self._tar.offset
-            self._tar.addfile(info, io.BytesIO(data))
-            sample_parts.append((part, header_at + tarfile.BLOCKSIZE, len(data)))
+            header = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+            pad = -len(data) % BLOCK
+            self._file.write(header)
+            self._file.write(data)
+            if pad:
+                self._file.write(b"\0" * pad)
+            sample_parts.append((part, self._offset + len(header), len(data)))
+            self._offset += len(header) + len(data) + pad
         self.parts.append(sample_parts)
 
     def close(self) -> int:
-        """Finish the tar (end-of-archive blocks); returns the end offset of the last sample."""
-        end = self._tar.offset
-        self._tar.close()
+        """End-of-archive blocks, padded to tar's 10 KiB record as ``tarfile`` does; fsync."""
+        end = self._offset
+        trailer = 2 * BLOCK
+        trailer += -(end + trailer) % RECORD
+        self._file.write(b"\0" * trailer)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
         return end
 
     def abort(self) -> None:
-        try:
-            self._tar.close()
-            self._file.close()
-        finally:
-            self.tmp_path.unlink(missing_ok=True)
+        self._file.close()
+        self.tmp_path.unlink(missing_ok=True)
 
 
 def write_conversation_sample(writer: ShardWriter, key: str, conv: Conversation, media: dict[str, bytes]) -> None:
@@ -127,9 +135,9 @@ def finalize_shard(writer: ShardWriter, final_path: str | Path) -> dict:
     """
     final_path = Path(final_path)
     end = writer.close()
-    offsets = np.asarray([*writer.offsets, end], dtype="<u8")
+    offsets = [*writer.offsets, end]
     idx_tmp = writer.tmp_path.with_name(writer.tmp_path.name + ".idx")
-    idx_tmp.write_bytes(offsets.tobytes())
+    idx_tmp.write_bytes(struct.pack(f"<{len(offsets)}Q", *offsets))
     os.replace(idx_tmp, final_path.with_name(final_path.name + ".idx"))
     os.replace(writer.tmp_path, final_path)  # last: a shard-*.tar that exists is complete
     return {
@@ -202,8 +210,10 @@ def _write_sqlite_index(path: Path, shards: list[dict]) -> None:
 # ---------------------------------------------------------------------------- reading
 
 
-def read_tar_index(path: str | Path) -> np.ndarray:
+def read_tar_index(path: str | Path) -> "np.ndarray":
     """uint64 offsets from a ``.tar.idx`` (one per sample plus the end offset)."""
+    import numpy as np
+
     return np.frombuffer(Path(path).read_bytes(), dtype="<u8")
 
 
@@ -246,7 +256,7 @@ class RawDataset:
             counts = None
         if not names:
             raise FileNotFoundError(f"{self.root}: no raw shards (expected shard-NNNNNN.tar and {META_DIR}/.info.json)")
-        self._offsets: list[np.ndarray] = []
+        self._offsets: list["np.ndarray"] = []
         shards = []
         for name in names:
             path = self.root / name
@@ -259,7 +269,9 @@ class RawDataset:
             self._offsets.append(offs)
             shards.append(ShardInfo(name=name, count=count, bytes=path.stat().st_size))
         self.shards = shards
-        self._starts = np.cumsum([0] + [s.count for s in shards]).tolist()
+        self._starts = [0]
+        for s in shards:
+            self._starts.append(self._starts[-1] + s.count)
 
     def __len__(self) -> int:
         return self._starts[-1]
