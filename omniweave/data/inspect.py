@@ -1,0 +1,149 @@
+"""``omniweave data inspect PATH``: a human summary of a raw shard directory or a packed dataset.
+
+Raw (``RAW/.nv-meta`` + shards): samples by modality (text-only / image / video / mixed),
+turns per conversation, media sizes (bytes, and pixel sizes / frames read from the headers),
+the reject summary of ``convert_report.json``, and a few rendered samples.
+Packed (``PATH/manifest.json``): handed to ``omniweave.data.inspect_packed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+ROLE_COLORS = {"system": "35", "user": "36", "assistant": "32", "observation": "33", "function": "33"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="raw dataset directory (convert output) or packed dataset directory")
+    p.add_argument("--show", type=int, default=3, help="samples to render")
+    p.add_argument("--max-scan", type=int, default=20000, help="read at most this many samples for the statistics")
+
+
+def run(args) -> int:
+    path = Path(args.path)
+    color = sys.stdout.isatty()
+    if (path / "manifest.json").is_file():
+        try:
+            from omniweave.data.inspect_packed import inspect_packed
+        except ImportError as e:
+            print(f"omniweave data inspect: {path} is a packed dataset, but packed inspection is not "
+                  f"available in this install ({e})", file=sys.stderr)
+            return 2
+        return int(inspect_packed(path, color=color) or 0)
+    try:
+        from omniweave.data.shards import RawDataset
+
+        ds = RawDataset(path)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"omniweave data inspect: {e}", file=sys.stderr)
+        return 2
+    return inspect_raw(ds, show=args.show, max_scan=args.max_scan, color=color)
+
+
+def _c(text: str, code: str, color: bool) -> str:
+    return f"\033[{code}m{text}\033[0m" if color else text
+
+
+def _stats(values: list[float], fmt=lambda v: f"{v:,.0f}") -> str:
+    if not values:
+        return "-"
+    a = np.asarray(values, dtype=np.float64)
+    return f"min {fmt(a.min())}  median {fmt(float(np.median(a)))}  max {fmt(a.max())}  (n={len(a)})"
+
+
+def _bar_histogram(counter: Counter, color: bool, width: int = 40) -> list[str]:
+    top = max(counter.values())
+    return [
+        f"    {key:>4} {_c('█' * max(1, round(width * n / top)), '34', color)} {n}"
+        for key, n in sorted(counter.items())
+    ]
+
+
+def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -> int:
+    from omniweave.data.media import MediaError, probe_image, probe_video
+
+    total = len(ds)
+    scanned = min(total, max_scan)
+    modality, turns, roles = Counter(), Counter(), Counter()
+    img_bytes, img_hw, vid_bytes, vid_frames, vid_hw, bad_headers = [], [], [], [], [], 0
+    per_sample_images = Counter()
+    for i, sample in enumerate(ds):
+        if i >= scanned:
+            break
+        conv = sample.conversation
+        n_img, n_vid = len(conv.images), len(conv.videos)
+        modality["mixed" if n_img and n_vid else "image" if n_img else "video" if n_vid else "text-only"] += 1
+        per_sample_images[n_img] += 1
+        turns[sum(m.role in ("assistant", "function") for m in conv.messages)] += 1
+        roles.update(m.role for m in conv.messages)
+        for name in conv.images:
+            data = sample.media[name]
+            img_bytes.append(len(data))
+            try:
+                info = probe_image(data)
+                img_hw.append((info.height, info.width))
+            except MediaError:
+                bad_headers += 1
+        for name in conv.videos:
+            data = sample.media[name]
+            vid_bytes.append(len(data))
+            try:
+                info = probe_video(data)
+                vid_frames.append(info.num_frames)
+                vid_hw.append((info.height, info.width))
+            except MediaError:
+                bad_headers += 1
+
+    size = sum(s.bytes for s in ds.shards)
+    bold = lambda t: _c(t, "1", color)  # noqa: E731
+    print(bold(f"raw dataset {ds.root}"))
+    print(f"  {total:,} samples in {len(ds.shards)} shard(s), {size / 1e6:,.1f} MB"
+          + (f"; statistics over the first {scanned:,}" if scanned < total else ""))
+    print(bold("  modality"))
+    for key in ("text-only", "image", "video", "mixed"):
+        n = modality[key]
+        print(f"    {key:<10} {n:>8,}  {100 * n / max(1, scanned):5.1f}%")
+    multi = sum(n for k, n in per_sample_images.items() if k > 1)
+    print(f"    multi-image samples: {multi:,}; roles: " + ", ".join(f"{r} {n:,}" for r, n in sorted(roles.items())))
+    print(bold("  assistant turns per conversation"))
+    print("\n".join(_bar_histogram(turns, color)) if turns else "    -")
+    print(bold("  media"))
+    print(f"    images: {len(img_bytes):,}; bytes {_stats(img_bytes)}")
+    if img_hw:
+        print(f"            height {_stats([h for h, _ in img_hw])}\n            width  {_stats([w for _, w in img_hw])}")
+    print(f"    videos: {len(vid_bytes):,}; bytes {_stats(vid_bytes)}")
+    if vid_hw:
+        print(f"            frames {_stats(vid_frames)}\n            height {_stats([h for h, _ in vid_hw])}"
+              f"\n            width  {_stats([w for _, w in vid_hw])}")
+    if bad_headers:
+        print(_c(f"    {bad_headers} media item(s) with unreadable headers", "31", color))
+
+    report_file = ds.root / "convert_report.json"
+    if report_file.is_file():
+        rep = json.loads(report_file.read_text())
+        print(bold("  convert report"))
+        print(f"    input {rep['input']:,} rows: written {rep['written']:,}, rejected {rep['rejected']:,}"
+              f" in {rep.get('seconds', 0):.1f}s")
+        for reason, n in rep.get("rejected_by_reason", {}).items():
+            print(_c(f"      {reason:<22} {n:,}", "31", color))
+        if rep["rejected"]:
+            print(f"    details: {ds.root / 'rejects.jsonl'}")
+
+    for i in np.linspace(0, total - 1, min(show, total)).round().astype(int).tolist() if show > 0 and total else []:
+        sample = ds[i]
+        conv = sample.conversation
+        print(bold(f"  sample {i} key={sample.key} id={conv.id}") + f"  source={conv.meta.get('source')}:{conv.meta.get('index')}")
+        for m in conv.messages:
+            text = m.content if len(m.content) <= 300 else m.content[:300] + " …"
+            print(f"    {_c(f'{m.role:>11}', ROLE_COLORS.get(m.role, '0'), color)}: {text}")
+        for name in [*conv.images, *conv.videos]:
+            print(f"    {'':>11}  [{name}: {len(sample.media[name]):,} bytes]")
+    print(f"inspect: {total:,} samples, {len(ds.shards)} shard(s), "
+          + ", ".join(f"{k} {modality[k]:,}" for k in ("text-only", "image", "video", "mixed")))
+    return 0

@@ -1,0 +1,133 @@
+"""ShareGPT / OpenAI-messages parsing: both formats, remapping, auto-detection, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from omniweave.data.formats import FormatError, Mapping, detect_format, mapping_from_yaml, parse_row
+
+OPENAI = Mapping().resolved("openai")
+SHAREGPT = Mapping().resolved("sharegpt")
+
+
+def roles(conv):
+    return [m.role for m in conv.messages]
+
+
+def test_openai_multi_turn_multi_image_and_video():
+    row = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "<image> and <image>: which is red?"},
+            {"role": "assistant", "content": "first"},
+            {"role": "user", "content": "And this clip? <video>"},
+            {"role": "assistant", "content": "left"},
+        ],
+        "images": ["a.png", "b.jpg"],
+        "videos": ["c.mp4"],
+    }
+    conv = parse_row(row, OPENAI, row_id="r0")
+    assert roles(conv) == ["system", "user", "assistant", "user", "assistant"]
+    assert conv.images == ["a.png", "b.jpg"] and conv.videos == ["c.mp4"]
+    assert conv.messages[3].content == "And this clip? <video>"
+    assert conv.id == "r0"
+
+
+def test_openai_content_parts_become_placeholders_and_media():
+    row = {
+        "id": "x7",
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "What?"},
+                                         {"type": "video", "video": "v.mp4"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "a dog"}]},
+        ],
+    }
+    conv = parse_row(row, OPENAI, row_id="r0")
+    assert conv.messages[0].content == "<image>What?<video>"
+    assert conv.images == ["a.png"] and conv.videos == ["v.mp4"]
+    assert conv.id == "x7"
+
+
+def test_sharegpt_roles_including_tools_and_text_only():
+    row = {
+        "conversations": [
+            {"from": "system", "value": "tools..."},
+            {"from": "human", "value": "weather?"},
+            {"from": "function_call", "value": '{"name": "w"}'},
+            {"from": "observation", "value": "sunny"},
+            {"from": "gpt", "value": "It is sunny."},
+        ]
+    }
+    conv = parse_row(row, SHAREGPT, row_id="r1")
+    assert roles(conv) == ["system", "user", "function", "observation", "assistant"]
+    assert conv.images == [] and conv.videos == []
+
+
+def test_remap_columns_and_tags_from_flags_and_yaml(tmp_path):
+    row = {"dialog": [{"speaker": "Q", "text": "<image>hi"}, {"speaker": "A", "text": "yo"}], "pics": ["p.png"]}
+    m = Mapping(format="sharegpt", messages="dialog", images="pics", role_tag="speaker", content_tag="text",
+                user_tag="Q", assistant_tag="A").resolved("sharegpt")
+    conv = parse_row(row, m, row_id="r")
+    assert roles(conv) == ["user", "assistant"] and conv.images == ["p.png"]
+
+    (tmp_path / "map.yaml").write_text(
+        "formatting: sharegpt\ncolumns: {messages: dialog, images: pics}\n"
+        "tags: {role_tag: speaker, content_tag: text, user_tag: Q, assistant_tag: A}\n"
+    )
+    m2 = mapping_from_yaml(tmp_path / "map.yaml")
+    assert detect_format([row], m2) == "sharegpt"
+    assert parse_row(row, m2.resolved("sharegpt"), row_id="r").to_json() == conv.to_json()
+
+
+def test_yaml_dataset_info_entry_and_unknown_key(tmp_path):
+    (tmp_path / "info.yaml").write_text("mydata:\n  formatting: sharegpt\n  columns: {messages: turns}\n")
+    assert mapping_from_yaml(tmp_path / "info.yaml").messages == "turns"
+    (tmp_path / "bad.yaml").write_text("columns: {mesages: turns}\n")
+    with pytest.raises(ValueError, match="mesages"):
+        mapping_from_yaml(tmp_path / "bad.yaml")
+
+
+def test_autodetect_each_format_and_ambiguity_error():
+    oa = {"messages": [{"role": "user", "content": "a"}]}
+    sg = {"conversations": [{"from": "human", "value": "a"}]}
+    assert detect_format([oa]) == "openai"
+    assert detect_format([sg]) == "sharegpt"
+    with pytest.raises(ValueError, match="ambiguous"):
+        detect_format([{**oa, **sg}])
+    with pytest.raises(ValueError, match="ambiguous"):
+        detect_format([oa, sg])
+    with pytest.raises(ValueError, match="cannot detect"):
+        detect_format([{"text": "x"}])
+    assert detect_format([{"text": "x"}], Mapping(format="openai")) == "openai"  # explicit wins
+
+
+@pytest.mark.parametrize(
+    "turns, images, reason",
+    [
+        ([], [], "empty_conversation"),
+        ([("user", "  "), ("assistant", "")], [], "empty_conversation"),
+        ([("user", "hi")], [], "no_assistant_turn"),
+        ([("user", "hi"), ("robot", "x")], [], "unknown_role"),
+        ([("assistant", "a"), ("user", "b")], [], "bad_turn_order"),
+        ([("user", "a"), ("user", "b"), ("assistant", "c")], [], "bad_turn_order"),
+        ([("user", "a"), ("assistant", "b"), ("user", "c")], [], "bad_turn_order"),
+        ([("user", "<image>"), ("assistant", "b")], [], "placeholder_mismatch"),
+        ([("user", "a"), ("assistant", "b")], ["x.png"], "placeholder_mismatch"),
+        ([("user", "a"), ("assistant", "<image>")], ["x.png"], "placeholder_mismatch"),
+    ],
+)
+def test_validation_reasons(turns, images, reason):
+    row = {"messages": [{"role": r, "content": c} for r, c in turns], "images": images}
+    with pytest.raises(FormatError) as e:
+        parse_row(row, OPENAI, row_id="r")
+    assert e.value.reason == reason
+
+
+def test_auto_placeholders_only_when_none_present():
+    row = {"messages": [{"role": "user", "content": "what?"}, {"role": "assistant", "content": "x"}],
+           "images": ["a.png", "b.png"]}
+    conv = parse_row(row, OPENAI, row_id="r", auto_placeholders=True)
+    assert conv.messages[0].content == "<image><image>what?"
+    row["messages"][0]["content"] = "<image> what?"  # one present, two files: still a mismatch
+    with pytest.raises(FormatError, match="placeholder_mismatch"):
+        parse_row(row, OPENAI, row_id="r", auto_placeholders=True)
