@@ -21,27 +21,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from omniweave.models.components.norm import RMSNorm
 from omniweave.models.registry import register
 
 
 @dataclass
 class PatchMergerConfig:
-    name: str = "patch_merger"
     in_dim: int = 1280  # vision hidden size
     out_dim: int = 3584  # foundation hidden size
     merge_size: int = 2
     norm: str = "layernorm"  # layernorm (Qwen2-VL) | rmsnorm (Qwen2.5-VL)
     norm_eps: float = 1e-6
-    freeze: bool = False
 
 
 @dataclass
 class MLPAdapterConfig:
-    name: str = "mlp_adapter"
     in_dim: int = 1280
     out_dim: int = 3584
     hidden_dim: int | None = None  # default: out_dim
-    freeze: bool = False
 
 
 class PatchMerger(nn.Module):
@@ -54,7 +51,7 @@ class PatchMerger(nn.Module):
         if cfg.norm == "layernorm":
             self.norm = nn.LayerNorm(cfg.in_dim, eps=cfg.norm_eps)
         elif cfg.norm == "rmsnorm":
-            self.norm = nn.RMSNorm(cfg.in_dim, eps=cfg.norm_eps)
+            self.norm = RMSNorm(cfg.in_dim, eps=cfg.norm_eps)
         else:
             raise ValueError(f"patch_merger norm {cfg.norm!r}: choose layernorm or rmsnorm")
         self.fc1 = nn.Linear(merged, merged)

@@ -30,7 +30,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from omniweave.models.components.attention import varlen_attention
+from omniweave.models.components.attention import attn
+from omniweave.models.components.mlp import MLP, SwiGLU
+from omniweave.models.components.norm import RMSNorm
+from omniweave.models.components.rope import VisionRotaryEmbedding, apply_rope
 from omniweave.models.registry import register
 
 
@@ -38,7 +41,6 @@ from omniweave.models.registry import register
 class Qwen2ViTConfig:
     """Qwen2-VL vision tower (defaults: the real 675M tower shared by Qwen2-VL 2B/7B/72B)."""
 
-    name: str = "qwen2_vit"
     depth: int = 32
     hidden_size: int = 1280  # HF: embed_dim
     num_heads: int = 16
@@ -53,7 +55,7 @@ class Qwen2ViTConfig:
     fullatt_block_indexes: list[int] = field(default_factory=list)
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    freeze: bool = False
+    attn_backend: str = "auto"  # attention.BACKENDS name; auto = flash on CUDA if present, else sdpa
 
     @property
     def in_dim(self) -> int:
@@ -64,7 +66,6 @@ class Qwen2ViTConfig:
 class Qwen25ViTConfig(Qwen2ViTConfig):
     """Qwen2.5-VL vision tower (defaults: the real tower of Qwen2.5-VL 3B/7B/32B/72B)."""
 
-    name: str = "qwen2_5_vit"
     intermediate_size: int = 3420
     norm: str = "rmsnorm"
     mlp: str = "swiglu"
@@ -79,17 +80,6 @@ def vision_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
     """int32 [sum(t)+1]: one attention segment per frame (h·w patches)."""
     seqlens = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
     return F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
-
-
-def vision_rope_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
-    """int64 [P, 2]: (row, col) of every patch, in the merge-block patch order, repeated per frame."""
-    out = []
-    for t, h, w in grid_thw.tolist():
-        hpos = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
-        wpos = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
-        hw = torch.stack([hpos.transpose(1, 2).flatten(), wpos.transpose(1, 2).flatten()], -1)
-        out.append(hw.repeat(t, 1))
-    return torch.cat(out).to(grid_thw.device) if out else torch.zeros(0, 2, dtype=torch.long)
 
 
 def window_index(grid_thw: torch.Tensor, merge: int, window_merged: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,17 +106,6 @@ def window_index(grid_thw: torch.Tensor, merge: int, window_merged: int) -> tupl
     return index_t.to(grid_thw.device), torch.tensor(cu, dtype=torch.int32, device=grid_thw.device)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_vision_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [P, H, Dh]; cos/sin fp32 [P, Dh]; computed in fp32 like transformers."""
-    xf = x.float()
-    return (xf * cos[:, None] + rotate_half(xf) * sin[:, None]).to(x.dtype)
-
-
 # ----------------------------------------------------------------------------- modules
 
 
@@ -134,7 +113,7 @@ def _norm(cfg: Qwen2ViTConfig, dim: int) -> nn.Module:
     if cfg.norm == "layernorm":
         return nn.LayerNorm(dim, eps=cfg.norm_eps)
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=cfg.norm_eps)
+        return RMSNorm(dim, eps=cfg.norm_eps)
     raise ValueError(f"vision norm {cfg.norm!r}: choose layernorm or rmsnorm")
 
 
@@ -147,32 +126,14 @@ class VisionAttention(nn.Module):
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.backend = cfg.attn_backend
 
     def forward(self, x, cu_seqlens, cos, sin):  # x [P, D]
         P = x.shape[0]
         q, k, v = self.qkv(x).view(P, 3, self.num_heads, self.head_dim).unbind(1)  # [P, H, Dh] each
-        q, k = apply_vision_rope(q, cos, sin), apply_vision_rope(k, cos, sin)
-        out, _ = varlen_attention(q, k, v, cu_seqlens, cu_seqlens, causal=False)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, _ = attn(q, k, v, cu_seqlens, cu_seqlens, causal=False, backend=self.backend, need_lse=False)
         return self.proj(out.reshape(P, -1))
-
-
-class VisionMLP(nn.Module):
-    def __init__(self, cfg: Qwen2ViTConfig):
-        super().__init__()
-        self.kind = cfg.mlp
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        if cfg.mlp == "quick_gelu":
-            self.fc1, self.fc2 = nn.Linear(d, f), nn.Linear(f, d)
-        elif cfg.mlp == "swiglu":
-            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, f), nn.Linear(d, f), nn.Linear(f, d)
-        else:
-            raise ValueError(f"vision mlp {cfg.mlp!r}: choose quick_gelu or swiglu")
-
-    def forward(self, x):
-        if self.kind == "quick_gelu":
-            h = self.fc1(x)
-            return self.fc2(h * torch.sigmoid(1.702 * h))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class VisionBlock(nn.Module):
@@ -180,7 +141,12 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = _norm(cfg, cfg.hidden_size), _norm(cfg, cfg.hidden_size)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        if cfg.mlp == "quick_gelu":
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act="quick_gelu", bias=True)
+        elif cfg.mlp == "swiglu":
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=True, act="silu")
+        else:
+            raise ValueError(f"vision mlp {cfg.mlp!r}: choose quick_gelu or swiglu")
 
     def forward(self, x, cu_seqlens, cos, sin):
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -197,17 +163,7 @@ class VisionTransformer(nn.Module):
         self.merge_size = cfg.spatial_merge_size
         self.patch_embed = nn.Linear(cfg.in_dim, cfg.hidden_size, bias=False)  # HF Conv3d, flattened
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
-        head_dim = cfg.hidden_size // cfg.num_heads
-        quarter = head_dim // 2
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [Dh/4]
-
-    def rope(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos, sin [P, Dh]."""
-        pos = vision_rope_positions(grid_thw, self.merge_size).to(self.inv_freq.device)
-        freqs = (pos[..., None].float() * self.inv_freq.float()).flatten(1)  # [P, Dh/2]: rows | cols
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
+        self.rotary = VisionRotaryEmbedding((cfg.hidden_size // cfg.num_heads) // 2, cfg.rope_theta)  # no buffers
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [P, C·t·p·p], grid_thw int [M, 3] -> hidden [P, D] (original patch order)."""
@@ -216,7 +172,7 @@ class VisionTransformer(nn.Module):
         if pixel_values.shape[0] != expected:
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but grid_thw {grid_thw.tolist()} needs {expected}")
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))  # [P, D]
-        cos, sin = self.rope(grid_thw)
+        cos, sin = self.rotary(grid_thw.to(x.device), self.merge_size)  # fp32 [P, Dh]
         cu_seqlens = vision_cu_seqlens(grid_thw).to(x.device)
         cu_window, index = cu_seqlens, None
         if self.cfg.window_size:
