@@ -1,0 +1,195 @@
+"""The foundation decoder: Qwen2 / Qwen2.5 (qkv bias, M-RoPE), Llama-3 (llama3 rope scaling),
+Qwen3 (QK-norm, free head_dim). One class, the differences are config fields.
+
+It works on one packed row: ``[L, D]`` activations, documents delimited by ``cu_seqlens``,
+positions ``[1, L]`` (1-D RoPE) or ``[3, L]`` (M-RoPE). Parameter names equal the Hugging Face
+ones minus the ``model.`` prefix, so the HF adapters are mostly renames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from omniweave.models.components.attention import attn, select_backend
+from omniweave.models.components.mlp import SwiGLU
+from omniweave.models.components.norm import RMSNorm
+from omniweave.models.components.rope import apply_rope, rope_cos_sin
+from omniweave.models.registry import register
+
+
+@dataclass
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None  # default hidden_size // num_heads (Qwen3 sets it)
+    family: str = "qwen2"  # qwen2 | llama | qwen3: which HF family exports it
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": ..., ...}
+    mrope_section: list[int] | None = None  # M-RoPE bands over (t, h, w); sums to head_dim/2
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    sliding_window: int | None = None
+    attn_backend: str = "auto"  # auto | math | sdpa | flash
+    initializer_range: float = 0.02
+    hidden_act: str = "silu"
+    extra_hf: dict = field(default_factory=dict)  # HF config keys kept for export
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.mrope_section is not None and sum(self.mrope_section) != self.head_dim // 2:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
+        if self.family not in ("qwen2", "llama", "qwen3"):
+            raise ValueError(f"family {self.family!r}: expected qwen2, llama or qwen3")
+
+
+class KVCache:
+    """Per-layer keys/values of one sequence, grown as tokens are generated."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is not None:
+            k, v = torch.cat([self.k[layer], k]), torch.cat([self.v[layer], v])
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[0]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        hd = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cu_seqlens, kv_cache: KVCache | None = None):
+        L, hd = x.shape[0], self.cfg.head_dim
+        q = self.q_proj(x).view(L, self.cfg.num_heads, hd)
+        k = self.k_proj(x).view(L, self.cfg.num_kv_heads, hd)
+        v = self.v_proj(x).view(L, self.cfg.num_kv_heads, hd)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cu_k = cu_seqlens
+        if kv_cache is not None:  # one sequence: all cached keys precede the new queries
+            k, v = kv_cache.update(self.layer, k, v)
+            cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=x.device)
+        backend = select_backend(self.cfg.attn_backend, x.device)
+        out, _ = attn(q, k, v, cu_seqlens, cu_k, True, self.cfg.sliding_window, backend=backend, need_lse=False)
+        return self.o_proj(out.reshape(L, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=False, act=cfg.hidden_act)
+
+    def forward(self, x, cos, sin, cu_seqlens, kv_cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@register("foundation", "decoder", DecoderConfig)
+class Decoder(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                m.reset_parameters()
+        self.tie_weights()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[L] -> [L, D]."""
+        return self.embed_tokens(input_ids)
+
+    def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        return rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.mrope_section, c.rope_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [L, D] of a packed row (or new tokens, with ``kv_cache``)."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        L = x.shape[0]
+        if position_ids is None:
+            start = 0 if kv_cache is None else kv_cache.length
+            position_ids = torch.arange(start, start + L, device=x.device)[None]
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, L], dtype=torch.int32, device=x.device)
+        if kv_cache is not None and cu_seqlens.numel() != 2:
+            raise ValueError("generation with a KV cache takes a single sequence (cu_seqlens of 2 entries)")
+        cos, sin = self.rope(position_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cu_seqlens, kv_cache)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def num_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs/token (6·N + attention), as in the PaLM / torchtitan MFU estimate."""
+        c = self.config
+        n = sum(p.numel() for n_, p in self.named_parameters() if "embed_tokens" not in n_)
+        if c.tie_word_embeddings:
+            n += self.lm_head.weight.numel()
+        return 6 * n + 12 * c.num_layers * c.num_heads * c.head_dim * seq_len
+
+
+def param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+__all__ = ["Decoder", "DecoderConfig", "KVCache", "param_count"]

@@ -1,0 +1,39 @@
+"""Chunked cross-entropy: the sum of token losses without ever holding [L, V] logits.
+
+Only positions with a label (``!= -100``) are projected. Each chunk of ``chunk`` positions is
+projected, reduced to a loss sum and dropped; the chunk runs under activation checkpointing, so
+the backward recomputes its logits instead of keeping them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = (hidden @ weight.t()).float()  # [c, V]
+    return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def chunked_ce_sum(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_sum fp32 0-d, num_tokens int64 0-d) of hidden [L, D] against labels [L] (already
+    shifted, -100 = no loss); logits computed ``chunk`` rows at a time."""
+    keep = labels != IGNORE_INDEX
+    num_tokens = keep.sum()
+    h, y = hidden[keep], labels[keep]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    if h.shape[0] == 0:  # keep the graph connected so every rank runs the same backward
+        return total + 0.0 * hidden.sum() + 0.0 * lm_head_weight.sum(), num_tokens
+    for s in range(0, h.shape[0], chunk):
+        hc, yc = h[s : s + chunk], y[s : s + chunk]
+        if torch.is_grad_enabled() and (hc.requires_grad or lm_head_weight.requires_grad):
+            total = total + checkpoint(_chunk_loss, hc, lm_head_weight, yc, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(hc, lm_head_weight, yc)
+    return total, num_tokens

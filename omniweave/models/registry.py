@@ -1,0 +1,141 @@
+"""The one registry of model components.
+
+A component is a class plus a config dataclass, registered under ``(kind, name)``::
+
+    @register("foundation", "decoder", DecoderConfig)
+    class Decoder(nn.Module):
+        def __init__(self, config: DecoderConfig): ...
+
+Kinds: ``foundation``, ``image_encoder``, ``projector`` (built from YAML by name), and ``hf``
+(Hugging Face family adapters keyed by the HF ``model_type``; ``config_cls`` may be None).
+
+A component's YAML holds ``name:`` (the registered name), optional ``freeze: bool`` and ``tp:``
+(read by the trainer), and the fields of its config dataclass; any other key is an error that
+names it. Modules that register components are listed in :data:`COMPONENT_MODULES` and
+imported on first lookup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+from torch import nn
+
+KINDS = ("foundation", "image_encoder", "projector", "hf")
+# Keys every component config may carry that are not fields of its dataclass.
+COMMON_KEYS = ("name", "freeze", "tp")
+# Modules whose import registers components (add yours here).
+COMPONENT_MODULES = [
+    "omniweave.models.components.decoder",
+    "omniweave.models.hf.qwen2",
+    "omniweave.models.hf.llama",
+    "omniweave.models.hf.qwen3",
+]
+
+_REGISTRY: dict[str, dict[str, tuple[type, type | None]]] = {k: {} for k in KINDS}
+_imported = False
+
+
+def register(kind: str, name: str, config_cls: type | None = None) -> Callable[[type], type]:
+    """Class decorator: register ``cls`` (built as ``cls(config_cls(**fields))``) as kind/name."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown component kind {kind!r}; kinds: {', '.join(KINDS)}")
+
+    def deco(cls: type) -> type:
+        old = _REGISTRY[kind].get(name)
+        if old is not None and old[0].__qualname__ != cls.__qualname__:
+            raise ValueError(f"{kind} {name!r} is already registered to {old[0].__qualname__}")
+        _REGISTRY[kind][name] = (cls, config_cls)
+        return cls
+
+    return deco
+
+
+def _import_components() -> None:
+    global _imported
+    if not _imported:
+        for mod in COMPONENT_MODULES:
+            importlib.import_module(mod)
+        _imported = True
+
+
+def names(kind: str) -> list[str]:
+    _import_components()
+    return sorted(_REGISTRY[kind])
+
+
+def lookup(kind: str, name: str) -> tuple[type, type | None]:
+    """(class, config class) registered as kind/name; a clear error listing what exists."""
+    _import_components()
+    if kind not in KINDS:
+        raise ValueError(f"unknown component kind {kind!r}; kinds: {', '.join(KINDS)}")
+    if name not in _REGISTRY[kind]:
+        known = ", ".join(sorted(_REGISTRY[kind])) or "none"
+        raise KeyError(f"no {kind} named {name!r} is registered (registered: {known})")
+    return _REGISTRY[kind][name]
+
+
+def _as_dict(cfg: Any) -> dict[str, Any]:
+    from omniweave.config import to_dict
+
+    return to_dict(cfg)
+
+
+def build_config(kind: str, cfg: Any):
+    """The config dataclass of ``cfg['name']`` filled from ``cfg`` (common keys dropped)."""
+    cfg = _as_dict(cfg)
+    if "name" not in cfg:
+        raise KeyError(f"{kind} config has no 'name:' (keys: {', '.join(cfg) or 'none'})")
+    _, config_cls = lookup(kind, cfg["name"])
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    values = {k: v for k, v in cfg.items() if k not in COMMON_KEYS}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise KeyError(
+            f"{kind} {cfg['name']!r}: unknown config key(s) {', '.join(map(repr, unknown))}; "
+            f"valid keys: {', '.join(sorted(fields | set(COMMON_KEYS)))}"
+        )
+    try:
+        return config_cls(**values)
+    except TypeError as e:  # a required field missing
+        raise KeyError(f"{kind} {cfg['name']!r}: {e}") from None
+
+
+def build_component(kind: str, cfg: Any) -> nn.Module:
+    """Instantiate a component from its YAML dict; ``freeze: true`` turns its gradients off."""
+    cfg = _as_dict(cfg)
+    config = build_config(kind, cfg)
+    cls, _ = lookup(kind, cfg["name"])
+    module = cls(config)
+    if cfg.get("freeze", False):
+        module.requires_grad_(False)
+    return module
+
+
+def build_model(model_cfg: Any) -> nn.Module:
+    """The recipe's ``model:`` section -> a model implementing the trainer's model contract.
+
+    With an ``image_encoder`` it is ``OmniModel(foundation, image_encoder, projector)``
+    (``omniweave.models.omni``); otherwise a text-only :class:`~omniweave.models.text.CausalLM`.
+    """
+    cfg = _as_dict(model_cfg)
+    unknown = sorted(set(cfg) - {"foundation", "image_encoder", "projector"})
+    if unknown:
+        raise KeyError(f"model: unknown section(s) {', '.join(map(repr, unknown))}; "
+                       "expected foundation, image_encoder, projector")  # fmt: skip
+    if "foundation" not in cfg:
+        raise KeyError("model: a 'foundation' component is required")
+    foundation = build_component("foundation", cfg["foundation"])
+    if cfg.get("image_encoder"):
+        from omniweave.models.omni import OmniModel
+
+        if not cfg.get("projector"):
+            raise KeyError("model: an image_encoder needs a 'projector' component")
+        image_encoder = build_component("image_encoder", cfg["image_encoder"])
+        projector = build_component("projector", cfg["projector"])
+        return OmniModel(foundation=foundation, image_encoder=image_encoder, projector=projector)
+    from omniweave.models.text import CausalLM
+
+    return CausalLM(foundation)
