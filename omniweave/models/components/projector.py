@@ -6,7 +6,7 @@
                   (contiguous in the patch order, see ``media.patchify``) into one vector of
                   D_vis·merge², then Linear → GELU → Linear. N = P / merge². LayerNorm for
                   Qwen2-VL, RMSNorm for Qwen2.5-VL. (transformers keeps this inside the vision
-                  tower as ``visual.merger``; the HF adapters map ``ln_q``/``mlp.0``/``mlp.2``.)
+                  tower as ``visual.merger``; our parameter names are the same, ``ln_q`` / ``mlp.0`` / ``mlp.2``.)
 ``mlp_adapter``   a plain Linear → GELU → Linear per patch, no merging (N = P), e.g. for
                   encoders whose tokens are already few.
 
@@ -49,14 +49,12 @@ class PatchMerger(nn.Module):
         self.out_dim = cfg.out_dim
         merged = cfg.in_dim * cfg.merge_size**2
         if cfg.norm == "layernorm":
-            self.norm = nn.LayerNorm(cfg.in_dim, eps=cfg.norm_eps)
+            self.ln_q = nn.LayerNorm(cfg.in_dim, eps=cfg.norm_eps)
         elif cfg.norm == "rmsnorm":
-            self.norm = RMSNorm(cfg.in_dim, eps=cfg.norm_eps)
+            self.ln_q = RMSNorm(cfg.in_dim, eps=cfg.norm_eps)
         else:
             raise ValueError(f"patch_merger norm {cfg.norm!r}: choose layernorm or rmsnorm")
-        self.fc1 = nn.Linear(merged, merged)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(merged, cfg.out_dim)
+        self.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, cfg.out_dim))
 
     def num_tokens(self, grid_thw: torch.Tensor) -> torch.Tensor:
         """int64 [M]: output tokens per media item."""
@@ -66,8 +64,8 @@ class PatchMerger(nn.Module):
         unit = self.merge_size**2
         if hidden.shape[0] % unit:
             raise ValueError(f"{hidden.shape[0]} patches is not a multiple of merge_size² = {unit}")
-        x = self.norm(hidden).reshape(-1, hidden.shape[-1] * unit)  # [P/m², D·m²]
-        return self.fc2(self.act(self.fc1(x)))
+        x = self.ln_q(hidden).reshape(-1, hidden.shape[-1] * unit)  # [P/m², D·m²]
+        return self.mlp(x)
 
 
 class MLPAdapter(nn.Module):
@@ -76,15 +74,13 @@ class MLPAdapter(nn.Module):
         self.cfg = cfg
         self.out_dim = cfg.out_dim
         hidden = cfg.hidden_dim or cfg.out_dim
-        self.fc1 = nn.Linear(cfg.in_dim, hidden)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, cfg.out_dim)
+        self.mlp = nn.Sequential(nn.Linear(cfg.in_dim, hidden), nn.GELU(), nn.Linear(hidden, cfg.out_dim))
 
     def num_tokens(self, grid_thw: torch.Tensor) -> torch.Tensor:
         return grid_thw.to(torch.long).prod(-1)
 
     def forward(self, hidden: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(hidden)))
+        return self.mlp(hidden)
 
 
 register("projector", "patch_merger", PatchMergerConfig)(PatchMerger)

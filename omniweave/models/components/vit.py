@@ -19,7 +19,8 @@ Two families share one class; the config picks the parts:
 Rotary embedding is 2-D: the first half of each head's rotary frequencies encode the patch row,
 the second half its column (same frequencies, base ``rope_theta``), rotate-half layout.
 The patch embedding is transformers' Conv3d with kernel = stride = (t, p, p), i.e. a bias-free
-linear map of the flattened patch; we store it as ``nn.Linear`` (HF weight reshaped on load).
+linear map of the flattened patch, computed as a matmul. Parameter names equal transformers'
+``visual.*`` names, so the HF adapters only change prefixes.
 """
 
 from __future__ import annotations
@@ -153,6 +154,21 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class PatchEmbed(nn.Module):
+    """transformers' Conv3d(kernel = stride = (t, p, p), no bias) over one patch = a linear map of
+    the flattened patch. The weight keeps the Conv3d shape [D, C, t, p, p] (same tensor as HF's
+    ``patch_embed.proj.weight``); the forward is a plain matmul."""
+
+    def __init__(self, cfg: Qwen2ViTConfig):
+        super().__init__()
+        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=False)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [P, C·t·p·p] -> [P, D]
+        w = self.proj.weight
+        return F.linear(pixel_values.to(w.dtype), w.flatten(1))
+
+
 class VisionTransformer(nn.Module):
     """Qwen2-VL / Qwen2.5-VL ViT without its merger (that is ``projector.PatchMerger``)."""
 
@@ -161,7 +177,7 @@ class VisionTransformer(nn.Module):
         self.cfg = cfg
         self.out_dim = cfg.hidden_size
         self.merge_size = cfg.spatial_merge_size
-        self.patch_embed = nn.Linear(cfg.in_dim, cfg.hidden_size, bias=False)  # HF Conv3d, flattened
+        self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.rotary = VisionRotaryEmbedding((cfg.hidden_size // cfg.num_heads) // 2, cfg.rope_theta)  # no buffers
 
@@ -171,7 +187,7 @@ class VisionTransformer(nn.Module):
         expected = int(grid_thw.prod(-1).sum()) if grid_thw.numel() else 0
         if pixel_values.shape[0] != expected:
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but grid_thw {grid_thw.tolist()} needs {expected}")
-        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))  # [P, D]
+        x = self.patch_embed(pixel_values)  # [P, D]
         cos, sin = self.rotary(grid_thw.to(x.device), self.merge_size)  # fp32 [P, Dh]
         cu_seqlens = vision_cu_seqlens(grid_thw).to(x.device)
         cu_window, index = cu_seqlens, None
@@ -186,6 +202,13 @@ class VisionTransformer(nn.Module):
         if index is not None:
             x = self._by_unit(x, torch.argsort(index))
         return x
+
+    def dummy_input(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The smallest valid input (one merge block of zero pixels, one frame), for rows
+        without media that must still run the encoder (see ``OmniModel``)."""
+        m = self.merge_size
+        grid_thw = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
+        return torch.zeros(m * m, self.cfg.in_dim, device=device), grid_thw
 
     def _by_unit(self, t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Reorder rows in groups of merge² (one merge unit) by ``index``."""
