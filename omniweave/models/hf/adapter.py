@@ -117,3 +117,24 @@ class DecoderAdapter:
 
     def name_to_hf(self, name: str) -> str:
         return name if name == "lm_head.weight" else f"model.{name}"
+
+    # ---- whole-model view (CausalLM: the decoder lives under ``foundation.``) ---------------
+    def model_config(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """The recipe ``model:`` section of a HF config."""
+        return {"foundation": self.config_to_ours(hf)}
+
+    def model_name_to_ours(self, hf_name: str) -> str | None:
+        name = self.name_to_ours(hf_name)
+        return None if name is None else f"foundation.{name}"
+
+    def model_name_to_hf(self, name: str) -> str | None:
+        """HF name of one of our model's tensors; None for tensors HF does not store (tied head)."""
+        if not name.startswith("foundation."):
+            raise KeyError(f"{self.model_type}: no HF name for {name!r}")
+        return self.name_to_hf(name[len("foundation.") :])
+
+    def model_config_to_hf(self, model) -> dict[str, Any]:
+        return self.config_to_hf(model.foundation.config)
+
+    def skip_on_export(self, model) -> set[str]:
+        return {"foundation.lm_head.weight"} if model.foundation.config.tie_word_embeddings else set()

@@ -1,0 +1,101 @@
+"""Build an omniweave model from a Hugging Face directory (config.json + safetensors).
+
+The model is created on the meta device, then every tensor is read once from the safetensors
+files (sharded through ``model.safetensors.index.json`` or a single ``model.safetensors``),
+renamed by the family adapter and assigned in place, so weights are never materialised twice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from omniweave.models.registry import build_model, lookup
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{hf_dir}: no config.json (is this a Hugging Face model directory?)")
+    return json.loads(path.read_text())
+
+
+def adapter_for(model_type: str):
+    """The registered ``hf`` adapter instance of a HF ``model_type``."""
+    try:
+        cls, _ = lookup("hf", model_type)
+    except KeyError as e:
+        raise KeyError(f"HF model_type {model_type!r} is not supported: {e.args[0]}") from None
+    return cls()
+
+
+def safetensors_files(hf_dir: str | Path) -> list[Path]:
+    hf_dir = Path(hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (hf_dir / s).exists()]
+        if missing:
+            raise FileNotFoundError(f"{hf_dir}: shard(s) listed in the index are missing: {', '.join(missing)}")
+        return [hf_dir / s for s in shards]
+    single = hf_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json")
+
+
+def iter_safetensors(hf_dir: str | Path, device="cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in safetensors_files(hf_dir):
+        with safe_open(str(f), framework="pt", device=str(device)) as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def assign_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor], source: str, dtype=None) -> None:
+    """Assign ``tensors`` (our names) into a meta-initialised model; errors name the tensors."""
+    expected = model.state_dict(keep_vars=True)
+    tied = {n for n in expected if n.endswith("lm_head.weight") and _is_tied(model, n)}
+    for n in tied:  # tied heads are stored once, as the embedding
+        emb = n.replace("lm_head.weight", "embed_tokens.weight")
+        tensors.setdefault(n, tensors.get(emb))
+    missing = sorted(n for n in expected if tensors.get(n) is None)
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise KeyError(f"{source}: missing tensors {missing[:8]}{'…' if len(missing) > 8 else ''}; "
+                       f"unexpected tensors {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}")  # fmt: skip
+    for n, t in tensors.items():
+        if tuple(t.shape) != tuple(expected[n].shape):
+            raise ValueError(f"{source}: tensor {n!r} has shape {tuple(t.shape)}, model expects {tuple(expected[n].shape)}")
+        if dtype is not None and t.is_floating_point():
+            tensors[n] = t.to(dtype)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    for m in model.modules():
+        if hasattr(m, "tie_weights"):
+            m.tie_weights()
+
+
+def _is_tied(model: nn.Module, head_name: str) -> bool:
+    owner = model if head_name == "lm_head.weight" else model.get_submodule(head_name[: -len(".lm_head.weight")])
+    return bool(getattr(getattr(owner, "config", None), "tie_word_embeddings", False))
+
+
+def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = torch.float32, device="cpu") -> tuple[nn.Module, dict]:
+    """(model, model_cfg) from a HF directory; model_cfg is the recipe ``model:`` section."""
+    hf_cfg = read_hf_config(hf_dir)
+    adapter = adapter_for(hf_cfg.get("model_type", "?"))
+    model_cfg = adapter.model_config(hf_cfg)
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    tensors: dict[str, torch.Tensor] = {}
+    for hf_name, t in iter_safetensors(hf_dir, device):
+        ours = adapter.model_name_to_ours(hf_name)
+        if ours is not None:
+            tensors[ours] = t
+    assign_state_dict(model, tensors, str(hf_dir), dtype)
+    return model, model_cfg
