@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omniweave.models.hf.vl_io import export_hf_vl, load_hf_vl
+from omniweave.models.hf.export import export_hf
+from omniweave.models.hf.loading import adapter_for, load_hf
 from vl_factory import MEDIA_CASES, hf_class, hf_inputs, hf_position_ids, make_sample, save_tiny
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
@@ -18,7 +19,7 @@ def pair(request, tmp_path_factory):
     family = request.param
     path = save_tiny(family, tmp_path_factory.mktemp(family) / "hf")
     hf = hf_class(family).from_pretrained(path, attn_implementation="eager").eval()
-    ours, _ = load_hf_vl(path)
+    ours, _ = load_hf(path)
     return family, path, hf, ours.eval()
 
 
@@ -41,9 +42,7 @@ def test_logits_and_grads_match_transformers(pair, case):
     weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
     (ref * weights).sum().backward()
     (got * weights).sum().backward()
-    from omniweave.models.hf.vl_io import vl_adapter
-
-    adapter = vl_adapter({"model_type": family})
+    adapter = adapter_for(family)
     hf_grads = {adapter.name_to_ours(n): p.grad for n, p in hf.named_parameters() if p.grad is not None}
     checked = 0
     for name, p in ours.named_parameters():
@@ -136,13 +135,13 @@ def test_kv_cache_generate_equals_argmax_loop(pair):
 
 def test_export_round_trip_loads_in_transformers(pair, tmp_path):
     family, _, hf, ours = pair
-    out = export_hf_vl(ours, tmp_path / "export")
+    out = export_hf(ours, None, tmp_path / "export")
     again = hf_class(family).from_pretrained(out, attn_implementation="eager").eval()
     sample = make_sample(MEDIA_CASES["mixed"], seed=9)
     with torch.no_grad():
         a = hf(**hf_inputs(sample)).logits
         b = again(**hf_inputs(sample)).logits
     assert torch.equal(a, b)
-    reloaded, _ = load_hf_vl(out)
+    reloaded, _ = load_hf(out)
     for (n1, p1), (n2, p2) in zip(ours.state_dict().items(), reloaded.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)

@@ -49,6 +49,10 @@ class OmniModel(nn.Module):
         self.run_encoder_always = run_encoder_always
         self.loss_chunk = loss_chunk
 
+    def hf_model_type(self) -> str:
+        """HF family for ``omniweave hf export`` (the encoder decides: qwen2_vl / qwen2_5_vl)."""
+        return self.image_encoder.hf_model_type
+
     # ------------------------------------------------------------------ media
 
     def encode_media(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

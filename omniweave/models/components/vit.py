@@ -175,6 +175,7 @@ class VisionTransformer(nn.Module):
     def __init__(self, cfg: Qwen2ViTConfig):
         super().__init__()
         self.cfg = cfg
+        self.hf_model_type = "qwen2_5_vl" if cfg.window_size else "qwen2_vl"  # the HF family it exports as
         self.out_dim = cfg.hidden_size
         self.merge_size = cfg.spatial_merge_size
         self.patch_embed = PatchEmbed(cfg)

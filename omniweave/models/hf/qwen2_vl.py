@@ -81,7 +81,7 @@ class Qwen2VLAdapter:
                      "merge_size": common["spatial_merge_size"], "norm": "layernorm"}  # fmt: skip
         return encoder, projector
 
-    def model_config_to_hf(self, foundation, image_encoder, projector) -> dict[str, Any]:
+    def _config_to_hf(self, foundation, image_encoder, projector) -> dict[str, Any]:
         """HF config.json of our three component configs (dataclasses)."""
         extra = dict(foundation.extra_hf)
         vl = {**QWEN_VL_TOKEN_IDS, **extra.pop("vl", {})}
@@ -145,6 +145,26 @@ class Qwen2VLAdapter:
         if name.startswith("foundation."):
             return self.text.name_to_hf(name[len("foundation.") :])
         raise KeyError(f"{self.model_type}: no HF name for {name!r}")
+
+
+    # ---- the whole-model interface of loading.py / export.py ----------------------------
+    def model_config(self, hf: dict[str, Any]) -> dict[str, Any]:
+        return self.model_config_to_ours(hf)
+
+    def model_name_to_ours(self, hf_name: str) -> str | None:
+        return self.name_to_ours(hf_name)
+
+    def model_name_to_hf(self, name: str) -> str | None:
+        return self.name_to_hf(name)
+
+    def model_config_to_hf(self, model, *rest) -> dict[str, Any]:
+        """From an OmniModel, or from (foundation, image_encoder, projector) configs."""
+        if rest:
+            return self._config_to_hf(model, *rest)
+        return self._config_to_hf(model.foundation.config, model.image_encoder.cfg, model.projector.cfg)
+
+    def skip_on_export(self, model) -> set[str]:
+        return {"foundation.lm_head.weight"} if model.foundation.config.tie_word_embeddings else set()
 
 
 def _replace_extra(cfg, extra: dict):
