@@ -32,6 +32,10 @@ COMPONENT_MODULES = [
     "omniweave.models.hf.qwen2",
     "omniweave.models.hf.llama",
     "omniweave.models.hf.qwen3",
+    "omniweave.models.components.vit",
+    "omniweave.models.components.projector",
+    "omniweave.models.hf.qwen2_vl",
+    "omniweave.models.hf.qwen2_5_vl",
 ]
 
 _REGISTRY: dict[str, dict[str, tuple[type, type | None]]] = {k: {} for k in KINDS}

@@ -1,0 +1,201 @@
+"""``omniweave hf verify HF_DIR [--image P …] [--video P …] [--atol A]``
+
+Builds the model twice from one Hugging Face directory — in transformers and in omniweave — and
+runs the same conversation through both, printing max|Δ| for every stage:
+
+    input_ids     ours (SampleProcessor) vs the HF recipe: the same rendered text, each pad
+                  token expanded by the grid HF's image processor reports
+    grid_thw      per media item
+    pixel_values  images: ours (omniweave.data.media) vs transformers' Qwen2VLImageProcessorPil,
+                  when the directory has a preprocessor_config.json
+    position_ids  ours (data/rope_index.py) vs the model's get_rope_index
+    logits        OmniModel.logits vs transformers' forward (fp32)
+
+It exits 1 when any difference exceeds ``--atol`` (ids and grids must be equal), 0 otherwise.
+
+Media: the given files, or a random image and a random video when none are given. Videos: HF's
+video processor needs torchvision, which omniweave does not depend on, so HF receives the pixel
+values our pipeline made for videos; for videos only positions and logits are compared. Without
+a preprocessor_config.json, HF receives our pixel values for images too. The tokenizer is the
+directory's (tokenizer.json) or, for tiny test models without one, omniweave's demo tokenizer;
+its pad-token ids must equal the config's ``image_token_id`` / ``video_token_id``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omniweave.models.hf.loading import load_hf, read_hf_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("hf_dir", help="Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    parser.add_argument("--video", action="append", default=[], help="video file (repeatable)")
+    parser.add_argument("--atol", type=float, default=1e-4, help="tolerance on max|Δ| (default 1e-4)")
+    parser.add_argument("--prompt", default="Describe what you see.", help="user text after the media")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random media")
+
+
+def random_media(seed: int) -> tuple[bytes, bytes]:
+    """A random 84×112 PNG and a 6-frame 56×84 MPEG-4 clip at 4 fps."""
+    from fractions import Fraction
+
+    import av
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (84, 112, 3), dtype=np.uint8)).save(buf, format="PNG")
+    vbuf = io.BytesIO()
+    with av.open(vbuf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=Fraction(4))
+        stream.width, stream.height, stream.pix_fmt = 84, 56, "yuv420p"
+        for _ in range(6):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue(), vbuf.getvalue()
+
+
+def _sample(args, hf_dir: Path, hf_cfg: dict):
+    from omniweave.data.sample import Conversation, Message, RawSample
+    from omniweave.data.tokenize import SampleProcessor
+
+    images = [Path(p).read_bytes() for p in args.image]
+    videos = [Path(p).read_bytes() for p in args.video]
+    if not images and not videos:
+        image, video = random_media(args.seed)
+        images, videos = [image], [video]
+    media = {f"img{i}.bin": b for i, b in enumerate(images)} | {f"vid{i}.bin": b for i, b in enumerate(videos)}
+    conv = Conversation(
+        id="verify",
+        messages=[Message("user", "<image>" * len(images) + "<video>" * len(videos) + args.prompt),
+                  Message("assistant", "A picture and a clip.")],  # fmt: skip
+        images=[k for k in media if k.startswith("img")],
+        videos=[k for k in media if k.startswith("vid")],
+    )
+    qwen25 = hf_cfg["model_type"] == "qwen2_5_vl"
+    vision: dict = {}
+    if (hf_dir / "preprocessor_config.json").exists():
+        vision["preprocessor_config"] = str(hf_dir)
+    if qwen25:
+        vision["tokens_per_second"] = float(hf_cfg.get("vision_config", {}).get("tokens_per_second", 2))
+    tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else "demo"
+    proc = SampleProcessor({"tokenizer": tokenizer, "template": "chatml", "max_len": 1 << 20,
+                            "rope": "mrope_qwen25" if qwen25 else "mrope", "vision": vision})  # fmt: skip
+    raw = RawSample(key="verify", conversation=conv, media=media)
+    return proc, raw, proc.tokenize(raw)
+
+
+def _hf_image_inputs(hf_dir: Path, raw, sample):
+    """pixel_values / image_grid_thw from transformers' image processor (None without config)."""
+    if not (hf_dir / "preprocessor_config.json").exists():
+        return None
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    spans = [s for s in sample.media if s.kind == "image"]
+    if not spans:
+        return None
+    processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf_dir))
+    out = processor(images=[Image.open(io.BytesIO(raw.media[s.part])) for s in spans], return_tensors="pt")
+    return torch.as_tensor(np.asarray(out["pixel_values"])), torch.as_tensor(np.asarray(out["image_grid_thw"]))
+
+
+def verify(args) -> int:
+    import transformers
+
+    hf_dir = Path(args.hf_dir)
+    hf_cfg = read_hf_config(hf_dir)
+    proc, raw, sample = _sample(args, hf_dir, hf_cfg)
+    for key, pad in (("image_token_id", proc.image_pad_id), ("video_token_id", proc.video_pad_id)):
+        if hf_cfg.get(key) != pad:
+            print(f"error: config {key}={hf_cfg.get(key)} but the tokenizer's pad token id is {pad}", file=sys.stderr)
+            return 2
+    merge = proc.vision.merge_size
+    ours_pv = [torch.from_numpy(proc.process_media(s, raw.media[s.part])) for s in sample.media]
+    ours_grid = torch.tensor([s.grid_thw for s in sample.media], dtype=torch.long)
+    kinds = [s.kind for s in sample.media]
+    img = [i for i, k in enumerate(kinds) if k == "image"]
+    vid = [i for i, k in enumerate(kinds) if k == "video"]
+
+    # ---- HF inputs: image processor for images where possible, our pixels otherwise
+    hf_images = _hf_image_inputs(hf_dir, raw, sample)
+    hf_kw: dict = {}
+    if img:
+        hf_kw["pixel_values"], hf_kw["image_grid_thw"] = hf_images or (torch.cat([ours_pv[i] for i in img]), ours_grid[img])
+    if vid:
+        hf_kw["pixel_values_videos"], hf_kw["video_grid_thw"] = torch.cat([ours_pv[i] for i in vid]), ours_grid[vid]
+        if hf_cfg["model_type"] == "qwen2_5_vl":
+            hf_kw["second_per_grid_ts"] = torch.tensor([sample.media[i].second_per_grid for i in vid])
+    # HF ids: our rendered ids with each pad run replaced by HF's count for that item
+    hf_grids = {i: g for i, g in zip(img, hf_kw["image_grid_thw"].tolist())} if img else {}
+    hf_grids |= {i: ours_grid[i].tolist() for i in vid}
+    ids, pieces, cursor = torch.from_numpy(sample.input_ids.astype(np.int64)), [], 0
+    for i, s in enumerate(sample.media):
+        t, h, w = hf_grids[i]
+        pieces += [ids[cursor : s.start], ids[s.start : s.start + 1].repeat(t * h * w // merge**2)]
+        cursor = s.start + s.length
+    hf_ids = torch.cat(pieces + [ids[cursor:]])[None]
+    tt = torch.zeros_like(hf_ids)
+    tt[hf_ids == proc.image_pad_id], tt[hf_ids == proc.video_pad_id] = 1, 2
+    hf_kw["mm_token_type_ids"] = tt
+
+    rows: list[tuple[str, float | None, str]] = []  # (what, max|Δ| or None for exact mismatch, note)
+    same_ids = hf_ids.shape[1] == ids.numel() and torch.equal(hf_ids[0], ids)
+    rows.append(("input_ids", 0.0 if same_ids else None, f"L={ids.numel()} (HF {hf_ids.shape[1]})"))
+    if img:
+        same_grid = torch.equal(hf_kw["image_grid_thw"], ours_grid[img])
+        rows.append(("grid_thw", 0.0 if same_grid else None, f"images {ours_grid[img].tolist()}"))
+        if hf_images is not None and same_grid:
+            d = (hf_kw["pixel_values"] - torch.cat([ours_pv[i] for i in img])).abs().max().item()
+            rows.append(("pixel_values", d, "images: omniweave.data.media vs Qwen2VLImageProcessorPil"))
+        elif hf_images is None:
+            rows.append(("pixel_values", 0.0, "images: no preprocessor_config.json, HF given ours"))
+    if vid:
+        rows.append(("pixel_values", 0.0, "videos: HF given ours (its video processor needs torchvision)"))
+    if not same_ids:
+        return _report(rows, args.atol)
+
+    hf_model = getattr(transformers, hf_cfg["architectures"][0]).from_pretrained(
+        str(hf_dir), dtype=torch.float32, attn_implementation="eager").eval()  # fmt: skip
+    ours, _ = load_hf(hf_dir)
+    ours.eval()
+    pos_ours = torch.from_numpy(sample.position_ids.astype(np.int64))
+    rope_kw = {k: hf_kw[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in hf_kw}
+    pos_hf, _ = hf_model.model.get_rope_index(hf_ids, mm_token_type_ids=tt, **rope_kw)
+    rows.append(("position_ids", (pos_hf[:, 0] - pos_ours).abs().max().item(), "M-RoPE [3, L]"))
+    batch = {"input_ids": ids, "position_ids": pos_ours, "grid_thw": ours_grid,
+             "pixel_values": torch.cat(ours_pv),  # span order
+             "media_spans": torch.tensor([[s.start, s.length] for s in sample.media], dtype=torch.long),
+             "cu_seqlens": torch.tensor([0, ids.numel()], dtype=torch.int32)}  # fmt: skip
+    with torch.no_grad():
+        ref = hf_model(input_ids=hf_ids, **hf_kw).logits[0]
+        got = ours.logits(batch)
+    rows.append(("logits", (ref - got).abs().max().item(), f"[{ref.shape[0]}, {ref.shape[1]}] fp32"))
+    return _report(rows, args.atol)
+
+
+def _report(rows, atol: float) -> int:
+    bad = [what for what, d, _ in rows if d is None or d > atol]
+    for what, d, note in rows:
+        value = "DIFFER" if d is None else f"{d:.3e}"
+        print(f"{what:<13} max|Δ| = {value:<10} {note}")
+    if bad:
+        print(f"FAIL: {', '.join(bad)} above atol {atol:g}")
+        return 1
+    print(f"OK: all differences within atol {atol:g}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return verify(args)

@@ -1,0 +1,126 @@
+"""OmniModel = image encoder + projector + foundation decoder, on one packed row.
+
+    embeds   = foundation.embed(input_ids)                          [L, D]
+    hidden   = image_encoder(pixel_values, grid_thw)                [P, D_vis]  all media at once
+    features = projector(hidden, grid_thw)                          [N, D]      N = Σ span lengths
+    embeds[span_0] , embeds[span_1] , … = features (in span order)
+    loss_sum = chunked_ce(foundation(embeds, position_ids, cu_seqlens), labels)
+
+One encoder call covers every image and video of the micro-batch (varlen attention inside the
+encoder keeps them apart), so the encoder sees one large batch instead of many small ones.
+``media_spans [M, 2]`` (start, length) say where each item's features go; the i-th span takes
+the i-th item's features (``pixel_values`` and ``grid_thw`` are in span order). A span whose
+length differs from the item's feature count is a data bug and raises with the numbers.
+
+No-media micro-batches (``run_encoder_always``, default on): a row without any media still runs
+the encoder and projector on a tiny dummy item (one merge block of zero pixels) and adds
+``0 × sum(features)`` to the embeddings. The result is unchanged, the encoder's gradients exist
+and are zero, and — what matters under FSDP — every rank runs the same encoder forward/backward,
+so the all-gathers / reduce-scatters of the encoder's shards stay matched even when only some
+ranks have media. Turn it off only for single-process inference.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from omniweave.models.components.loss import chunked_ce_sum
+from omniweave.models.text import ModelOutput, _cu_seqlens, _positions, greedy_generate
+
+
+class OmniModel(nn.Module):
+    def __init__(
+        self,
+        foundation: nn.Module,
+        image_encoder: nn.Module | None = None,
+        projector: nn.Module | None = None,
+        run_encoder_always: bool = True,
+        loss_chunk: int = 1024,
+    ):
+        super().__init__()
+        if (image_encoder is None) != (projector is None):
+            raise ValueError("OmniModel needs both an image_encoder and a projector, or neither")
+        self.foundation = foundation
+        self.image_encoder = image_encoder
+        self.projector = projector
+        self.run_encoder_always = run_encoder_always
+        self.loss_chunk = loss_chunk
+
+    def hf_model_type(self) -> str:
+        """HF family for ``omniweave hf export`` (the encoder decides: qwen2_vl / qwen2_5_vl)."""
+        return self.image_encoder.hf_model_type
+
+    # ------------------------------------------------------------------ media
+
+    def encode_media(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """All media of a row -> projected features [N, D] in span order."""
+        return self.projector(self.image_encoder(pixel_values, grid_thw), grid_thw)
+
+    def _dummy_features(self, device) -> torch.Tensor:
+        pixel_values, grid_thw = self.image_encoder.dummy_input(device)
+        return self.encode_media(pixel_values, grid_thw)
+
+    def inputs_embeds(self, batch: dict) -> torch.Tensor:
+        """Token embeddings [L, D] with media features scattered into their placeholder spans.
+
+        This is the point where a context-parallel split of the sequence may happen."""
+        ids = batch["input_ids"]
+        embeds = self.foundation.embed(ids)
+        grid_thw = batch.get("grid_thw")
+        has_media = grid_thw is not None and grid_thw.shape[0] > 0
+        if self.image_encoder is None:
+            if has_media:
+                raise ValueError("batch has media (grid_thw) but the model has no image_encoder")
+            return embeds
+        if not has_media:
+            if self.run_encoder_always:  # keep FSDP collectives matched; contributes exactly 0
+                embeds = embeds + 0.0 * self._dummy_features(embeds.device).sum().to(embeds.dtype)
+            return embeds
+        spans = batch.get("media_spans")
+        if spans is None:
+            raise ValueError("batch has grid_thw but no media_spans to place the features")
+        spans = spans.to(torch.long).reshape(-1, 2)
+        expected = self.projector.num_tokens(grid_thw).to(spans.device)
+        if spans.shape[0] != grid_thw.shape[0] or not torch.equal(spans[:, 1], expected):
+            raise ValueError(
+                f"media features do not match placeholder spans: grid_thw {grid_thw.tolist()} gives "
+                f"{expected.tolist()} feature tokens per item, media_spans lengths are {spans[:, 1].tolist()}"
+            )
+        if int((spans[:, 0] + spans[:, 1]).max()) > ids.shape[0] or int(spans[:, 0].min()) < 0:
+            raise ValueError(f"media_spans {spans.tolist()} fall outside the row of {ids.shape[0]} tokens")
+        features = self.encode_media(batch["pixel_values"], grid_thw)  # [N, D]
+        if features.shape[0] != int(expected.sum()):
+            raise ValueError(f"projector produced {features.shape[0]} features, spans need {int(expected.sum())}")
+        index = torch.cat([torch.arange(s, s + n, device=ids.device) for s, n in spans.tolist()])
+        return embeds.index_put((index,), features.to(embeds.dtype))  # out of place: autograd-safe
+
+    # ------------------------------------------------------------------ the model contract
+
+    def hidden(self, batch: dict) -> torch.Tensor:
+        embeds = self.inputs_embeds(batch)
+        L, device = embeds.shape[0], embeds.device
+        return self.foundation(
+            inputs_embeds=embeds,
+            position_ids=_positions(batch, L, device),
+            cu_seqlens=_cu_seqlens(batch, L, device),
+        )
+
+    def forward(self, batch: dict) -> ModelOutput:
+        h = self.hidden(batch)
+        loss_sum, n = chunked_ce_sum(h, self.foundation.lm_head.weight, batch["labels"], self.loss_chunk)
+        return ModelOutput(loss_sum, n)
+
+    def logits(self, batch: dict) -> torch.Tensor:
+        """[L, V] (tests / eval only)."""
+        return self.foundation.logits(self.hidden(batch))
+
+    @torch.no_grad()
+    def generate(self, batch_prompt: dict, max_new_tokens: int, eos_ids: Iterable[int] = ()) -> list[int]:
+        """Greedy continuation of one prompt (with its media); new tokens' positions continue at
+        max(prompt positions) + 1 on every M-RoPE axis, as transformers does."""
+        embeds = self.inputs_embeds(batch_prompt)
+        pos = _positions(batch_prompt, embeds.shape[0], embeds.device)
+        return greedy_generate(self.foundation, embeds, pos, max_new_tokens, eos_ids)
