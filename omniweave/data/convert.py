@@ -1,0 +1,373 @@
+"""``omniweave data convert``: conversations (JSON / JSONL) + media files -> raw shards.
+
+    omniweave data convert --input train.jsonl --media-dir media/ --output RAW \
+        [--maxcount N] [--maxsize BYTES] [--workers W] [--strict] [--format F] [--mapping YAML]
+
+Every input row is either written (sample key ``s{global_row:09d}``, the row's 0-based position
+across all inputs) or rejected with a reason into ``RAW/rejects.jsonl``; ``RAW/convert_report.json``
+holds the counts (``input == written + rejected``). Media bytes are copied unchanged, after a
+header check (Pillow open + verify for images, the PyAV stream header for videos).
+
+Parallelism and crash safety: rows are cut into blocks of ``--maxcount`` consecutive rows; each
+block is one job that a worker turns into shard(s) under ``RAW/.work/`` (temporary name, renamed
+when whole, then a ``job-J.done.json`` marker). When every job is done the shards are renamed to
+``RAW/shard-NNNNNN.tar`` in row order and the Energon metadata is written. The result does not
+depend on ``--workers``. A killed run leaves no ``shard-*.tar`` that is incomplete; rerunning the
+same command reuses the finished jobs and redoes the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from omniweave.data import shards as sh
+from omniweave.data.formats import COLUMN_FIELDS, TAG_FIELDS, FormatError, Mapping, detect_format, mapping_from_yaml, parse_row
+
+REJECT_REASONS = (
+    "malformed_json", "bad_schema", "missing_media", "unreadable_media", "undecodable_media",
+    "placeholder_mismatch", "empty_conversation", "no_assistant_turn", "unknown_role", "bad_turn_order",
+    "media_path_escapes", "absolute_path_outside",
+)
+KILL_ENV = "OMNIWEAVE_TEST_KILL_AFTER_ROWS"  # tests: a worker os._exit()s after this many rows
+
+
+def parse_size(text: str) -> int:
+    """``123``, ``64K``, ``100M``, ``2G`` -> bytes."""
+    text = str(text).strip().upper().removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", required=True, nargs="+", help="JSON array or JSONL file(s) of conversations")
+    p.add_argument("--media-dir", help="root that media paths are relative to (default: the input's folder)")
+    p.add_argument("--output", required=True, help="raw dataset directory to write")
+    p.add_argument("--maxcount", type=int, default=1000, help="rows per job; a shard holds at most this many samples")
+    p.add_argument("--maxsize", type=parse_size, default=parse_size("1G"), help="start a new shard past this size (e.g. 512M)")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="worker processes")
+    p.add_argument("--strict", action="store_true", help="exit non-zero if any row is rejected")
+    p.add_argument("--format", choices=("auto", "openai", "sharegpt"), default="auto")
+    p.add_argument("--mapping", help="YAML with formatting/columns/tags (LLaMA-Factory dataset_info style)")
+    p.add_argument("--auto-placeholders", action="store_true",
+                   help="rows with media but no <image>/<video> at all get them prepended to the first user turn")
+    for name in COLUMN_FIELDS:
+        p.add_argument(f"--{name}-key", dest=name, help=f"column holding {name}")
+    for name in TAG_FIELDS:
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, help=f"role key/value: {name}")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# ---------------------------------------------------------------------------- reading rows
+
+
+@dataclass
+class Row:
+    file: str  # input file name as given
+    index: int  # 0-based row index within the file
+    line: int | None  # 1-based line number (JSONL)
+    raw: object  # JSONL: the line's text (parsed in the worker); JSON: the parsed object
+
+
+def read_rows(path: str) -> list[Row]:
+    text = Path(path).read_text(encoding="utf-8")
+    if path.endswith(".jsonl") or not text.lstrip().startswith("["):
+        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        return [Row(path, i, n, line) for i, (n, line) in enumerate(lines)]
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"omniweave data convert: {path} is not valid JSON ({e}); one bad row in a JSON array "
+                         "makes the whole file unreadable, JSONL keeps going") from e
+    return [Row(path, i, None, obj) for i, obj in enumerate(data)]
+
+
+def build_mapping(args) -> Mapping:
+    base = Mapping(format=None if args.format == "auto" else args.format)
+    if args.mapping:
+        base = mapping_from_yaml(args.mapping, base)
+    flags = {k: getattr(args, k) for k in (*COLUMN_FIELDS, *TAG_FIELDS) if getattr(args, k, None) is not None}
+    return replace(base, **flags)
+
+
+def resolve_mapping(rows: list[Row], mapping: Mapping) -> Mapping:
+    sample = []
+    for row in rows[:64]:
+        try:
+            sample.append(json.loads(row.raw) if isinstance(row.raw, str) else row.raw)
+        except json.JSONDecodeError:
+            continue
+    return mapping.resolved(detect_format(sample, mapping))
+
+
+# ---------------------------------------------------------------------------- one row
+
+
+def _resolve_media(path: str, media_dir: str) -> str:
+    root = os.path.abspath(media_dir)
+    if os.path.isabs(path):
+        full = os.path.normpath(path)
+        if os.path.commonpath([full, root]) != root:
+            raise FormatError("absolute_path_outside", f"{path} is outside the media dir {media_dir}")
+        return full
+    full = os.path.normpath(os.path.join(root, path))
+    if os.path.commonpath([full, root]) != root:
+        raise FormatError("media_path_escapes", f"{path} leaves the media dir {media_dir}")
+    return full
+
+
+def _load_media(path: str, media_dir: str, kind: str) -> bytes:
+    from omniweave.data.media import MediaError, probe_image, probe_video
+
+    full = _resolve_media(path, media_dir)
+    if not os.path.exists(full):
+        raise FormatError("missing_media", f"{path} does not exist under {media_dir}")
+    try:
+        with open(full, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise FormatError("unreadable_media", f"{path}: {e.strerror or e}") from e
+    try:
+        if kind == "image":
+            probe_image(data)
+            _verify_image(data)
+        else:
+            probe_video(data)
+    except MediaError as e:
+        raise FormatError("undecodable_media", f"{path}: {e}") from e
+    return data
+
+
+def _verify_image(data: bytes) -> None:
+    import io
+
+    from PIL import Image
+
+    from omniweave.data.media import MediaError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.verify()
+    except Exception as e:  # noqa: BLE001
+        raise MediaError("bad_image", f"image verification failed: {e}") from e
+
+
+def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: bool):
+    """-> (Conversation with part names, media dict); raises FormatError."""
+    raw = row.raw
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise FormatError("malformed_json", str(e)) from e
+    stem = Path(row.file).stem
+    conv = parse_row(raw, mapping, row_id=f"{stem}-{row.index}", auto_placeholders=auto_placeholders)
+    media: dict[str, bytes] = {}
+    names = {"image": [], "video": []}
+    for kind, paths, prefix in (("image", conv.images, "img"), ("video", conv.videos, "vid")):
+        for i, path in enumerate(paths):
+            ext = Path(path).suffix.lower().lstrip(".") or "bin"
+            name = f"{prefix}{i}.{ext}"
+            media[name] = _load_media(path, media_dir, kind)
+            names[kind].append(name)
+    conv.meta = {"source": Path(row.file).name, "index": row.index, "images": conv.images, "videos": conv.videos}
+    conv.images, conv.videos = names["image"], names["video"]
+    return conv, media
+
+
+# ---------------------------------------------------------------------------- one job (a block of rows)
+
+
+@dataclass
+class Job:
+    number: int
+    first: int  # global index of the first row
+    rows: list[Row]
+    mappings: dict  # file -> Mapping
+    media_dirs: dict  # file -> media dir
+    work: str
+    maxcount: int
+    maxsize: int
+    auto_placeholders: bool
+
+
+_rows_done_in_process = 0
+
+
+def run_job(job: Job) -> dict:
+    """Write the job's shards into the work dir; returns its done-record (also saved as JSON)."""
+    global _rows_done_in_process
+    kill_after = int(os.environ.get(KILL_ENV, "0") or 0)
+    work = Path(job.work)
+    records, rejects = [], []
+    writer = None
+    media_bytes = 0
+
+    def close_writer():
+        nonlocal writer
+        if writer is not None and writer.count:
+            final = work / f"job-{job.number:06d}-{len(records):03d}.tar"
+            records.append({k: v for k, v in sh.finalize_shard(writer, final).items()})
+        elif writer is not None:
+            writer.abort()
+        writer = None
+
+    for offset, row in enumerate(job.rows):
+        g = job.first + offset
+        try:
+            conv, media = convert_row(row, job.mappings[row.file], job.media_dirs[row.file], job.auto_placeholders)
+        except FormatError as e:
+            rejects.append({"row": g, "file": row.file, "index": row.index, "line": row.line,
+                            "reason": e.reason, "message": e.message})
+        else:
+            if writer is not None and writer.size >= job.maxsize:
+                close_writer()
+            if writer is None:
+                writer = sh.ShardWriter(work / f"job-{job.number:06d}-{len(records):03d}.tar.tmp")
+            sh.write_conversation_sample(writer, sh.sample_key(g), conv, media)
+            media_bytes += sum(len(b) for b in media.values())
+        _rows_done_in_process += 1
+        if kill_after and _rows_done_in_process >= kill_after:
+            os._exit(17)  # simulate a crash mid-shard (test hook)
+    close_writer()
+    done = {"job": job.number, "rows": len(job.rows), "shards": records, "rejects": rejects, "media_bytes": media_bytes}
+    tmp = work / f"job-{job.number:06d}.done.json.tmp"
+    tmp.write_text(json.dumps(done))
+    os.replace(tmp, work / f"job-{job.number:06d}.done.json")
+    return done
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def _fingerprint(args, files: list[str]) -> str:
+    spec = {
+        "inputs": [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files],
+        "args": {k: v for k, v in sorted(vars(args).items()) if k not in ("workers", "no_progress", "strict")},
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _clear_output(out: Path, keep_work: bool) -> None:
+    """Remove what a previous convert wrote (only our own files)."""
+    for pattern in ("shard-*.tar", "shard-*.tar.idx", "rejects.jsonl", "convert_report.json"):
+        for p in out.glob(pattern):
+            p.unlink()
+    shutil.rmtree(out / sh.META_DIR, ignore_errors=True)
+    if not keep_work:
+        shutil.rmtree(out / ".work", ignore_errors=True)
+
+
+def run(args) -> int:
+    t0 = time.perf_counter()
+    out = Path(args.output)
+    files = list(args.input)
+    for f in files:
+        if not Path(f).is_file():
+            print(f"omniweave data convert: input {f} not found", file=sys.stderr)
+            return 2
+    try:
+        base = build_mapping(args)
+        rows_by_file = {f: read_rows(f) for f in files}
+        mappings = {f: resolve_mapping(rows, base) for f, rows in rows_by_file.items()}
+    except (ValueError, SystemExit) as e:
+        print(f"omniweave data convert: {e}", file=sys.stderr)
+        return 2
+    media_dirs = {f: args.media_dir or str(Path(f).parent) for f in files}
+    rows = [r for f in files for r in rows_by_file[f]]
+
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / ".work"
+    fp = _fingerprint(args, files)
+    previous = (work / "run.json").is_file() and json.loads((work / "run.json").read_text()).get("fingerprint") == fp
+    _clear_output(out, keep_work=previous)
+    work.mkdir(exist_ok=True)
+    (work / "run.json").write_text(json.dumps({"fingerprint": fp}))
+    for stale in work.glob("*.tmp*"):
+        stale.unlink()
+
+    B = max(1, args.maxcount)
+    jobs = [
+        Job(j, j * B, rows[j * B:(j + 1) * B], mappings, media_dirs, str(work), B, args.maxsize, args.auto_placeholders)
+        for j in range((len(rows) + B - 1) // B)
+    ]
+    done: dict[int, dict] = {}
+    for job in jobs:  # resume: finished jobs of an interrupted run with the same inputs and flags
+        marker = work / f"job-{job.number:06d}.done.json"
+        if marker.is_file():
+            rec = json.loads(marker.read_text())
+            if all((work / s["name"]).is_file() for s in rec["shards"]):
+                done[job.number] = rec
+    todo = [job for job in jobs if job.number not in done]
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(rows), initial=sum(d["rows"] for d in done.values()), unit="row", desc="convert",
+               disable=args.no_progress or None, dynamic_ncols=True)
+    try:
+        if args.workers <= 1 or len(todo) <= 1:
+            for job in todo:
+                done[job.number] = run_job(job)
+                bar.update(len(job.rows))
+        else:
+            from concurrent.futures import as_completed
+
+            with ProcessPoolExecutor(max_workers=min(args.workers, len(todo))) as pool:
+                futures = {pool.submit(run_job, job): job for job in todo}
+                for fut in as_completed(futures):
+                    rec = fut.result()
+                    done[rec["job"]] = rec
+                    bar.update(rec["rows"])
+    except Exception as e:  # noqa: BLE001 - e.g. BrokenProcessPool when a worker dies
+        bar.close()
+        print(f"omniweave data convert: failed ({type(e).__name__}: {e}); rerun the same command to resume", file=sys.stderr)
+        return 1
+    bar.close()
+    return _finish(args, out, work, jobs, done, len(rows), t0)
+
+
+def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, n_rows: int, t0: float) -> int:
+    shard_records, rejects, media_bytes = [], [], 0
+    for job in jobs:
+        rec = done[job.number]
+        media_bytes += rec["media_bytes"]
+        rejects.extend(rec["rejects"])
+        for s in rec["shards"]:
+            name = sh.shard_name(len(shard_records))
+            src, dst = work / s["name"], out / name
+            os.replace(src.with_name(src.name + ".idx"), dst.with_name(name + ".idx"))
+            os.replace(src, dst)
+            shard_records.append({**s, "name": name})
+    sh.write_metadata(out, shard_records)
+    with open(out / "rejects.jsonl", "w") as f:
+        for r in rejects:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    written = sum(s["count"] for s in shard_records)
+    by_reason = dict(sorted(Counter(r["reason"] for r in rejects).items()))
+    total_bytes = sum(s["bytes"] for s in shard_records)
+    seconds = time.perf_counter() - t0
+    report = {
+        "input": n_rows, "written": written, "rejected": len(rejects), "rejected_by_reason": by_reason,
+        "bytes": total_bytes, "media_bytes": media_bytes, "seconds": round(seconds, 3),
+        "inputs": list(args.input), "workers": args.workers, "maxcount": args.maxcount, "maxsize": args.maxsize,
+        "shards": [{"name": s["name"], "count": s["count"], "bytes": s["bytes"]} for s in shard_records],
+    }
+    assert n_rows == written + len(rejects), "row accounting is broken"
+    (out / "convert_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    reasons = ", ".join(f"{k}: {v}" for k, v in by_reason.items())
+    print(
+        f"convert: {n_rows} rows -> {written} samples in {len(shard_records)} shard(s) ({total_bytes / 1e6:.1f} MB), "
+        f"{len(rejects)} rejected{f' ({reasons})' if reasons else ''} in {seconds:.1f}s -> {out}"
+        + (f"; see {out / 'rejects.jsonl'}" if rejects else "")
+    )
+    return 1 if args.strict and rejects else 0

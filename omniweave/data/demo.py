@@ -1,0 +1,244 @@
+"""``omniweave data demo OUT``: a synthetic multimodal dataset that can only be solved by looking.
+
+    OUT/train.jsonl   OpenAI-messages rows (user question, assistant one-word answer)
+    OUT/eval.jsonl    held-out rows: the user turn only, plus ``answer`` and ``task``
+    OUT/media/        small PNG images and 4-frame MPEG-4 videos; rows name them relative to it
+    OUT/demo.json     what was generated (seed, counts per task, answer classes)
+
+Tasks (answers from a small closed vocabulary, exactly balanced per task, wording independent of
+the answer, so a model that ignores the pixels scores chance ~1/#classes):
+
+    color       What colour is the shape?            red | green | blue | yellow
+    shape       Which shape is it?                   circle | square | triangle
+    position    Where is the shape?                  left | right | top | bottom
+    count       How many shapes?                     1 | 2 | 3
+    motion      (video) Which way does it move?      left | right | up | down
+    which_red   (two images) Which has the red one?  first | second
+    two_turns   colour, then shape of one image      (train only; multi-turn)
+    add         text only: What is 3 plus 4?         0 .. 8
+    copy        text only: Repeat the word: blue     the word
+
+Images are ``size``×``size`` pixels (default 56: one 28-px merged token per quadrant for
+Qwen2-VL-style vision with patch 14, merge 2). Pack/train with ``min_pixels`` (and
+``video_min_pixels``) at or below ``size**2`` so they are not upscaled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+COLORS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (40, 70, 230), "yellow": (235, 215, 30)}
+SHAPES = ("circle", "square", "triangle")
+POSITIONS = ("left", "right", "top", "bottom")
+COUNTS = ("1", "2", "3")
+DIRECTIONS = ("left", "right", "up", "down")
+ORDINALS = ("first", "second")
+WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon")
+BACKGROUND = (110, 110, 110)
+
+CLASSES = {
+    "color": tuple(COLORS), "shape": SHAPES, "position": POSITIONS, "count": COUNTS,
+    "motion": DIRECTIONS, "which_red": ORDINALS, "two_turns": tuple(COLORS),
+    "add": tuple(str(s) for s in range(9)), "copy": WORDS,
+}
+TRAIN_TASKS = ("color", "shape", "position", "count", "motion", "which_red", "two_turns", "add", "copy")
+EVAL_TASKS = ("color", "shape", "position", "count", "motion", "which_red", "add")
+
+QUESTIONS = {
+    "color": ("What colour is the shape?", "Name the colour of the shape.", "Which colour does the shape have?"),
+    "shape": ("Which shape is it?", "What kind of shape is shown?", "Name the shape."),
+    "position": ("Where is the shape?", "In which part of the picture is the shape?", "Where does the shape sit?"),
+    "count": ("How many shapes are there?", "Count the shapes.", "How many shapes do you see?"),
+    "motion": ("Which way does the shape move?", "In which direction does the shape travel?"),
+    "which_red": ("Which image has the red shape?", "In which image is the shape red?"),
+}
+
+
+# ---------------------------------------------------------------------------- drawing
+
+
+def draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: float, color) -> None:
+    box = (cx - r, cy - r, cx + r, cy + r)
+    if kind == "circle":
+        draw.ellipse(box, fill=color)
+    elif kind == "square":
+        draw.rectangle(box, fill=color)
+    else:
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=color)
+
+
+def render(shapes: list[tuple[str, float, float, float, tuple]], size: int) -> Image.Image:
+    img = Image.new("RGB", (size, size), BACKGROUND)
+    draw = ImageDraw.Draw(img)
+    for kind, cx, cy, r, color in shapes:
+        draw_shape(draw, kind, cx * size, cy * size, r * size, color)
+    return img
+
+
+def png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", optimize=False, compress_level=1)
+    return buf.getvalue()
+
+
+def mp4(frames: list[Image.Image], fps: int = 2) -> bytes:
+    """MPEG-4 Part 2 (every PyAV wheel has the encoder) in an mp4 container, all frames kept."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = frames[0].width, frames[0].height, "yuv420p"
+        stream.codec_context.gop_size = len(frames)
+        stream.codec_context.bit_rate = 400_000
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_image(frame)):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------- one sample per task
+
+
+class Maker:
+    """Draws the media and words of one sample; ``answer`` is chosen by the caller (balanced)."""
+
+    def __init__(self, rng: np.random.Generator, media: Path, rel: str, size: int):
+        self.rng, self.media, self.rel, self.size = rng, media, rel, size
+        self.n = 0
+
+    def save(self, data: bytes, ext: str) -> str:
+        name = f"{self.rel}/{self.n:06d}.{ext}"
+        self.n += 1
+        (self.media / name).write_bytes(data)
+        return name
+
+    def pick(self, seq):
+        return seq[int(self.rng.integers(len(seq)))]
+
+    def jitter(self, amount: float = 0.06) -> float:
+        return float(self.rng.uniform(-amount, amount))
+
+    def one_shape(self, kind=None, color=None, where=(0.5, 0.5), r=0.2) -> str:
+        kind = kind or self.pick(SHAPES)
+        color = COLORS[color or self.pick(tuple(COLORS))]
+        cx, cy = where[0] + self.jitter(), where[1] + self.jitter()
+        return self.save(png(render([(kind, cx, cy, r, color)], self.size)), "png")
+
+    def make(self, task: str, answer: str) -> tuple[list[dict], list[str], list[str]]:
+        """-> (messages incl. the assistant answer, images, videos)."""
+        q = self.pick(QUESTIONS[task]) if task in QUESTIONS else ""
+        images: list[str] = []
+        videos: list[str] = []
+        if task == "color":
+            images = [self.one_shape(color=answer)]
+        elif task == "shape":
+            images = [self.one_shape(kind=answer)]
+        elif task == "position":
+            where = {"left": (0.25, 0.5), "right": (0.75, 0.5), "top": (0.5, 0.25), "bottom": (0.5, 0.75)}[answer]
+            images = [self.one_shape(where=where, r=0.16)]
+        elif task == "count":
+            cells = self.rng.permutation(4)[: int(answer)]  # quadrants, one shape each
+            shapes = [
+                (self.pick(SHAPES), 0.25 + 0.5 * (c % 2) + self.jitter(0.04), 0.25 + 0.5 * (c // 2) + self.jitter(0.04),
+                 0.13, COLORS[self.pick(tuple(COLORS))])
+                for c in cells
+            ]
+            images = [self.save(png(render(shapes, self.size)), "png")]
+        elif task == "motion":
+            kind, color = self.pick(SHAPES), COLORS[self.pick(tuple(COLORS))]
+            dx, dy = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}[answer]
+            c0 = 0.5 + self.jitter(0.05)
+            frames = []
+            for t in np.linspace(-0.3, 0.3, 4):
+                frames.append(render([(kind, c0 + dx * t if dx else c0, c0 + dy * t if dy else c0, 0.16, color)], self.size))
+            videos = [self.save(mp4(frames), "mp4")]
+        elif task == "which_red":
+            other = self.pick(tuple(c for c in COLORS if c != "red"))
+            colors = ("red", other) if answer == "first" else (other, "red")
+            images = [self.one_shape(color=c) for c in colors]
+        elif task == "two_turns":
+            kind = self.pick(SHAPES)
+            images = [self.one_shape(kind=kind, color=answer)]
+            return [
+                {"role": "user", "content": "<image>" + self.pick(QUESTIONS["color"])},
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": self.pick(QUESTIONS["shape"])},
+                {"role": "assistant", "content": kind},
+            ], images, videos
+        elif task == "add":
+            s = int(answer)
+            a = int(self.rng.integers(max(0, s - 4), min(4, s) + 1))
+            q = f"What is {a} plus {s - a}?"
+        elif task == "copy":
+            q = f"Repeat the word: {answer}"
+        else:
+            raise ValueError(f"unknown demo task {task!r}")
+        if task == "which_red":
+            prompt = f"First image: <image> Second image: <image> {q}"
+        else:
+            prompt = "<image>" * len(images) + "<video>" * len(videos) + q
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}], images, videos
+
+
+def _balanced(tasks: tuple[str, ...], n: int, rng: np.random.Generator) -> list[tuple[str, str]]:
+    """n (task, answer) pairs: tasks round-robin, each task's answers cycling over its classes."""
+    seen = {t: 0 for t in tasks}
+    pairs = []
+    for i in range(n):
+        task = tasks[i % len(tasks)]
+        classes = CLASSES[task]
+        pairs.append((task, classes[seen[task] % len(classes)]))
+        seen[task] += 1
+    order = rng.permutation(n)
+    return [pairs[i] for i in order]
+
+
+def generate(out_dir: str | Path, samples: int = 1000, eval_samples: int = 200, seed: int = 0, size: int = 56) -> dict:
+    """Write the demo dataset to ``out_dir``; returns a summary (also saved as ``demo.json``)."""
+    out = Path(out_dir)
+    summary = {"seed": seed, "size": size, "train": samples, "eval": eval_samples, "classes": CLASSES}
+    for split, n, tasks, sub_seed in (("train", samples, TRAIN_TASKS, 0), ("eval", eval_samples, EVAL_TASKS, 1)):
+        rng = np.random.default_rng([seed, sub_seed])
+        (out / "media" / split).mkdir(parents=True, exist_ok=True)
+        maker = Maker(rng, out / "media", split, size)
+        counts: dict[str, int] = {}
+        with open(out / f"{split}.jsonl", "w") as f:
+            for i, (task, answer) in enumerate(_balanced(tasks, n, rng)):
+                messages, images, videos = maker.make(task, answer)
+                row = {"id": f"{split}-{i:06d}", "messages": messages, "images": images, "videos": videos}
+                if split == "eval":
+                    row = {**row, "messages": messages[:-1], "answer": answer, "task": task}
+                f.write(json.dumps(row) + "\n")
+                counts[task] = counts.get(task, 0) + 1
+        summary[f"{split}_tasks"] = counts
+    (out / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", help="output directory")
+    p.add_argument("--samples", type=int, default=1000, help="training rows")
+    p.add_argument("--eval-samples", type=int, default=200, help="held-out rows (with answer and task)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", type=int, default=56, help="image / video side in pixels")
+
+
+def run(args) -> int:
+    t0 = time.perf_counter()
+    s = generate(args.out, samples=args.samples, eval_samples=args.eval_samples, seed=args.seed, size=args.size)
+    print(
+        f"demo: {s['train']} train + {s['eval']} eval rows, {len(s['train_tasks'])} tasks, "
+        f"{args.size}px media in {time.perf_counter() - t0:.1f}s -> {args.out}"
+    )
+    return 0

@@ -1,0 +1,299 @@
+"""ShareGPT and OpenAI-messages rows -> ``Conversation``.
+
+Two input formats (JSON array or JSONL, one conversation per row)::
+
+    openai    {"messages": [{"role": "user", "content": "<image>What colour?"},
+                            {"role": "assistant", "content": "red"}],
+               "images": ["a.png"], "videos": []}
+              content may also be a list of parts: {"type": "text", "text": ...},
+              {"type": "image"[, "image": PATH]}, {"type": "video"[, "video": PATH]}
+    sharegpt  {"conversations": [{"from": "human", "value": "<image>What colour?"},
+                                 {"from": "gpt", "value": "red"}], "images": ["a.png"]}
+
+Column names and role keys can be remapped (``Mapping``), from flags or a small YAML in the
+style of LLaMA-Factory's ``dataset_info.json`` entries::
+
+    formatting: sharegpt            # or openai; omitted = auto-detect
+    columns: {messages: conversations, images: images, videos: videos, system: system}
+    tags: {role_tag: from, content_tag: value, user_tag: human, assistant_tag: gpt,
+           system_tag: system, observation_tag: observation, function_tag: function_call}
+
+Validation errors raise ``FormatError`` whose ``reason`` is the reject reason ``convert`` records.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from omniweave.data.sample import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation, Message
+
+FORMATS = ("openai", "sharegpt")
+# Mapping fields settable from flags / YAML (``--messages-key``, ``--role-tag`` ...)
+COLUMN_FIELDS = ("messages", "images", "videos", "system", "id")
+TAG_FIELDS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "system_tag", "observation_tag", "function_tag")
+PLACEHOLDER_RE = re.compile(r"<image>|<video>")
+# turns that ask (user side) and turns that answer (model side); they must alternate
+PROMPT_ROLES = ("user", "observation")
+RESPONSE_ROLES = ("assistant", "function")
+
+
+class FormatError(ValueError):
+    """A row that cannot become a Conversation; ``reason`` is a short machine-readable tag."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """Where a row keeps its parts and how its roles are spelled. ``None`` = the format's default."""
+
+    format: str | None = None  # "openai" | "sharegpt" | None (auto-detect)
+    messages: str | None = None  # column holding the turns
+    images: str = "images"
+    videos: str = "videos"
+    system: str | None = None  # optional column holding a system prompt
+    id: str = "id"
+    role_tag: str | None = None
+    content_tag: str | None = None
+    user_tag: str | None = None
+    assistant_tag: str | None = None
+    system_tag: str | None = None
+    observation_tag: str | None = None
+    function_tag: str | None = None
+
+    def resolved(self, fmt: str) -> "Mapping":
+        """Fill the format's defaults into every field left ``None``."""
+        defaults = _DEFAULTS[fmt]
+        return replace(self, format=fmt, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+
+    def roles(self) -> dict[str, str]:
+        """Input role spelling -> normalised role."""
+        table = {
+            self.user_tag: "user",
+            self.assistant_tag: "assistant",
+            self.system_tag: "system",
+            self.observation_tag: "observation",
+            self.function_tag: "function",
+        }
+        table.update({alias: role for alias, role in _ALIASES[self.format].items() if alias not in table})
+        return table
+
+
+_DEFAULTS = {
+    "openai": dict(
+        messages="messages", role_tag="role", content_tag="content", user_tag="user",
+        assistant_tag="assistant", system_tag="system", observation_tag="tool", function_tag="function",
+    ),
+    "sharegpt": dict(
+        messages="conversations", role_tag="from", content_tag="value", user_tag="human",
+        assistant_tag="gpt", system_tag="system", observation_tag="observation", function_tag="function_call",
+    ),
+}
+# extra spellings accepted on top of the tags (never overriding an explicit tag)
+_ALIASES = {
+    "openai": {"observation": "observation", "ipython": "observation", "function_call": "function"},
+    "sharegpt": {"user": "user", "assistant": "assistant", "function": "function", "tool": "observation"},
+}
+
+
+def mapping_from_yaml(path: str | Path, base: Mapping | None = None) -> Mapping:
+    """A LLaMA-Factory-style entry: ``formatting``, ``columns``, ``tags`` (one dataset)."""
+    import yaml
+
+    obj = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a mapping with formatting/columns/tags")
+    if not ({"formatting", "format", "columns", "tags"} & set(obj)) and len(obj) == 1:
+        obj = next(iter(obj.values()))  # a dataset_info file with a single dataset entry
+    unknown = set(obj) - {"formatting", "format", "columns", "tags", "file_name"}
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: formatting, columns, tags")
+    allowed = {f.name for f in fields(Mapping)}
+    updates: dict[str, Any] = {}
+    fmt = obj.get("formatting", obj.get("format"))
+    if fmt is not None:
+        updates["format"] = _check_format(fmt)
+    for section in ("columns", "tags"):
+        for key, value in (obj.get(section) or {}).items():
+            if key not in allowed or key == "format":
+                raise ValueError(f"{path}: unknown {section} key {key!r}")
+            updates[key] = value
+    return replace(base or Mapping(), **updates)
+
+
+def _check_format(fmt: str) -> str:
+    fmt = {"openai_messages": "openai", "messages": "openai"}.get(fmt, fmt)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}")
+    return fmt
+
+
+def detect_format(rows: list[dict], mapping: Mapping = Mapping()) -> str:
+    """``openai`` or ``sharegpt`` from the first rows; a clear error when both or neither fit."""
+    if mapping.format:
+        return _check_format(mapping.format)
+    votes = set()
+    for row in rows[:32]:
+        if not isinstance(row, dict):
+            continue
+        fits = [fmt for fmt in FORMATS if _fits(row, mapping.resolved(fmt))]
+        if len(fits) > 1:
+            raise ValueError(
+                f"ambiguous input: a row fits both formats {fits} (keys {sorted(row)}); "
+                "pass --format openai|sharegpt or a --mapping YAML"
+            )
+        votes.update(fits)
+    if len(votes) == 1:
+        return votes.pop()
+    if not votes:
+        keys = sorted({k for r in rows[:32] if isinstance(r, dict) for k in r})
+        raise ValueError(
+            f"cannot detect the format: no row has 'messages' (role/content) or 'conversations' "
+            f"(from/value); keys seen: {keys}. Pass --format and the column flags or --mapping"
+        )
+    raise ValueError(f"ambiguous input: rows of both formats {sorted(votes)}; pass --format")
+
+
+def _fits(row: dict, m: Mapping) -> bool:
+    turns = row.get(m.messages)
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], dict):
+        return False
+    return m.role_tag in turns[0] and m.content_tag in turns[0]
+
+
+def _media_list(row: dict, key: str, kind: str) -> list[str]:
+    value = row.get(key)
+    if value is None:
+        return []
+    if isinstance(value, (str, dict)):
+        value = [value]
+    if not isinstance(value, list):
+        raise FormatError("bad_schema", f"'{key}' must be a list of paths, got {type(value).__name__}")
+    out = []
+    for item in value:
+        if isinstance(item, dict):
+            item = item.get("path", item.get(kind, item.get("url")))
+        if not isinstance(item, str) or not item:
+            raise FormatError("bad_schema", f"'{key}' entries must be non-empty paths, got {item!r}")
+        out.append(item)
+    return out
+
+
+def _content_text(content: Any, part_images: list[str], part_videos: list[str]) -> str:
+    """A message's content as text with placeholders; media paths named in parts are collected."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise FormatError("bad_schema", f"content must be a string or a list of parts, got {type(content).__name__}")
+    pieces = []
+    for part in content:
+        if isinstance(part, str):
+            pieces.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            pieces.append(str(part.get("text", "")))
+        elif kind in ("image", "image_url", "video"):
+            is_video = kind == "video"
+            pieces.append(VIDEO_PLACEHOLDER if is_video else IMAGE_PLACEHOLDER)
+            ref = part.get(kind)
+            if isinstance(ref, dict):
+                ref = ref.get("url", ref.get("path"))
+            if isinstance(ref, str) and ref:
+                (part_videos if is_video else part_images).append(ref)
+        else:
+            raise FormatError("bad_schema", f"unknown content part {part!r}")
+    return "".join(pieces)
+
+
+def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: bool = False) -> Conversation:
+    """Validate one row and normalise it. ``mapping`` must be ``resolved`` (format known)."""
+    if not isinstance(row, dict):
+        raise FormatError("bad_schema", f"a row must be a JSON object, got {type(row).__name__}")
+    m = mapping
+    turns = row.get(m.messages)
+    if turns is None:
+        raise FormatError("bad_schema", f"no '{m.messages}' column (keys: {sorted(row)})")
+    if not isinstance(turns, list):
+        raise FormatError("bad_schema", f"'{m.messages}' must be a list of turns")
+    roles = m.roles()
+    part_images: list[str] = []
+    part_videos: list[str] = []
+    messages = []
+    if m.system and isinstance(row.get(m.system), str) and row[m.system]:
+        messages.append(Message("system", row[m.system]))
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise FormatError("bad_schema", f"turn {i} is not an object")
+        raw_role = turn.get(m.role_tag)
+        if raw_role not in roles:
+            raise FormatError("unknown_role", f"turn {i} has role {raw_role!r}; known: {sorted(roles, key=str)}")
+        role = roles[raw_role]
+        content = turn.get(m.content_tag)
+        if role == "function" and content is None and "tool_calls" in turn:  # OpenAI tool calls
+            content = json.dumps(turn["tool_calls"], ensure_ascii=False)
+        elif role == "assistant" and content is None and turn.get("tool_calls"):
+            role, content = "function", json.dumps(turn["tool_calls"], ensure_ascii=False)
+        messages.append(Message(role, _content_text(content, part_images, part_videos)))
+    if not messages or all(not msg.content.strip() for msg in messages if msg.role != "system"):
+        raise FormatError("empty_conversation", "no turn has any content")
+    images = _media_list(row, m.images, "image") or part_images
+    videos = _media_list(row, m.videos, "video") or part_videos
+    _check_turn_order(messages)
+    if auto_placeholders:
+        _insert_missing_placeholders(messages, images, videos)
+    _check_placeholders(messages, images, videos)
+    return Conversation(id=str(row.get(m.id, row_id)), messages=messages, images=images, videos=videos)
+
+
+def _check_turn_order(messages: list[Message]) -> None:
+    if not any(msg.role in RESPONSE_ROLES for msg in messages):
+        raise FormatError("no_assistant_turn", "the conversation has no assistant turn to learn from")
+    body = messages[1:] if messages[0].role == "system" else messages
+    for i, msg in enumerate(body):
+        expected = PROMPT_ROLES if i % 2 == 0 else RESPONSE_ROLES
+        if msg.role not in expected:
+            raise FormatError(
+                "bad_turn_order",
+                f"turn {i + len(messages) - len(body)} is {msg.role!r} but a {'/'.join(expected)} turn was expected "
+                "(optional system first, then user/observation and assistant/function alternate)",
+            )
+    if body[-1].role not in RESPONSE_ROLES:
+        raise FormatError("bad_turn_order", f"the conversation ends with a {body[-1].role!r} turn")
+
+
+def _insert_missing_placeholders(messages: list[Message], images: list[str], videos: list[str]) -> None:
+    """Rows with media but no placeholders at all get them prepended to the first user turn."""
+    text = "".join(msg.content for msg in messages)
+    missing = ""
+    if images and IMAGE_PLACEHOLDER not in text:
+        missing += IMAGE_PLACEHOLDER * len(images)
+    if videos and VIDEO_PLACEHOLDER not in text:
+        missing += VIDEO_PLACEHOLDER * len(videos)
+    if missing:
+        first_user = next(msg for msg in messages if msg.role == "user")
+        first_user.content = missing + first_user.content
+
+
+def _check_placeholders(messages: list[Message], images: list[str], videos: list[str]) -> None:
+    counts = {IMAGE_PLACEHOLDER: 0, VIDEO_PLACEHOLDER: 0}
+    for i, msg in enumerate(messages):
+        found = PLACEHOLDER_RE.findall(msg.content)
+        if found and msg.role not in PROMPT_ROLES:
+            raise FormatError("placeholder_mismatch", f"turn {i} ({msg.role}) holds {found[0]}; media belong in user turns")
+        for tag in found:
+            counts[tag] += 1
+    for tag, media in ((IMAGE_PLACEHOLDER, images), (VIDEO_PLACEHOLDER, videos)):
+        if counts[tag] != len(media):
+            raise FormatError(
+                "placeholder_mismatch", f"{counts[tag]} {tag} placeholder(s) but {len(media)} {tag[1:-1]} file(s)"
+            )
