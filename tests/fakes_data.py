@@ -60,3 +60,18 @@ def write_raw(root: str | Path, samples, per_shard: int = 10) -> Path:
         records.append(finalize_shard(writer, root / shard_name(len(records))))
     write_metadata(root, records)
     return root
+
+
+def pack_cli(raw, out, *extra: str) -> int:
+    """``omniweave data pack`` in-process with the test recipe (one worker process)."""
+    from omniweave.cli import main
+
+    return main(["data", "pack", "--input", str(raw), "--output", str(out), "--recipe", str(RECIPE),
+                 "--workers", "1", "--packs-per-shard", "3", *extra])
+
+
+def build_packed(tmp: Path, *extra: str, samples=None) -> tuple[Path, Path]:
+    raw = write_raw(Path(tmp) / "raw", samples if samples is not None else make_samples())
+    out = Path(tmp) / "packed"
+    assert pack_cli(raw, out, *extra) == 0
+    return raw, out
