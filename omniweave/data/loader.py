@@ -1,0 +1,202 @@
+"""PackedLoader: seeded per-epoch order over packs, resumable (epoch, cursor) state, DP shares.
+
+    loader = PackedLoader("packed", global_batch=8, dp_rank=r, dp_size=4, seed=0, data_cfg=cfg.data)
+    it = iter(loader)
+    micro_batches = next(it)          # this rank's 2 packs of the step, one dict per pack
+    state = loader.state_dict()       # position AFTER the batch just handed out
+
+The packs form one endless stream: epoch e is the permutation ``default_rng([seed, e])`` of all
+pack ids, epochs follow each other, and global batch n is stream[n*G : (n+1)*G] (a batch may
+straddle two epochs). ``cursor`` counts packs consumed within ``epoch``, so the state does not
+depend on dp_size: resuming with another number of ranks continues the same global batches,
+skipping nothing and repeating nothing. Rank r takes packs [r*m, (r+1)*m) of each global batch
+(m = G // dp_size), or, with ``balance="cost"``, an attention-cost balanced share.
+
+Iteration never ends by itself (the trainer stops at ``train.steps``); ``steps_per_epoch`` =
+num_packs // global_batch.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from omniweave.data.packed import PackedDataset, check_fingerprint
+from omniweave.data.sample import MediaSpan
+
+_PROCESSORS: dict[str, object] = {}
+
+
+def _processor(data_cfg: dict):
+    from omniweave.data.tokenize import SampleProcessor
+
+    key = json.dumps(data_cfg, sort_keys=True)
+    if key not in _PROCESSORS:  # one per process (loader workers build their own)
+        _PROCESSORS[key] = SampleProcessor(data_cfg)
+    return _PROCESSORS[key]
+
+
+def collate_pack(pack: dict, data_cfg: dict) -> dict:
+    """One pack read by PackedDataset -> the model's micro-batch dict (torch tensors, no batch dim)."""
+    proc = _processor(data_cfg)
+    vc = proc.vision
+    patch_dim = 3 * vc.temporal_patch_size * vc.patch_size**2
+    pixels = []
+    for m in pack["media"]:
+        span = MediaSpan(kind=m["kind"], part=m["part"], grid_thw=tuple(m["grid_thw"]),
+                         resized_hw=tuple(m["resized_hw"]), start=m["start"], length=m["length"],
+                         frame_indices=m["frame_indices"], second_per_grid=m["second_per_grid"])
+        pixels.append(proc.process_media(span, m["bytes"]))
+    media = pack["media"]
+    return {
+        "input_ids": torch.from_numpy(pack["input_ids"].astype(np.int64)),  # [L]
+        "labels": torch.from_numpy(pack["labels"].astype(np.int64)),  # [L] shifted
+        "position_ids": torch.from_numpy(pack["position_ids"].astype(np.int64)),  # [3 or 1, L]
+        "cu_seqlens": torch.from_numpy(pack["cu_seqlens"].astype(np.int32)),  # [D+1]
+        "pixel_values": torch.from_numpy(np.concatenate(pixels).astype(np.float32)) if pixels
+        else torch.zeros(0, patch_dim, dtype=torch.float32),  # [P, C*t*p*p]
+        "grid_thw": torch.tensor([m["grid_thw"] for m in media], dtype=torch.int64).reshape(-1, 3),  # [M, 3]
+        "media_spans": torch.tensor([[m["start"], m["length"]] for m in media], dtype=torch.int64).reshape(-1, 2),
+        "num_loss_tokens": int(pack["num_loss_tokens"]),
+    }
+
+
+class _PackMap(torch.utils.data.Dataset):
+    """Map-style view used by DataLoader workers: pack id -> collated micro-batch."""
+
+    def __init__(self, root: str, data_cfg: dict):
+        self.root, self.data_cfg, self._ds = root, data_cfg, None
+
+    def __getitem__(self, i: int) -> dict:
+        if self._ds is None:
+            self._ds = PackedDataset(self.root)
+        return collate_pack(self._ds[int(i)], self.data_cfg)
+
+    def __len__(self) -> int:
+        return len(PackedDataset(self.root))
+
+
+def _as_list(batch: list) -> list:
+    return batch
+
+
+def balance_by_cost(costs: list[float], dp_size: int) -> list[list[int]]:
+    """Split positions 0..G-1 into dp_size groups of G // dp_size with near-equal cost sums
+    (greedy: most expensive first, to the cheapest group that still has a free slot)."""
+    m = len(costs) // dp_size
+    groups: list[list[int]] = [[] for _ in range(dp_size)]
+    sums = [0.0] * dp_size
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        r = min((r for r in range(dp_size) if len(groups[r]) < m), key=lambda r: (sums[r], r))
+        groups[r].append(j)
+        sums[r] += costs[j]
+    return [sorted(g) for g in groups]
+
+
+class PackedLoader:
+    def __init__(self, path, global_batch: int, dp_rank: int, dp_size: int, seed: int = 0, data_cfg=None,
+                 num_workers: int = 0, balance: str | None = None, prefetch_factor: int = 2):
+        self.path = str(path)
+        self.dataset = PackedDataset(self.path)
+        manifest = self.dataset.manifest
+        if data_cfg is not None:
+            from omniweave.data.tokenize import _plain
+
+            cfg = {k: v for k, v in _plain(data_cfg).items() if k != "path"}
+            check_fingerprint(manifest, cfg, where=self.path)
+        if global_batch < 1 or dp_size < 1 or global_batch % dp_size:
+            raise ValueError(f"global_batch={global_batch} must be a positive multiple of dp_size={dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} not in [0, {dp_size})")
+        if balance not in (None, "contiguous", "cost"):
+            raise ValueError(f"balance={balance!r}; choose None, 'contiguous' or 'cost'")
+        if len(self.dataset) == 0:
+            raise ValueError(f"{self.path}: the packed dataset holds no packs")
+        self.global_batch, self.dp_rank, self.dp_size, self.seed = global_batch, dp_rank, dp_size, seed
+        self.per_rank = global_batch // dp_size
+        self.num_workers, self.balance, self.prefetch_factor = num_workers, balance, prefetch_factor
+        self.data_cfg = manifest["data_cfg"]  # what built the packs (media processing params)
+        self.epoch, self.cursor = 0, 0
+        self._orders: dict[int, np.ndarray] = {}
+
+    # ------------------------------------------------------------------ order and state
+
+    @property
+    def num_packs(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, self.num_packs // self.global_batch)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.num_packs)}
+        return self._orders[epoch]
+
+    def global_batch_ids(self, epoch: int, cursor: int) -> tuple[list[int], int, int]:
+        """Pack ids of the global batch starting at (epoch, cursor), and the state after it."""
+        ids: list[int] = []
+        while len(ids) < self.global_batch:
+            take = min(self.global_batch - len(ids), self.num_packs - cursor)
+            ids += self.order(epoch)[cursor : cursor + take].tolist()
+            cursor += take
+            if cursor == self.num_packs:
+                epoch, cursor = epoch + 1, 0
+        return ids, epoch, cursor
+
+    def pack_cost(self, i: int) -> float:
+        rec = self.dataset.record(i)
+        return float(sum(d["length"] ** 2 for d in rec["docs"]))
+
+    def rank_share(self, ids: list[int]) -> list[int]:
+        """This rank's packs of one global batch (the same rule on every rank: they agree)."""
+        if self.balance == "cost":
+            groups = balance_by_cost([self.pack_cost(i) for i in ids], self.dp_size)
+            return [ids[j] for j in groups[self.dp_rank]]
+        m = self.per_rank
+        return ids[self.dp_rank * m : (self.dp_rank + 1) * m]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_packs": self.num_packs,
+                "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_packs", self.num_packs) != self.num_packs:
+            raise ValueError(f"loader state is for {state['num_packs']} packs, this dataset has {self.num_packs}")
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(f"loader state has seed {state['seed']}, this loader seed {self.seed}")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+    # ------------------------------------------------------------------ iteration
+
+    def iter_pack_ids(self) -> Iterator[list[int]]:
+        """This rank's pack ids per step, from the current state on; advances the state."""
+        while True:
+            ids, epoch, cursor = self.global_batch_ids(self.epoch, self.cursor)
+            self.epoch, self.cursor = epoch, cursor
+            yield self.rank_share(ids)
+
+    def _shares_from(self, epoch: int, cursor: int) -> Iterator[list[int]]:
+        while True:
+            ids, epoch, cursor = self.global_batch_ids(epoch, cursor)
+            yield self.rank_share(ids)
+
+    def __iter__(self) -> Iterator[list[dict]]:
+        epoch, cursor = self.epoch, self.cursor
+        if self.num_workers <= 0:
+            for share in self._shares_from(epoch, cursor):
+                batch = [collate_pack(self.dataset[i], self.data_cfg) for i in share]
+                _, self.epoch, self.cursor = self.global_batch_ids(self.epoch, self.cursor)
+                yield batch
+            return
+        dl = torch.utils.data.DataLoader(
+            _PackMap(self.path, self.data_cfg), batch_sampler=self._shares_from(epoch, cursor),
+            num_workers=self.num_workers, collate_fn=_as_list, prefetch_factor=self.prefetch_factor,
+        )
+        for batch in dl:
+            _, self.epoch, self.cursor = self.global_batch_ids(self.epoch, self.cursor)
+            yield batch

@@ -1,0 +1,299 @@
+"""``omniweave data pack``: raw shards -> packed dataset, in three restartable phases.
+
+    scan   tokenize every sample (metadata only: vision tokens from media headers)
+           -> PACKED/scan/slice-IIIII-of-NNNNN.{npz,json}     (json written last = done)
+    plan   global packing plan over all slices; stats.json, lengths.png
+           -> PACKED/plan/plan.{npz,json}
+    write  re-tokenize the samples of each pack and write packed shards
+           -> PACKED/packs-SSSSSS.{bin,json}; manifest.json once every shard exists
+
+``--phase all`` runs the three on one machine. On a cluster, array jobs run
+``--phase scan --worker-index i --num-workers N``, one job runs ``--phase plan --num-workers N``,
+then array jobs run ``--phase write --worker-index i --num-workers N`` (docs/packing.md). A phase
+or shard whose done marker exists is never redone; a marker built with other settings is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from omniweave.data import packing
+from omniweave.data.packed import FORMAT, MANIFEST, PackedShardWriter, atomic_write_json, fingerprint_diff, pack_shard_name
+from omniweave.data.pack_stats import build_stats, plot_lengths
+
+SCAN_FIELDS = ("index", "length", "media", "vision", "images", "videos", "truncated", "loss")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", required=True, help="raw shard directory (omniweave data convert output)")
+    p.add_argument("--output", required=True, help="packed dataset directory")
+    p.add_argument("--recipe", required=True, help="recipe YAML (its data: section) or built-in recipe name")
+    p.add_argument("--max-len", type=int, default=None, help="pack capacity and max sample length (default data.max_len)")
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="processes on this machine")
+    p.add_argument("--algorithm", choices=packing.ALGORITHMS, default="bfd")
+    p.add_argument("--phase", choices=("scan", "plan", "write", "all"), default="all")
+    p.add_argument("--worker-index", type=int, default=0, help="this machine's slice (scan/write)")
+    p.add_argument("--num-workers", type=int, default=1, help="machines sharing scan/write (same value for plan)")
+    p.add_argument("--packs-per-shard", type=int, default=256)
+    p.add_argument("--max-media-per-pack", type=int, default=None)
+    p.add_argument("--max-vision-tokens-per-pack", type=int, default=None)
+
+
+def data_config(recipe: str, max_len: int | None) -> dict:
+    from omniweave.config import load_recipe, to_dict
+
+    data = to_dict(load_recipe(recipe)).get("data") or {}
+    data.pop("path", None)
+    if max_len is not None:
+        data["max_len"] = int(max_len)
+    return data
+
+
+def _build_id(args, data_cfg: dict, fingerprint: dict, raw_shards: list[dict]) -> dict:
+    """What decides the output; every done marker stores it and a restart must match it."""
+    return {
+        "fingerprint": fingerprint, "algorithm": args.algorithm, "packs_per_shard": args.packs_per_shard,
+        "max_media_per_pack": args.max_media_per_pack, "max_vision_tokens_per_pack": args.max_vision_tokens_per_pack,
+        "num_workers": args.num_workers, "source": raw_shards,
+    }
+
+
+def _check_marker(path: Path, build: dict) -> bool:
+    """True when ``path`` is a done marker of this build; raise when it belongs to another."""
+    if not path.is_file():
+        return False
+    diffs = fingerprint_diff(json.loads(path.read_text())["build"], build, prefix="build")
+    if diffs:
+        raise SystemExit(f"{path} was made with other settings (use a new --output):\n  " + "\n  ".join(diffs[:8]))
+    return True
+
+
+# ---------------------------------------------------------------------------- worker processes
+
+_W: dict = {}
+
+
+def _init_worker(raw_root: str, data_cfg: dict, plan_file: str | None = None) -> None:
+    from omniweave.data.shards import RawDataset
+    from omniweave.data.tokenize import SampleProcessor
+
+    _W["ds"] = RawDataset(raw_root)
+    _W["proc"] = SampleProcessor(data_cfg)
+    if plan_file:
+        with np.load(plan_file, allow_pickle=False) as z:
+            _W["plan"] = {k: z[k] for k in z.files}
+
+
+def _scan_range(bounds: tuple[int, int]) -> tuple[dict, dict]:
+    from omniweave.data.tokenize import SampleRejected
+
+    ds, proc = _W["ds"], _W["proc"]
+    rows, rejects = [], {}
+    for i in range(*bounds):
+        try:
+            s = proc.tokenize(ds[i])
+        except SampleRejected as e:
+            rejects.setdefault(e.reason, []).append(i)
+            continue
+        except Exception as e:  # noqa: BLE001  (a broken sample is counted, never fatal)
+            rejects.setdefault(f"unreadable:{type(e).__name__}", []).append(i)
+            continue
+        n_img = sum(m.kind == "image" for m in s.media)
+        rows.append((i, len(s), len(s.media), sum(m.length for m in s.media), n_img, len(s.media) - n_img,
+                     int(s.truncated), int((s.labels != -100).sum())))
+    arr = np.asarray(rows, dtype=np.int64).reshape(-1, len(SCAN_FIELDS))
+    return {f: arr[:, k] for k, f in enumerate(SCAN_FIELDS)}, rejects
+
+
+def _write_shard(shard: int) -> dict:
+    ds, proc, plan = _W["ds"], _W["proc"], _W["plan"]
+    out = Path(_W["out"])
+    first, last = plan["shard_first"][shard], plan["shard_first"][shard + 1]
+    writer = PackedShardWriter(out, shard)
+    for k in range(first, last):
+        docs = []
+        for i in plan["items"][plan["offsets"][k] : plan["offsets"][k + 1]].tolist():
+            raw = ds[i]
+            sample = proc.tokenize(raw)
+            if len(sample) != plan["length_of"][i]:
+                raise RuntimeError(f"sample {i} tokenized to {len(sample)} tokens, scanned as {plan['length_of'][i]}")
+            docs.append((sample, raw.media, {"index": i, "key": raw.key}))
+        writer.add(docs)
+    return writer.close()
+
+
+def _pool_map(fn, tasks: list, workers: int, initargs: tuple, desc: str, weights=None):
+    """Ordered results of fn over tasks, in ``workers`` processes, with a progress bar."""
+    bar = tqdm(total=sum(weights) if weights else len(tasks), desc=desc, unit="sample" if weights else "task",
+               dynamic_ncols=True, file=sys.stderr)
+    results = []
+    if workers <= 1 or len(tasks) <= 1:
+        _init_worker(*initargs)
+        it = map(fn, tasks)
+        pool = None
+    else:
+        pool = mp.get_context("fork").Pool(min(workers, len(tasks)), _init_worker, initargs)
+        it = pool.imap(fn, tasks)
+    try:
+        for k, r in enumerate(it):
+            results.append(r)
+            bar.update(weights[k] if weights else 1)
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return results
+
+
+# ---------------------------------------------------------------------------- phases
+
+def scan_phase(args, out: Path, data_cfg: dict, build: dict, n_raw: int) -> Path:
+    N, i = args.num_workers, args.worker_index
+    marker = out / "scan" / f"slice-{i:05d}-of-{N:05d}.json"
+    if _check_marker(marker, build):
+        print(f"scan: slice {i}/{N} already done ({marker})", file=sys.stderr)
+        return marker
+    lo, hi = i * n_raw // N, (i + 1) * n_raw // N
+    step = max(1, min(256, (hi - lo) // max(1, 4 * args.workers) or 1))
+    chunks = [(a, min(a + step, hi)) for a in range(lo, hi, step)]
+    results = _pool_map(_scan_range, chunks, args.workers, (args.input, data_cfg), f"scan {i}/{N}",
+                        weights=[b - a for a, b in chunks])
+    arrays = {f: np.concatenate([r[0][f] for r in results]) if results else np.zeros(0, np.int64) for f in SCAN_FIELDS}
+    rejects: dict[str, list[int]] = {}
+    for _, rj in results:
+        for reason, idx in rj.items():
+            rejects.setdefault(reason, []).extend(idx)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    npz = marker.with_suffix(".npz")
+    with open(npz.with_name(npz.name + ".tmp"), "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(npz.with_name(npz.name + ".tmp"), npz)
+    atomic_write_json(marker, {"build": build, "range": [lo, hi], "accepted": int(len(arrays["index"])),
+                               "rejected": {k: len(v) for k, v in rejects.items()}, "rejected_samples": rejects})
+    return marker
+
+
+def plan_phase(args, out: Path, build: dict, n_raw: int) -> dict:
+    marker = out / "plan" / "plan.json"
+    if _check_marker(marker, build):
+        print(f"plan: already done ({marker})", file=sys.stderr)
+        return json.loads(marker.read_text())
+    N = args.num_workers
+    missing = [k for k in range(N) if not (out / "scan" / f"slice-{k:05d}-of-{N:05d}.json").is_file()]
+    if missing:
+        raise SystemExit(f"plan: scan slices {missing} of {N} are not done yet (run --phase scan --worker-index K)")
+    scan = {f: [] for f in SCAN_FIELDS}
+    rejects: Counter = Counter()
+    for k in range(N):
+        m = out / "scan" / f"slice-{k:05d}-of-{N:05d}.json"
+        _check_marker(m, build)
+        rejects.update(json.loads(m.read_text())["rejected"])
+        with np.load(m.with_suffix(".npz"), allow_pickle=False) as z:
+            for f in SCAN_FIELDS:
+                scan[f].append(z[f])
+    scan = {f: np.concatenate(v) for f, v in scan.items()}
+    scan["total"] = n_raw
+    t0 = time.perf_counter()
+    capacity = int(build["fingerprint"]["max_len"])
+    plan = packing.pack(scan["length"], capacity, args.algorithm, media=scan["media"], vision=scan["vision"],
+                        max_media=args.max_media_per_pack, max_vision=args.max_vision_tokens_per_pack)
+    plan_s = time.perf_counter() - t0
+    drop_reason = "exceeds_pack_caps" if len(plan.dropped) else None
+    pack_drops = Counter({drop_reason: len(plan.dropped)}) if drop_reason else Counter()
+    stats = build_stats(scan, plan, rejects, pack_drops, args.algorithm)
+    stats["plan_seconds"] = round(plan_s, 3)
+    pps = args.packs_per_shard
+    shard_first = np.r_[np.arange(0, plan.num_packs, pps), plan.num_packs].astype(np.int64)
+    length_of = np.zeros(n_raw, np.int64)
+    length_of[scan["index"]] = scan["length"]
+    (out / "plan").mkdir(parents=True, exist_ok=True)
+    npz = out / "plan" / "plan.npz"
+    with open(npz.with_name("plan.npz.tmp"), "wb") as f:
+        np.savez(f, items=scan["index"][plan.items], offsets=plan.offsets, shard_first=shard_first, length_of=length_of)
+    os.replace(npz.with_name("plan.npz.tmp"), npz)
+    atomic_write_json(out / "stats.json", stats)
+    plot_lengths(out / "lengths.png", scan["length"][plan.items], plan.fills(scan["length"]), capacity,
+                 f"{stats['samples_packed']} samples -> {plan.num_packs} packs, efficiency {stats['efficiency']:.2%}")
+    info = {"build": build, "num_packs": plan.num_packs, "num_shards": len(shard_first) - 1, "stats": "stats.json"}
+    atomic_write_json(marker, info)
+    return info
+
+
+def write_phase(args, out: Path, data_cfg: dict, build: dict, info: dict) -> list[int]:
+    N, i = args.num_workers, args.worker_index
+    mine = [s for s in range(info["num_shards"]) if s % N == i]
+    todo = [s for s in mine if not (out / f"{pack_shard_name(s)}.json").is_file()]
+    if len(todo) < len(mine):
+        print(f"write: {len(mine) - len(todo)} of {len(mine)} shards already done", file=sys.stderr)
+    if todo:
+        _W["out"] = str(out)
+        _pool_map(_write_shard, todo, args.workers, (args.input, data_cfg, str(out / "plan" / "plan.npz")),
+                  f"write {i}/{N}")
+    return todo
+
+
+def maybe_finish(out: Path, data_cfg: dict, build: dict, info: dict) -> bool:
+    """Write manifest.json once every packed shard is on disk (any worker may be the last)."""
+    names = [pack_shard_name(s) for s in range(info["num_shards"])]
+    if not all((out / f"{n}.json").is_file() for n in names):
+        return False
+    shards = []
+    for n in names:
+        idx = json.loads((out / f"{n}.json").read_text())
+        shards.append({"name": n, "packs": len(idx["packs"]), "bytes": idx["bytes"]})
+    atomic_write_json(out / MANIFEST, {
+        "format": FORMAT, "fingerprint": build["fingerprint"], "data_cfg": data_cfg,
+        "algorithm": build["algorithm"], "capacity": int(build["fingerprint"]["max_len"]),
+        "caps": {"max_media": build["max_media_per_pack"], "max_vision_tokens": build["max_vision_tokens_per_pack"]},
+        "num_packs": sum(s["packs"] for s in shards), "source": build["source"], "packed_shards": shards,
+    })
+    return True
+
+
+def run(args) -> int:
+    from omniweave.data.shards import RawDataset
+    from omniweave.data.tokenize import SampleProcessor
+
+    if not 0 <= args.worker_index < args.num_workers:
+        raise SystemExit(f"--worker-index {args.worker_index} must be in [0, --num-workers {args.num_workers})")
+    if args.phase == "all" and args.num_workers != 1:
+        raise SystemExit("--phase all runs on one machine; with --num-workers N run scan, plan, write separately")
+    t0 = time.time()
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    data_cfg = data_config(args.recipe, args.max_len)
+    fingerprint = SampleProcessor(data_cfg).fingerprint()
+    raw = RawDataset(args.input)
+    source = [{"name": s.name, "count": s.count, "bytes": s.bytes} for s in raw.shards]
+    build = _build_id(args, data_cfg, fingerprint, source)
+    if args.phase in ("scan", "all"):
+        scan_phase(args, out, data_cfg, build, len(raw))
+    if args.phase in ("plan", "all"):
+        plan_phase(args, out, build, len(raw))
+    if args.phase in ("write", "all"):
+        marker = out / "plan" / "plan.json"
+        if not _check_marker(marker, build):
+            raise SystemExit(f"write: {marker} missing; run --phase plan first")
+        info = json.loads(marker.read_text())
+        write_phase(args, out, data_cfg, build, info)
+        if maybe_finish(out, data_cfg, build, info):
+            s = json.loads((out / "stats.json").read_text())
+            print(f"packed {s['samples_packed']}/{s['samples']} samples into {s['packs']} packs of {s['capacity']} "
+                  f"tokens, efficiency {s['efficiency']:.2%}, dropped {s['dropped'] or 0} -> {out} "
+                  f"({time.time() - t0:.1f}s)")
+            return 0
+        print(f"write {args.worker_index}/{args.num_workers}: done; other slices still pending ({time.time() - t0:.1f}s)")
+        return 0
+    print(f"{args.phase} {args.worker_index}/{args.num_workers}: done -> {out} ({time.time() - t0:.1f}s)")
+    return 0

@@ -1,0 +1,184 @@
+"""Packed dataset on disk: writer and O(1) random-access reader. No pickle anywhere.
+
+    PACKED/manifest.json                 fingerprint, data cfg, algorithm, source + packed shards
+    PACKED/stats.json  lengths.png       efficiency and counts (see pack.py)
+    PACKED/packs-NNNNNN.bin              flat little-endian records, one per pack:
+                                           input_ids int32 [L] | labels int32 [L] (SHIFTED) |
+                                           position_ids int32 [R, L] | media bytes …
+    PACKED/packs-NNNNNN.json             index of the shard (written last = the shard is done):
+                                           {"packs": [record, …]} with, per pack, its byte offset,
+                                           L, R, cu_seqlens, docs and media descriptors
+
+Labels are stored shifted: ``labels[i]`` is the target of position i, -100 on the last token of
+every document (it predicts nothing) and wherever the unshifted label was -100.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from omniweave.data.sample import TokenizedSample
+from omniweave.data.template import IGNORE_INDEX
+
+FORMAT = "omniweave-packed/1"
+MANIFEST = "manifest.json"
+
+
+def pack_shard_name(index: int) -> str:
+    return f"packs-{index:06d}"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_bytes(Path(path), (json.dumps(obj, indent=1) + "\n").encode())
+
+
+def shift_labels(labels: np.ndarray) -> np.ndarray:
+    """Unshifted labels of ONE document -> shifted: out[i] = labels[i + 1], out[-1] = -100."""
+    out = np.full_like(labels, IGNORE_INDEX)
+    out[:-1] = labels[1:]
+    return out
+
+
+def pack_arrays(samples: list[TokenizedSample]) -> dict:
+    """Concatenate tokenized documents into one pack row (numpy, int32)."""
+    input_ids = np.concatenate([s.input_ids for s in samples]).astype(np.int32)
+    labels = np.concatenate([shift_labels(s.labels) for s in samples]).astype(np.int32)
+    position_ids = np.concatenate([s.position_ids for s in samples], axis=1).astype(np.int32)
+    cu_seqlens = np.concatenate([[0], np.cumsum([len(s) for s in samples])]).astype(np.int32)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "cu_seqlens": cu_seqlens}
+
+
+class PackedShardWriter:
+    """Appends packs to ``packs-NNNNNN.bin.tmp``; ``close()`` publishes .bin then .json atomically."""
+
+    def __init__(self, root: str | Path, index: int):
+        self.base = Path(root) / pack_shard_name(index)
+        self.bin_path = self.base.with_suffix(".bin")
+        self.tmp = self.base.with_suffix(".bin.tmp")
+        self._file = open(self.tmp, "wb")
+        self.records: list[dict] = []
+
+    def add(self, docs: list[tuple[TokenizedSample, dict[str, bytes], dict]]) -> dict:
+        """docs: (tokenized sample, its media bytes by part, doc info {index, key}) in pack order."""
+        arrays = pack_arrays([d[0] for d in docs])
+        L, R = len(arrays["input_ids"]), arrays["position_ids"].shape[0]
+        offset = self._file.tell()
+        for name in ("input_ids", "labels", "position_ids"):
+            self._file.write(np.ascontiguousarray(arrays[name], dtype="<i4").tobytes())
+        media = []
+        for d, ((sample, media_bytes, info), doc_start) in enumerate(zip(docs, arrays["cu_seqlens"][:-1].tolist())):
+            for span in sample.media:
+                data = media_bytes[span.part]
+                media.append({
+                    "kind": span.kind, "part": span.part, "doc": d,
+                    "sample": info["index"], "resized_hw": list(span.resized_hw),
+                    "grid_thw": list(span.grid_thw), "frame_indices": span.frame_indices,
+                    "second_per_grid": span.second_per_grid, "start": doc_start + span.start,
+                    "length": span.length, "offset": self._file.tell(), "size": len(data),
+                })
+                self._file.write(data)
+        record = {
+            "offset": offset, "length": L, "rows": R,
+            "cu_seqlens": arrays["cu_seqlens"].tolist(),
+            "docs": [{"id": s.id, **info, "length": len(s), "truncated": bool(s.truncated)} for s, _, info in docs],
+            "media": media,
+            "num_loss_tokens": int((arrays["labels"] != IGNORE_INDEX).sum()),
+        }
+        self.records.append(record)
+        return record
+
+    def close(self) -> dict:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.tmp, self.bin_path)
+        size = self.bin_path.stat().st_size
+        atomic_write_json(self.base.with_suffix(".json"), {"format": FORMAT, "bytes": size, "packs": self.records})
+        return {"name": self.base.name, "packs": len(self.records), "bytes": size}
+
+
+@lru_cache(maxsize=64)
+def _shard_index(path: str) -> list[dict]:
+    return json.loads(Path(path).read_text())["packs"]
+
+
+class PackedDataset:
+    """``len(ds)`` packs; ``ds[i]`` -> dict of numpy arrays + media descriptors with their bytes.
+
+    Pack i is found in O(1): the manifest gives each shard's first pack id; a shard's JSON index
+    is read once (cached) and each record holds the byte offset of its pack."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        path = self.root / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} missing: not a packed dataset, or `omniweave data pack` has not finished")
+        self.manifest = json.loads(path.read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
+        self.shards = self.manifest["packed_shards"]
+        counts = [s["packs"] for s in self.shards]
+        self._shard_of = np.repeat(np.arange(len(counts)), counts)
+        self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self._first[-1])
+
+    def record(self, i: int) -> dict:
+        if not 0 <= i < len(self):
+            raise IndexError(f"pack {i} out of range for {len(self)} packs")
+        shard = int(self._shard_of[i])
+        name = self.shards[shard]["name"]
+        return _shard_index(str(self.root / f"{name}.json"))[i - int(self._first[shard])] | {"shard": name}
+
+    def __getitem__(self, i: int) -> dict:
+        rec = self.record(i)
+        L, R = rec["length"], rec["rows"]
+        with open(self.root / f"{rec['shard']}.bin", "rb") as f:
+            f.seek(rec["offset"])
+            flat = np.frombuffer(f.read(4 * L * (2 + R)), dtype="<i4")
+            media = []
+            for m in rec["media"]:
+                f.seek(m["offset"])
+                media.append({**m, "bytes": f.read(m["size"])})
+        return {
+            "input_ids": flat[:L], "labels": flat[L : 2 * L], "position_ids": flat[2 * L :].reshape(R, L),
+            "cu_seqlens": np.asarray(rec["cu_seqlens"], np.int32), "media": media, "docs": rec["docs"],
+            "num_loss_tokens": rec["num_loss_tokens"],
+        }
+
+
+def fingerprint_diff(built: dict, wanted: dict, prefix: str = "data") -> list[str]:
+    """Dotted names of the fields where two fingerprints differ, with both values."""
+    diffs = []
+    for key in sorted(set(built) | set(wanted)):
+        a, b = built.get(key), wanted.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += fingerprint_diff(a, b, f"{prefix}.{key}")
+        elif a != b:
+            diffs.append(f"{prefix}.{key}: packed with {a!r}, now {b!r}")
+    return diffs
+
+
+def check_fingerprint(manifest: dict, data_cfg, where: str = "") -> None:
+    """Raise ValueError naming every field where ``data_cfg`` disagrees with what built the packs."""
+    from omniweave.data.tokenize import SampleProcessor
+
+    wanted = SampleProcessor(data_cfg).fingerprint()
+    diffs = fingerprint_diff(manifest["fingerprint"], wanted)
+    if diffs:
+        raise ValueError(
+            f"packed dataset {where} was built with different data settings; repack it or fix the recipe:\n  "
+            + "\n  ".join(diffs)
+        )
