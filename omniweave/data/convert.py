@@ -61,9 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-placeholders", action="store_true",
                    help="rows with media but no <image>/<video> at all get them prepended to the first user turn")
     for name in COLUMN_FIELDS:
-        p.add_argument(f"--{name}-key", dest=name, help=f"column holding {name}")
+        p.add_argument(f"--{name}-key", dest=name, metavar="COLUMN", help=f"column holding the {name} (remap)")
+    tag_help = {
+        "role_tag": "key of a turn's role (openai: role, sharegpt: from)",
+        "content_tag": "key of a turn's text (openai: content, sharegpt: value)",
+        "user_tag": "role value of user turns (human)", "assistant_tag": "role value of assistant turns (gpt)",
+        "system_tag": "role value of system turns (system)",
+        "observation_tag": "role value of tool results (openai: tool, sharegpt: observation)",
+        "function_tag": "role value of tool calls (openai: function, sharegpt: function_call)",
+    }
     for name in TAG_FIELDS:
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, help=f"role key/value: {name}")
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar="NAME", help=tag_help[name])
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
