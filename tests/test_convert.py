@@ -183,3 +183,15 @@ def test_inspect_summarises_raw_output_and_rejects(bad_run, capsys):
     assert f"rejected {len(BAD_ROWS)}" in out and "undecodable_media" in out
     assert "height min 20" in out and "width  min 30" in out  # from the PNG header
     assert out.strip().splitlines()[-1].startswith("inspect: 3 samples")
+
+
+def test_maxsize_starts_new_shards(demo, tmp_path):
+    raw = tmp_path / "raw"
+    assert run_convert("--input", str(demo / "train.jsonl"), "--media-dir", str(demo / "media"), "--output",
+                       str(raw), "--maxcount", "60", "--maxsize", "16K", "--workers", "1") == 0
+    ds = RawDataset(raw)
+    assert len(ds) == 60 and len(ds.shards) > 2
+    sizes = [s.bytes for s in ds.shards]
+    biggest_sample = max(len(ds.read_bytes(i)) for i in range(len(ds)))
+    # a shard closes at the first sample boundary past maxsize (+ the end-of-archive record)
+    assert all(size <= 16 * 1024 + biggest_sample + 10240 for size in sizes), sizes

@@ -93,6 +93,7 @@ def test_tar_idx_offsets_seek_to_each_sample(converted):
     assert g == 45
 
 
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument")
 def test_energon_metadata_and_reading(converted):
     energon = pytest.importorskip("megatron.energon")
     root, rows = converted

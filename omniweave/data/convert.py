@@ -27,7 +27,7 @@ import sys
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omniweave.data import shards as sh
@@ -265,6 +265,7 @@ def run_job(job: Job) -> dict:
 def _fingerprint(args, files: list[str]) -> str:
     spec = {
         "inputs": [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files],
+        "mapping": Path(args.mapping).read_text() if args.mapping else None,
         "args": {k: v for k, v in sorted(vars(args).items()) if k not in ("workers", "no_progress", "strict")},
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -328,6 +329,7 @@ def run(args) -> int:
     if any(rows_by_file.values()):
         import av  # noqa: F401
 
+    tqdm.monitor_interval = 0  # no monitor thread in a process that forks workers
     bar = tqdm(total=len(rows), initial=sum(d["rows"] for d in done.values()), unit="row", desc="convert",
                disable=args.no_progress or None, dynamic_ncols=True)
     try:
