@@ -27,6 +27,7 @@ TEXT = {"messages": [turn("user", "2+2?"), turn("assistant", "4")]}
 # (reason, JSONL line) - one bad row per reject reason
 BAD_ROWS = [
     ("malformed_json", '{"messages": [ oops'),
+    ("malformed_json", '{"messages": "NOT_UTF8"}'),
     ("bad_schema", "[1, 2]"),
     ("missing_media", json.dumps({**GOOD, "images": ["nope.png"]})),
     ("unreadable_media", json.dumps({**GOOD, "images": ["folder.png"]})),
@@ -56,7 +57,7 @@ def bad_run(tmp_path_factory):
     lines = [json.dumps(GOOD), json.dumps(TEXT)]
     lines += [line.replace("ABS_OUTSIDE", str(root / "outside.png")) for _, line in BAD_ROWS]
     lines.append(json.dumps({**GOOD, "images": [str(media / "a.png")]}))  # absolute but inside: fine
-    (root / "in.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "in.jsonl").write_bytes(("\n".join(lines) + "\n").replace("NOT_UTF8", "\udcff").encode("utf-8", "surrogateescape"))
     rc = run_convert("--input", str(root / "in.jsonl"), "--media-dir", str(media), "--output", str(root / "raw"),
                      "--workers", "1")
     rejects = [json.loads(x) for x in (root / "raw/rejects.jsonl").read_text().splitlines()]

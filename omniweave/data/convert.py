@@ -83,20 +83,37 @@ class Row:
     file: str  # input file name as given
     index: int  # 0-based row index within the file
     line: int | None  # 1-based line number (JSONL)
-    raw: object  # JSONL: the line's text (parsed in the worker); JSON: the parsed object
+    raw: object  # JSONL: the line's text (parsed in the worker; bytes if not UTF-8); JSON: the parsed object
 
 
 def read_rows(path: str) -> list[Row]:
-    text = Path(path).read_text(encoding="utf-8")
-    if path.endswith(".jsonl") or not text.lstrip().startswith("["):
-        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-        return [Row(path, i, n, line) for i, (n, line) in enumerate(lines)]
+    data = Path(path).read_bytes()
+    if not path.endswith(".jsonl") and data.lstrip().startswith(b"{") and data.count(b"\n") > 1:
+        try:  # a pretty-printed single object is not JSONL
+            single = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            single = None
+        if isinstance(single, dict):
+            raise SystemExit(f"{path}: a .json input must hold a list of conversations (or use JSONL)")
+    if path.endswith(".jsonl") or not data.lstrip().startswith(b"["):
+        rows = []
+        for n, line in enumerate(data.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                text: str | bytes = line.decode("utf-8")
+            except UnicodeDecodeError:
+                text = line  # bytes: rejected as malformed_json by the worker
+            rows.append(Row(path, len(rows), n, text))
+        return rows
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"omniweave data convert: {path} is not valid JSON ({e}); one bad row in a JSON array "
-                         "makes the whole file unreadable, JSONL keeps going") from e
-    return [Row(path, i, None, obj) for i, obj in enumerate(data)]
+        parsed = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{path} is not valid JSON ({e}); one bad row in a JSON array makes the whole "
+                         "file unreadable, JSONL keeps going") from e
+    if not isinstance(parsed, list):
+        raise SystemExit(f"{path}: a .json input must hold a list of conversations, got {type(parsed).__name__}")
+    return [Row(path, i, None, obj) for i, obj in enumerate(parsed)]
 
 
 def build_mapping(args) -> Mapping:
@@ -111,8 +128,8 @@ def resolve_mapping(rows: list[Row], mapping: Mapping) -> Mapping:
     sample = []
     for row in rows[:64]:
         try:
-            sample.append(json.loads(row.raw) if isinstance(row.raw, str) else row.raw)
-        except json.JSONDecodeError:
+            sample.append(json.loads(row.raw) if isinstance(row.raw, (str, bytes)) else row.raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
             continue
     return mapping.resolved(detect_format(sample, mapping))
 
@@ -177,6 +194,8 @@ def _check_video(path: str, data: bytes) -> None:
 def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: bool):
     """-> (Conversation with part names, media dict); raises FormatError."""
     raw = row.raw
+    if isinstance(raw, bytes):
+        raise FormatError("malformed_json", "the line is not valid UTF-8")
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
