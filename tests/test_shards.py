@@ -53,7 +53,7 @@ def test_raw_dataset_round_trip(converted):
         conv = sample.conversation
         assert conv.id == row["id"]
         assert [{"role": m.role, "content": m.content} for m in conv.messages] == row["messages"]
-        assert conv.meta["images"] == row["images"] and conv.meta["videos"] == row["videos"]
+        assert conv.meta["source_images"] == row["images"] and conv.meta["source_videos"] == row["videos"]
         assert sample.media == expected_media(root, row)
     assert ds[-1].key == "s000000044" and ds[13].key == "s000000013"  # random access
     with pytest.raises(IndexError):

@@ -211,7 +211,8 @@ def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: b
             name = f"{prefix}{i}.{ext}"
             media[name] = _load_media(path, media_dir, kind)
             names[kind].append(name)
-    conv.meta = {"source": Path(row.file).name, "index": row.index, "images": conv.images, "videos": conv.videos}
+    conv.meta = {"source": Path(row.file).name, "index": row.index,
+                 "source_images": conv.images, "source_videos": conv.videos}
     conv.images, conv.videos = names["image"], names["video"]
     return conv, media
 
@@ -248,7 +249,7 @@ def run_job(job: Job) -> dict:
         nonlocal writer
         if writer is not None and writer.count:
             final = work / f"job-{job.number:06d}-{len(records):03d}.tar"
-            records.append({k: v for k, v in sh.finalize_shard(writer, final).items()})
+            records.append(sh.finalize_shard(writer, final))
         elif writer is not None:
             writer.abort()
         writer = None
