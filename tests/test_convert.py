@@ -27,6 +27,7 @@ TEXT = {"messages": [turn("user", "2+2?"), turn("assistant", "4")]}
 # (reason, JSONL line) - one bad row per reject reason
 BAD_ROWS = [
     ("malformed_json", '{"messages": [ oops'),
+    ("malformed_json", '{"messages": "NOT_UTF8"}'),
     ("bad_schema", "[1, 2]"),
     ("missing_media", json.dumps({**GOOD, "images": ["nope.png"]})),
     ("unreadable_media", json.dumps({**GOOD, "images": ["folder.png"]})),
@@ -56,7 +57,7 @@ def bad_run(tmp_path_factory):
     lines = [json.dumps(GOOD), json.dumps(TEXT)]
     lines += [line.replace("ABS_OUTSIDE", str(root / "outside.png")) for _, line in BAD_ROWS]
     lines.append(json.dumps({**GOOD, "images": [str(media / "a.png")]}))  # absolute but inside: fine
-    (root / "in.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "in.jsonl").write_bytes(("\n".join(lines) + "\n").replace("NOT_UTF8", "\udcff").encode("utf-8", "surrogateescape"))
     rc = run_convert("--input", str(root / "in.jsonl"), "--media-dir", str(media), "--output", str(root / "raw"),
                      "--workers", "1")
     rejects = [json.loads(x) for x in (root / "raw/rejects.jsonl").read_text().splitlines()]
@@ -183,3 +184,15 @@ def test_inspect_summarises_raw_output_and_rejects(bad_run, capsys):
     assert f"rejected {len(BAD_ROWS)}" in out and "undecodable_media" in out
     assert "height min 20" in out and "width  min 30" in out  # from the PNG header
     assert out.strip().splitlines()[-1].startswith("inspect: 3 samples")
+
+
+def test_maxsize_starts_new_shards(demo, tmp_path):
+    raw = tmp_path / "raw"
+    assert run_convert("--input", str(demo / "train.jsonl"), "--media-dir", str(demo / "media"), "--output",
+                       str(raw), "--maxcount", "60", "--maxsize", "16K", "--workers", "1") == 0
+    ds = RawDataset(raw)
+    assert len(ds) == 60 and len(ds.shards) > 2
+    sizes = [s.bytes for s in ds.shards]
+    biggest_sample = max(len(ds.read_bytes(i)) for i in range(len(ds)))
+    # a shard closes at the first sample boundary past maxsize (+ the end-of-archive record)
+    assert all(size <= 16 * 1024 + biggest_sample + 10240 for size in sizes), sizes

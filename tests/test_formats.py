@@ -131,3 +131,34 @@ def test_auto_placeholders_only_when_none_present():
     row["messages"][0]["content"] = "<image> what?"  # one present, two files: still a mismatch
     with pytest.raises(FormatError, match="placeholder_mismatch"):
         parse_row(row, OPENAI, row_id="r", auto_placeholders=True)
+
+
+def test_both_formats_parse_to_the_same_conversation_property():
+    """Any valid conversation written as OpenAI messages or as ShareGPT parses to the same thing."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    text = st.text(alphabet="abc xyz?!", max_size=12)
+    pair = st.tuples(text, st.integers(0, 2), st.integers(0, 1), text)  # user text, #images, #videos, answer
+
+    @settings(max_examples=60, deadline=None)
+    @given(system=st.one_of(st.none(), text), pairs=st.lists(pair, min_size=1, max_size=4))
+    def check(system, pairs):
+        turns, images, videos = [], [], []
+        if system:
+            turns.append(("system", system))
+        for user, n_img, n_vid, answer in pairs:
+            turns.append(("user", "<image>" * n_img + user + "<video>" * n_vid + "."))
+            turns.append(("assistant", answer + "."))
+            images += [f"i{len(images) + k}.png" for k in range(n_img)]
+            videos += [f"v{len(videos) + k}.mp4" for k in range(n_vid)]
+        oa = {"messages": [{"role": r, "content": c} for r, c in turns], "images": images, "videos": videos}
+        names = {"system": "system", "user": "human", "assistant": "gpt"}
+        sg = {"conversations": [{"from": names[r], "value": c} for r, c in turns], "images": images, "videos": videos}
+        a = parse_row(oa, OPENAI, row_id="r")
+        b = parse_row(sg, SHAREGPT, row_id="r")
+        assert a.to_json() == b.to_json()
+        assert [(m.role, m.content) for m in a.messages] == turns
+        assert a.images == images and a.videos == videos
+
+    check()

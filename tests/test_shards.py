@@ -53,7 +53,7 @@ def test_raw_dataset_round_trip(converted):
         conv = sample.conversation
         assert conv.id == row["id"]
         assert [{"role": m.role, "content": m.content} for m in conv.messages] == row["messages"]
-        assert conv.meta["images"] == row["images"] and conv.meta["videos"] == row["videos"]
+        assert conv.meta["source_images"] == row["images"] and conv.meta["source_videos"] == row["videos"]
         assert sample.media == expected_media(root, row)
     assert ds[-1].key == "s000000044" and ds[13].key == "s000000013"  # random access
     with pytest.raises(IndexError):
@@ -93,6 +93,7 @@ def test_tar_idx_offsets_seek_to_each_sample(converted):
     assert g == 45
 
 
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument")
 def test_energon_metadata_and_reading(converted):
     energon = pytest.importorskip("megatron.energon")
     root, rows = converted
@@ -167,3 +168,20 @@ def test_indices_equal_what_energon_prepare_builds(converted, tmp_path):
         assert rows(ours, table, order) == rows(theirs, table, order)
     assert json.loads((ours / ".nv-meta/.info.json").read_text())["shard_counts"] == \
         json.loads((theirs / ".nv-meta/.info.json").read_text())["shard_counts"]
+
+
+def test_raw_samples_feed_the_sample_processor(converted):
+    """The contract with packing: RawSample media parts resolve and the demo's 56-px media become
+    4 tokens (image) / 8 tokens (4-frame video) with min_pixels lowered to 56*56."""
+    from omniweave.data.tokenize import SampleProcessor
+
+    root, _ = converted
+    proc = SampleProcessor({"tokenizer": "demo", "template": "chatml", "max_len": 512,
+                            "vision": {"min_pixels": 3136, "video_min_pixels": 3136}})
+    spans = set()
+    for raw in RawDataset(root / "raw"):
+        sample = proc.tokenize(raw)
+        spans.update((s.kind, s.grid_thw, s.length) for s in sample.media)
+        for span in sample.media:
+            assert span.part in raw.media
+    assert spans == {("image", (1, 4, 4), 4), ("video", (2, 4, 4), 8)}

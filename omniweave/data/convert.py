@@ -27,7 +27,7 @@ import sys
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omniweave.data import shards as sh
@@ -61,9 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-placeholders", action="store_true",
                    help="rows with media but no <image>/<video> at all get them prepended to the first user turn")
     for name in COLUMN_FIELDS:
-        p.add_argument(f"--{name}-key", dest=name, help=f"column holding {name}")
+        p.add_argument(f"--{name}-key", dest=name, metavar="COLUMN", help=f"column holding the {name} (remap)")
+    tag_help = {
+        "role_tag": "key of a turn's role (openai: role, sharegpt: from)",
+        "content_tag": "key of a turn's text (openai: content, sharegpt: value)",
+        "user_tag": "role value of user turns (human)", "assistant_tag": "role value of assistant turns (gpt)",
+        "system_tag": "role value of system turns (system)",
+        "observation_tag": "role value of tool results (openai: tool, sharegpt: observation)",
+        "function_tag": "role value of tool calls (openai: function, sharegpt: function_call)",
+    }
     for name in TAG_FIELDS:
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, help=f"role key/value: {name}")
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar="NAME", help=tag_help[name])
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -75,20 +83,37 @@ class Row:
     file: str  # input file name as given
     index: int  # 0-based row index within the file
     line: int | None  # 1-based line number (JSONL)
-    raw: object  # JSONL: the line's text (parsed in the worker); JSON: the parsed object
+    raw: object  # JSONL: the line's text (parsed in the worker; bytes if not UTF-8); JSON: the parsed object
 
 
 def read_rows(path: str) -> list[Row]:
-    text = Path(path).read_text(encoding="utf-8")
-    if path.endswith(".jsonl") or not text.lstrip().startswith("["):
-        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-        return [Row(path, i, n, line) for i, (n, line) in enumerate(lines)]
+    data = Path(path).read_bytes()
+    if not path.endswith(".jsonl") and data.lstrip().startswith(b"{") and data.count(b"\n") > 1:
+        try:  # a pretty-printed single object is not JSONL
+            single = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            single = None
+        if isinstance(single, dict):
+            raise SystemExit(f"{path}: a .json input must hold a list of conversations (or use JSONL)")
+    if path.endswith(".jsonl") or not data.lstrip().startswith(b"["):
+        rows = []
+        for n, line in enumerate(data.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                text: str | bytes = line.decode("utf-8")
+            except UnicodeDecodeError:
+                text = line  # bytes: rejected as malformed_json by the worker
+            rows.append(Row(path, len(rows), n, text))
+        return rows
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"omniweave data convert: {path} is not valid JSON ({e}); one bad row in a JSON array "
-                         "makes the whole file unreadable, JSONL keeps going") from e
-    return [Row(path, i, None, obj) for i, obj in enumerate(data)]
+        parsed = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{path} is not valid JSON ({e}); one bad row in a JSON array makes the whole "
+                         "file unreadable, JSONL keeps going") from e
+    if not isinstance(parsed, list):
+        raise SystemExit(f"{path}: a .json input must hold a list of conversations, got {type(parsed).__name__}")
+    return [Row(path, i, None, obj) for i, obj in enumerate(parsed)]
 
 
 def build_mapping(args) -> Mapping:
@@ -103,8 +128,8 @@ def resolve_mapping(rows: list[Row], mapping: Mapping) -> Mapping:
     sample = []
     for row in rows[:64]:
         try:
-            sample.append(json.loads(row.raw) if isinstance(row.raw, str) else row.raw)
-        except json.JSONDecodeError:
+            sample.append(json.loads(row.raw) if isinstance(row.raw, (str, bytes)) else row.raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
             continue
     return mapping.resolved(detect_format(sample, mapping))
 
@@ -169,6 +194,8 @@ def _check_video(path: str, data: bytes) -> None:
 def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: bool):
     """-> (Conversation with part names, media dict); raises FormatError."""
     raw = row.raw
+    if isinstance(raw, bytes):
+        raise FormatError("malformed_json", "the line is not valid UTF-8")
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
@@ -184,7 +211,8 @@ def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: b
             name = f"{prefix}{i}.{ext}"
             media[name] = _load_media(path, media_dir, kind)
             names[kind].append(name)
-    conv.meta = {"source": Path(row.file).name, "index": row.index, "images": conv.images, "videos": conv.videos}
+    conv.meta = {"source": Path(row.file).name, "index": row.index,
+                 "source_images": conv.images, "source_videos": conv.videos}
     conv.images, conv.videos = names["image"], names["video"]
     return conv, media
 
@@ -221,7 +249,7 @@ def run_job(job: Job) -> dict:
         nonlocal writer
         if writer is not None and writer.count:
             final = work / f"job-{job.number:06d}-{len(records):03d}.tar"
-            records.append({k: v for k, v in sh.finalize_shard(writer, final).items()})
+            records.append(sh.finalize_shard(writer, final))
         elif writer is not None:
             writer.abort()
         writer = None
@@ -257,6 +285,7 @@ def run_job(job: Job) -> dict:
 def _fingerprint(args, files: list[str]) -> str:
     spec = {
         "inputs": [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files],
+        "mapping": Path(args.mapping).read_text() if args.mapping else None,
         "args": {k: v for k, v in sorted(vars(args).items()) if k not in ("workers", "no_progress", "strict")},
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -320,6 +349,7 @@ def run(args) -> int:
     if any(rows_by_file.values()):
         import av  # noqa: F401
 
+    tqdm.monitor_interval = 0  # no monitor thread in a process that forks workers
     bar = tqdm(total=len(rows), initial=sum(d["rows"] for d in done.values()), unit="row", desc="convert",
                disable=args.no_progress or None, dynamic_ncols=True)
     try:
