@@ -60,3 +60,20 @@ def test_qwen2_5_recipes_use_rmsnorm_merger_and_window_attention():
     assert cfg.model.image_encoder.window_size == 112
     assert list(cfg.model.image_encoder.fullatt_block_indexes) == [7, 15, 23, 31]
     assert load_recipe("qwen2_vl_7b").model.projector.norm == "layernorm"
+
+
+def test_tiny_model_from_meta_device_initialises_and_runs_in_bf16():
+    from vl_factory import MEDIA_CASES, make_sample
+
+    with torch.device("meta"):
+        model = build_model(load_recipe("tiny_qwen2_5_vl").model)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert torch.equal(model.image_encoder.blocks[0].norm1.weight, torch.ones(32))
+    assert abs(model.projector.mlp[0].weight.std().item() - 0.02) < 0.005
+    model = model.to(torch.bfloat16)
+    batch = {k: v for k, v in make_sample(MEDIA_CASES["mixed"], seed=2).items() if k != "kinds"}
+    out = model(batch)
+    out.loss_sum.backward()
+    assert out.loss_sum.dtype == torch.float32 and torch.isfinite(out.loss_sum)
+    assert model.image_encoder.patch_embed.proj.weight.grad.abs().sum() > 0
