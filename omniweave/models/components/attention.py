@@ -21,6 +21,7 @@ its lse is computed by a separate chunked pass, skipped with ``need_lse=False``)
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Protocol
 
@@ -124,6 +125,7 @@ def sdpa_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=No
     return out, lse
 
 
+@functools.lru_cache(maxsize=None)
 def flash_available() -> bool:
     try:
         import flash_attn  # noqa: F401
