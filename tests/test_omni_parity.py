@@ -145,3 +145,23 @@ def test_export_round_trip_loads_in_transformers(pair, tmp_path):
     reloaded, _ = load_hf(out)
     for (n1, p1), (n2, p2) in zip(ours.state_dict().items(), reloaded.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_tied_embeddings_load_and_export(tmp_path):
+    """Qwen2-VL-2B style (tie_word_embeddings): no lm_head in the checkpoint, none exported."""
+    from safetensors import safe_open
+
+    path = save_tiny("qwen2_vl", tmp_path / "hf", tie=True)
+    hf = hf_class("qwen2_vl").from_pretrained(path, attn_implementation="eager").eval()
+    ours, _ = load_hf(path)
+    assert ours.foundation.lm_head.weight is ours.foundation.embed_tokens.weight
+    sample = make_sample(MEDIA_CASES["one_image"], seed=10)
+    with torch.no_grad():
+        assert (ours.logits(_batch(hf, sample)) - hf(**hf_inputs(sample)).logits[0]).abs().max() <= 1e-4
+    out = export_hf(ours, None, tmp_path / "export")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "visual.merger.ln_q.bias" in f.keys()
+    again = hf_class("qwen2_vl").from_pretrained(out, attn_implementation="eager").eval()
+    assert again.config.tie_word_embeddings
+    with torch.no_grad():
+        assert torch.equal(again(**hf_inputs(sample)).logits, hf(**hf_inputs(sample)).logits)

@@ -60,3 +60,53 @@ def test_qwen2_5_recipes_use_rmsnorm_merger_and_window_attention():
     assert cfg.model.image_encoder.window_size == 112
     assert list(cfg.model.image_encoder.fullatt_block_indexes) == [7, 15, 23, 31]
     assert load_recipe("qwen2_vl_7b").model.projector.norm == "layernorm"
+
+
+def test_tiny_model_from_meta_device_initialises_and_runs_in_bf16():
+    from vl_factory import MEDIA_CASES, make_sample
+
+    with torch.device("meta"):
+        model = build_model(load_recipe("tiny_qwen2_5_vl").model)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert torch.equal(model.image_encoder.blocks[0].norm1.weight, torch.ones(32))
+    assert abs(model.projector.mlp[0].weight.std().item() - 0.02) < 0.005
+    model = model.to(torch.bfloat16)
+    batch = {k: v for k, v in make_sample(MEDIA_CASES["mixed"], seed=2).items() if k != "kinds"}
+    out = model(batch)
+    out.loss_sum.backward()
+    assert out.loss_sum.dtype == torch.float32 and torch.isfinite(out.loss_sum)
+    assert model.image_encoder.patch_embed.proj.weight.grad.abs().sum() > 0
+
+
+HUB_QWEN2_VL_7B = {  # config.json of Qwen/Qwen2-VL-7B-Instruct (transformers 4.x layout: flat text keys)
+    "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "bos_token_id": 151643,
+    "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                      "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+}  # fmt: skip
+
+
+def test_hub_style_flat_config_maps_to_the_shipped_recipe():
+    """A 4.x hub config.json (flat text keys, legacy rope_scaling type mrope, in_chans) gives the
+    same encoder / projector / LLM sizes as the qwen2_vl_7b recipe."""
+    from omniweave.models.hf.loading import adapter_for
+
+    ours = adapter_for("qwen2_vl").model_config(HUB_QWEN2_VL_7B)
+    assert ours["foundation"]["rope_scaling"] is None and ours["foundation"]["mrope_section"] == [16, 24, 24]
+    assert ours["foundation"]["extra_hf"]["vl"]["image_token_id"] == 151655
+    recipe = load_recipe("qwen2_vl_7b").model
+    for part in ("image_encoder", "projector"):
+        for key, value in ours[part].items():
+            assert recipe[part][key] == value, (part, key)
+    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):
+        assert recipe.foundation[key] == ours["foundation"][key], key
+    with torch.device("meta"):
+        model = build_model(ours)
+    assert abs(_params(model) - REAL["qwen2_vl_7b"]) / REAL["qwen2_vl_7b"] < 0.01

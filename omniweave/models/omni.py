@@ -49,6 +49,12 @@ class OmniModel(nn.Module):
         self.run_encoder_always = run_encoder_always
         self.loss_chunk = loss_chunk
 
+    def init_weights(self) -> None:
+        """Re-initialise every component (e.g. after ``to_empty`` from the meta device)."""
+        for part in (self.foundation, self.image_encoder, self.projector):
+            if part is not None and hasattr(part, "init_weights"):
+                part.init_weights()
+
     def hf_model_type(self) -> str:
         """HF family for ``omniweave hf export`` (the encoder decides: qwen2_vl / qwen2_5_vl)."""
         return self.image_encoder.hf_model_type

@@ -21,6 +21,7 @@ its lse is computed by a separate chunked pass, skipped with ``need_lse=False``)
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Protocol
 
@@ -108,21 +109,23 @@ def sdpa_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=No
     outs = []
     for q0, q1, k0, k1 in _doc_bounds(cu_seqlens_q, cu_seqlens_k):
         lq, lk = q1 - q0, k1 - k0
-        qd, kd, vd = q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1)
+        # [1, H, L, D]: 4-D inputs let SDPA pick its fused kernels (also on CPU)
+        qd, kd, vd = (t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
         if h != hkv:  # enable_gqa is not supported by every SDPA kernel; repeat explicitly
-            kd, vd = kd.repeat_interleave(h // hkv, dim=0), vd.repeat_interleave(h // hkv, dim=0)
+            kd, vd = kd.repeat_interleave(h // hkv, dim=1), vd.repeat_interleave(h // hkv, dim=1)
         if window is None and (not causal or lq == lk):
             o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
         else:
             mask = visible_mask(lq, lk, causal, window, q.device)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
-            o = o.masked_fill(~mask.any(-1)[None, :, None], 0.0)  # rows that see nothing: 0, not NaN
-        outs.append(o.transpose(0, 1))
+            o = o.masked_fill(~mask.any(-1)[:, None], 0.0)  # rows that see nothing: 0, not NaN
+        outs.append(o[0].transpose(0, 1))
     out = torch.cat(outs) if outs else torch.zeros_like(q)
     lse = chunked_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, window, scale) if need_lse else None
     return out, lse
 
 
+@functools.lru_cache(maxsize=None)
 def flash_available() -> bool:
     try:
         import flash_attn  # noqa: F401

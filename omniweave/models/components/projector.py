@@ -56,6 +56,11 @@ class PatchMerger(nn.Module):
             raise ValueError(f"patch_merger norm {cfg.norm!r}: choose layernorm or rmsnorm")
         self.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, cfg.out_dim))
 
+    def init_weights(self, std: float = 0.02) -> None:
+        from omniweave.models.components.vit import _init
+
+        _init(self, std)
+
     def num_tokens(self, grid_thw: torch.Tensor) -> torch.Tensor:
         """int64 [M]: output tokens per media item."""
         return grid_thw.to(torch.long).prod(-1) // self.merge_size**2
@@ -75,6 +80,11 @@ class MLPAdapter(nn.Module):
         self.out_dim = cfg.out_dim
         hidden = cfg.hidden_dim or cfg.out_dim
         self.mlp = nn.Sequential(nn.Linear(cfg.in_dim, hidden), nn.GELU(), nn.Linear(hidden, cfg.out_dim))
+
+    def init_weights(self, std: float = 0.02) -> None:
+        from omniweave.models.components.vit import _init
+
+        _init(self, std)
 
     def num_tokens(self, grid_thw: torch.Tensor) -> torch.Tensor:
         return grid_thw.to(torch.long).prod(-1)

@@ -118,6 +118,17 @@ def _norm(cfg: Qwen2ViTConfig, dim: int) -> nn.Module:
     raise ValueError(f"vision norm {cfg.norm!r}: choose layernorm or rmsnorm")
 
 
+@torch.no_grad()
+def _init(module: nn.Module, std: float) -> None:
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv3d)):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.LayerNorm, RMSNorm)):
+            m.reset_parameters()
+
+
 class VisionAttention(nn.Module):
     def __init__(self, cfg: Qwen2ViTConfig):
         super().__init__()
@@ -203,6 +214,11 @@ class VisionTransformer(nn.Module):
         if index is not None:
             x = self._by_unit(x, torch.argsort(index))
         return x
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Fresh weights (after ``to_empty`` from the meta device): normal(std) linears, unit norms."""
+        _init(self, std)
 
     def dummy_input(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The smallest valid input (one merge block of zero pixels, one frame), for rows

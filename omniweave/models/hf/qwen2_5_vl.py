@@ -39,7 +39,7 @@ class Qwen25VLAdapter(Qwen2VLAdapter):
             "patch_size": v.get("patch_size", 14),
             "temporal_patch_size": v.get("temporal_patch_size", 2),
             "spatial_merge_size": merge,
-            "in_channels": v.get("in_channels", 3),
+            "in_channels": v.get("in_channels", v.get("in_chans", 3)),
             "window_size": v.get("window_size", 112),
             "fullatt_block_indexes": list(v.get("fullatt_block_indexes", [7, 15, 23, 31])),
             "rope_theta": float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),

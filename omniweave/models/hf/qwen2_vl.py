@@ -48,6 +48,9 @@ class Qwen2VLAdapter:
         if "tie_word_embeddings" in hf:
             text["tie_word_embeddings"] = hf["tie_word_embeddings"]
         foundation = self.text.config_to_ours(text)
+        scaling = foundation.get("rope_scaling") or {}
+        if scaling.get("rope_type", scaling.get("type")) == "mrope":  # legacy {"type": "mrope", ...}
+            foundation["rope_scaling"] = None
         if not foundation.get("mrope_section"):
             raise ValueError(f"{self.model_type}: the text config has no mrope_section (rope_parameters)")
         vl = {k: hf[k] for k in VL_KEYS if k in hf}
@@ -67,7 +70,8 @@ class Qwen2VLAdapter:
             raise ValueError(f"qwen2_vl vision hidden_act {v['hidden_act']!r}: only quick_gelu is supported")
         embed = v.get("embed_dim", 1280)
         common = {"patch_size": v.get("patch_size", 14), "temporal_patch_size": v.get("temporal_patch_size", 2),
-                  "spatial_merge_size": v.get("spatial_merge_size", 2), "in_channels": v.get("in_channels", 3)}  # fmt: skip
+                  "spatial_merge_size": v.get("spatial_merge_size", 2),
+                  "in_channels": v.get("in_channels", v.get("in_chans", 3))}  # fmt: skip
         encoder = {
             "name": "qwen2_vit",
             "depth": v.get("depth", 32),

@@ -1,0 +1,226 @@
+"""Benchmark: one forward+backward step of omniweave's decoder vs the same transformers model.
+
+Same config, same weights (the transformers model is saved and loaded into omniweave), same
+documents. omniweave runs them as ONE packed row (varlen attention per document, chunked loss);
+transformers runs them as a padded batch [D, max_len] with an attention mask (its standard way to
+keep documents apart) and its own loss over full logits. Each measurement runs in a fresh
+subprocess so peak memory is that step's alone (CUDA: max_memory_allocated; CPU: peak RSS growth
+over the post-warm-up RSS). MFU = useful model FLOPs / step time / measured fp32 matmul peak
+(useful = 6·N per real token + causal attention 6·layers·H·hd·Σ len²; padding is not useful).
+
+    python bench/model_step.py [--sizes 2048 8192 16384] [--device cpu] [--preset small] [--out bench/out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# bench/ holds a file named like the stdlib ``tokenize``: keep the folder off the import path.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import torch  # noqa: E402
+
+# Model presets (Qwen2 family, GQA 2:1, head_dim 64): "small" fits the shared 2-core CPU box in
+# minutes; "medium" (~200M parameters) is the one to run on a GPU.
+PRESETS = {
+    "small": dict(vocab_size=8192, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1),
+    "medium": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                   num_attention_heads=16, num_key_value_heads=8),
+}  # fmt: skip
+CONFIG = dict(PRESETS["small"], max_position_embeddings=32768, tie_word_embeddings=False)
+
+
+def documents(total: int, seed: int = 0) -> list[int]:
+    """Document lengths (64..2048 tokens) summing to ``total``."""
+    g = torch.Generator().manual_seed(seed)
+    lens, left = [], total
+    while left > 0:
+        n = min(left, int(torch.randint(64, 2049, (1,), generator=g)))
+        lens.append(n)
+        left -= n
+    return lens
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def make_step(impl: str, hf_dir: str, lens: list[int], device: torch.device):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CONFIG["vocab_size"], (sum(lens),), generator=g)
+    if impl == "omniweave":
+        from omniweave.models.hf.loading import load_hf
+
+        model, _ = load_hf(hf_dir)
+        model.to(device).train()
+        labels = ids.roll(-1)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        labels[cu[1:] - 1] = -100
+        batch = {"input_ids": ids, "labels": labels, "cu_seqlens": cu,
+                 "position_ids": torch.cat([torch.arange(n) for n in lens])[None]}  # fmt: skip
+        batch = {k: v.to(device) for k, v in batch.items()}
+
+        def step():
+            out = model(batch)
+            (out.loss_sum / out.num_tokens).backward()
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa").float().to(device).train()
+        width = max(lens)
+        input_ids = torch.zeros(len(lens), width, dtype=torch.long)
+        mask = torch.zeros(len(lens), width, dtype=torch.long)
+        start = 0
+        for i, n in enumerate(lens):
+            input_ids[i, :n], mask[i, :n] = ids[start : start + n], 1
+            start += n
+        labels = input_ids.masked_fill(mask == 0, -100)
+        input_ids, mask, labels = input_ids.to(device), mask.to(device), labels.to(device)
+
+        def step():
+            model(input_ids=input_ids, attention_mask=mask, labels=labels).loss.backward()
+
+    return model, step
+
+
+def child(impl: str, hf_dir: str, size: int, device_name: str, repeats: int) -> dict:
+    device = torch.device(device_name)
+    lens = documents(size)
+    model, step = make_step(impl, hf_dir, documents(512, seed=9), device)
+    step()  # warm-up on a short row (kernels, allocator, lazy imports)
+    del model, step
+    gc.collect()
+    model, step = make_step(impl, hf_dir, lens, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = rss_bytes()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=False)
+    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()) - base
+    return {"impl": impl, "tokens": size, "docs": len(lens), "step_s": min(times),
+            "peak_mb": max(peak, 0) / 2**20, "sum_len2": sum(n * n for n in lens),
+            "padded_tokens": len(lens) * max(lens)}  # fmt: skip
+
+
+def matmul_peak(device: torch.device, n: int = 2048) -> float:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192, 16384])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    p.add_argument("--out", type=Path, default=Path("bench/out"))
+    p.add_argument("--child", nargs=3, metavar=("IMPL", "HF_DIR", "SIZE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    CONFIG.update(PRESETS[args.preset])
+    if args.child:
+        impl, hf_dir, size = args.child
+        print(json.dumps(child(impl, hf_dir, int(size), args.device, args.repeats)))
+        return 0
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    peak = matmul_peak(device)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        hf = Qwen2ForCausalLM(Qwen2Config(**CONFIG))
+        n_params = sum(p.numel() for p in hf.parameters())
+        n_nonembed = n_params - hf.model.embed_tokens.weight.numel()
+        hf.save_pretrained(tmp)
+        del hf
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        for size in args.sizes:
+            for impl in ("omniweave", "transformers"):
+                cmd = [sys.executable, __file__, "--child", impl, tmp, str(size), "--device", args.device,
+                       "--repeats", str(args.repeats), "--preset", args.preset]  # fmt: skip
+                res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if res.returncode:
+                    print(res.stderr[-3000:], file=sys.stderr)
+                    return 1
+                r = json.loads(res.stdout.strip().splitlines()[-1])
+                hd = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
+                flops = 6 * n_nonembed * size + 6 * CONFIG["num_hidden_layers"] * CONFIG["num_attention_heads"] * hd * r["sum_len2"]
+                r["tokens_per_s"] = size / r["step_s"]
+                r["mfu"] = flops / r["step_s"] / peak
+                rows.append(r)
+                print(f"{impl:>12} {size:>6} tokens ({r['docs']} docs): {r['step_s']:.2f} s/step, "
+                      f"{r['tokens_per_s']:.0f} tok/s, peak +{r['peak_mb']:.0f} MB, MFU {100 * r['mfu']:.1f}%", flush=True)  # fmt: skip
+
+    header = "| tokens | docs | impl | step s | tokens/s | peak MB | MFU | padded tokens |"
+    lines = [f"preset {args.preset}, device {args.device}, fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, model {n_params / 1e6:.1f}M params "
+             f"({n_nonembed / 1e6:.1f}M non-embedding)", "", header, "|" + "---|" * 8]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['docs']} | {r['impl']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['peak_mb']:.0f} | {100 * r['mfu']:.1f}% | {r['padded_tokens'] if r['impl'] == 'transformers' else r['tokens']} |")  # fmt: skip
+    table = "\n".join(lines)
+    print(table)
+    (args.out / "model_step.json").write_text(json.dumps({"peak_flops": peak, "rows": rows}, indent=2))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for impl, style in (("omniweave", "o-"), ("transformers", "s--")):
+        rs = [r for r in rows if r["impl"] == impl]
+        axes[0].plot([r["tokens"] for r in rs], [r["tokens_per_s"] for r in rs], style, label=impl)
+        axes[1].plot([r["tokens"] for r in rs], [r["peak_mb"] for r in rs], style, label=impl)
+    axes[0].set(xlabel="packed tokens per step", ylabel="tokens/s (fwd+bwd)", title=f"throughput ({args.device})")
+    axes[1].set(xlabel="packed tokens per step", ylabel="peak memory growth (MB)", title="peak memory")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.out / "model_step.png", dpi=120)
+    print(f"-> {args.out / 'model_step.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
