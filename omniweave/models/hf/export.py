@@ -1,8 +1,10 @@
 """Write a directory ``transformers`` loads with ``from_pretrained``: config.json + model.safetensors.
 
-CLI: ``omniweave hf export CKPT --output HF_DIR`` where CKPT holds ``model.safetensors`` (our
-state-dict names, as written by :func:`save_checkpoint_dir`) and ``config.yaml`` (a recipe with a
-``model:`` section, or the model section itself).
+CLI: ``omniweave hf export CKPT --output HF_DIR`` where CKPT is a training checkpoint (a DCP
+``step_N`` directory, a run's ``checkpoints/latest``, or the run directory itself: its latest
+complete checkpoint), or a plain directory holding ``model.safetensors`` (our state-dict names, as
+written by :func:`save_checkpoint_dir`) and ``config.yaml`` (a recipe with a ``model:`` section,
+or the model section itself).
 """
 
 from __future__ import annotations
@@ -25,8 +27,27 @@ def hf_model_type(model: nn.Module) -> str:
     return model.foundation.config.family
 
 
-def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write ``out_dir/config.json`` + ``out_dir/model.safetensors``; returns out_dir."""
+def tokenizer_hf_fields(data_cfg: dict | None) -> tuple[dict, Path | None]:
+    """(config.json token ids, tokenizer dir) of a recipe's ``data:`` section, so an exported VL
+    model's ``image_token_id`` … match the tokenizer it was trained with; ({}, None) without one."""
+    if not data_cfg or not data_cfg.get("tokenizer"):
+        return {}, None
+    from omniweave.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(data_cfg["tokenizer"])
+    ids = {}
+    for key, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                       ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+                       ("eos_token_id", tok.eos_token), ("bos_token_id", tok.bos_token), ("pad_token_id", tok.pad_token)):
+        if token and tok.has_token(token):
+            ids[key] = tok.token_id(token)
+    return ids, tok.path
+
+
+def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dtype: torch.dtype | None = None,
+              data_cfg: dict | None = None) -> Path:
+    """Write ``out_dir/config.json`` + ``out_dir/model.safetensors``; returns out_dir. With the
+    recipe's ``data_cfg``, the token ids come from its tokenizer, whose files are copied too."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -45,6 +66,20 @@ def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dty
     cfg = adapter.model_config_to_hf(model)
     cfg["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     cfg.pop("torch_dtype", None)
+    token_ids, tok_dir = tokenizer_hf_fields(data_cfg)
+    for key, value in token_ids.items():
+        if key in cfg or key.startswith(("image", "video", "vision")):
+            cfg[key] = value
+        if isinstance(cfg.get("text_config"), dict) and key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            cfg["text_config"][key] = value
+    if tok_dir is not None:
+        import shutil
+
+        from omniweave.data.tokenizer import TOKENIZER_FILES
+
+        for name in TOKENIZER_FILES:
+            if (tok_dir / name).is_file():
+                shutil.copyfile(tok_dir / name, out_dir / name)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out_dir
@@ -70,16 +105,21 @@ def save_checkpoint_dir(model: nn.Module, model_cfg: dict, ckpt_dir: str | Path)
 
 
 def load_checkpoint_dir(ckpt_dir: str | Path) -> tuple[nn.Module, dict]:
-    """(model, model_cfg) from a dir holding model.safetensors (our names) + config.yaml."""
+    """(model, model_cfg) from a training checkpoint or a dir holding model.safetensors + config.yaml."""
     import yaml
     from safetensors.torch import load_file
 
     ckpt_dir = Path(ckpt_dir)
     cfg_path, st_path = ckpt_dir / "config.yaml", ckpt_dir / "model.safetensors"
-    for p in (cfg_path, st_path):
-        if not p.exists():
-            hint = " (a DCP checkpoint? convert it with the trainer first)" if (ckpt_dir / ".metadata").exists() else ""
-            raise FileNotFoundError(f"{ckpt_dir}: no {p.name}{hint}")
+    if not st_path.exists():  # a training checkpoint (DCP), a checkpoints dir or a run dir
+        from omniweave.train.checkpoint import load_model
+
+        try:
+            return load_model(ckpt_dir)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{ckpt_dir}: neither model.safetensors + config.yaml nor a training checkpoint ({e})") from e
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{ckpt_dir}: no config.yaml next to model.safetensors")
     cfg = yaml.safe_load(cfg_path.read_text())
     model_cfg = cfg.get("model", cfg)
     with torch.device("meta"):
@@ -88,8 +128,24 @@ def load_checkpoint_dir(ckpt_dir: str | Path) -> tuple[nn.Module, dict]:
     return model, model_cfg
 
 
+def recipe_data_cfg(ckpt_dir: str | Path) -> dict | None:
+    """The ``data:`` section of the recipe saved with a checkpoint (None for a plain dir)."""
+    import yaml
+
+    for cand in (Path(ckpt_dir), Path(ckpt_dir).resolve()):
+        if (cand / "config.yaml").exists():
+            return yaml.safe_load((cand / "config.yaml").read_text()).get("data")
+    try:
+        from omniweave.train.checkpoint import resolve_checkpoint
+
+        return yaml.safe_load((resolve_checkpoint(ckpt_dir) / "config.yaml").read_text()).get("data")
+    except (FileNotFoundError, OSError):
+        return None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="checkpoint dir: model.safetensors + config.yaml")
+    parser.add_argument("checkpoint", help="training checkpoint (step dir, checkpoints/latest or run dir) "
+                        "or a dir with model.safetensors + config.yaml")
     parser.add_argument("--output", required=True, help="HF directory to write")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="cast floating tensors (default: keep)")  # fmt: skip
@@ -98,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     model, model_cfg = load_checkpoint_dir(args.checkpoint)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    out = export_hf(model, model_cfg, args.output, dtype)
+    out = export_hf(model, model_cfg, args.output, dtype, data_cfg=recipe_data_cfg(args.checkpoint))
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     print(f"exported {hf_model_type(model)} model ({n / 1e6:.1f}M parameters) to {out}")
     return 0

@@ -1,0 +1,63 @@
+"""Apply activation checkpointing and FSDP2 from outside the model (torchtitan's order: AC, then FSDP).
+
+The blocks are the foundation's decoder layers (``model.foundation.layers``) and, when present,
+the vision tower's blocks (``model.image_encoder.blocks``); the root ``fully_shard`` wraps the
+whole model, so the embeddings, final norm, LM head (the chunked loss reads
+``foundation.lm_head.weight`` directly) and the projector are sharded with the root.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks AC and FSDP wrap one by one: decoder layers, then ViT blocks."""
+    out = list(model.foundation.layers)
+    enc = getattr(model, "image_encoder", None)
+    if enc is not None and hasattr(enc, "blocks"):
+        out += list(enc.blocks)
+    return out
+
+
+def _replace_blocks(model: nn.Module, wrap) -> None:
+    for parent in (model.foundation.layers, getattr(getattr(model, "image_encoder", None), "blocks", None)):
+        if parent is None:
+            continue
+        for i, block in enumerate(list(parent)):
+            parent[i] = wrap(block, i)
+
+
+def apply_ac(model: nn.Module, mode: str = "none", every: int = 2) -> None:
+    """Activation checkpointing: ``none``; ``full`` (every block); ``selective`` (every
+    ``every``-th block, trading some of full's memory saving for less recompute)."""
+    if mode in (None, "none", False):
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"train.ac={mode!r}; choose none, full or selective")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def wrap(block: nn.Module, i: int) -> nn.Module:
+        if mode == "full" or i % every == 0:
+            return checkpoint_wrapper(block, preserve_rng_state=False)
+        return block
+
+    _replace_blocks(model, wrap)
+
+
+def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32") -> nn.Module:
+    """``fully_shard`` every block and then the root over the ``dp`` mesh.
+
+    bf16: parameters are all-gathered and computed in bf16, gradients reduced in fp32, the
+    sharded master weights stay fp32 (FSDP2 ``MixedPrecisionPolicy``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = None
+    if precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    for block in blocks(model):
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model

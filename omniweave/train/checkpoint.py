@@ -1,0 +1,177 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): sharded, atomic, resumable.
+
+    RUN/checkpoints/
+      step_000200/            complete checkpoint (DCP files + the rest below)
+        .metadata  __0_0.distcp …   model + optimizer, each rank writes its own shards
+        trainer_state.json    step, scheduler, loader (epoch, cursor), counters
+        rng_rank{r}.pt        each rank's torch RNG state
+        config.yaml           the full recipe (``omniweave hf export`` rebuilds the model from it)
+      latest -> step_000200   symlink, replaced atomically only after the directory is complete
+      .tmp-step_000300/       a save in progress (or killed): never read, removed on the next save
+
+A save writes into ``.tmp-step_N``, renames it to ``step_N`` when every rank has finished, and
+only then moves ``latest``; so a run killed at any moment leaves either the previous checkpoint
+or the new one, never a half one that looks whole. ``keep_last`` prunes older complete ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+FAULT_ENV = "OMNIWEAVE_FAULT_IN_SAVE"  # tests: SIGKILL rank 0 mid-save at this step
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").exists() and (path / "trainer_state.json").exists()
+
+
+def find_latest(ckpt_root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint: ``latest`` if it is whole, else the highest complete step."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return None
+    latest = root / "latest"
+    if latest.is_symlink() and is_complete(latest.resolve()):
+        return latest.resolve()
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
+    for _, p in reversed(steps):
+        if is_complete(p):
+            return p
+    return None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint dir from: a checkpoint dir, a ``checkpoints/`` dir, or a run dir."""
+    p = Path(path)
+    if is_complete(p.resolve()):
+        return p.resolve()
+    for root in (p, p / "checkpoints"):
+        found = find_latest(root)
+        if found is not None:
+            return found
+    raise FileNotFoundError(f"{p}: no complete checkpoint (expected .metadata + trainer_state.json)")
+
+
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def save(ckpt_root: str | os.PathLike, step: int, model: nn.Module, optimizer, trainer_state: dict,
+         config_yaml: str, keep_last: int = 0) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(ckpt_root)
+    name = step_dir_name(step)
+    final, tmp = root / name, root / f".tmp-{name}"
+    rank = _rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # e.g. the end-of-run save at a step that was just saved
+            shutil.rmtree(final)
+        tmp.mkdir()
+    _barrier()
+    dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp))
+    torch.save(torch.get_rng_state(), tmp / f"rng_rank{rank}.pt")
+    _barrier()
+    if rank == 0:
+        if os.environ.get(FAULT_ENV) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        os.rename(tmp, final)
+        link = root / ".latest.tmp"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(name)
+        os.replace(link, root / "latest")
+        if keep_last > 0:
+            complete = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
+            for _, old in complete[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
+    """Collective: restores model (+ optimizer) and this rank's RNG; returns trainer_state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    path = Path(path)
+    state = _dcp_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng = path / f"rng_rank{_rank()}.pt"
+    if rng.exists():  # absent when resuming with more ranks than saved: keep the seeded state
+        torch.set_rng_state(torch.load(rng, weights_only=True))
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def load_model(path: str | os.PathLike, model_cfg=None) -> tuple[nn.Module, dict]:
+    """(model on CPU, model_cfg) from a checkpoint dir, a checkpoints dir or a run dir, without a
+    process group: ``omniweave hf export`` and evaluation. The model config comes from the
+    checkpoint's ``config.yaml`` unless given."""
+    import torch.distributed.checkpoint as dcp
+    import yaml
+
+    from omniweave.models.registry import build_model
+
+    ckpt = resolve_checkpoint(path)
+    if model_cfg is None:
+        model_cfg = yaml.safe_load((ckpt / "config.yaml").read_text())["model"]
+    from omniweave.config import to_dict
+
+    model_cfg = to_dict(model_cfg)
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.load(state, checkpoint_id=str(ckpt))
+    model.load_state_dict(state["model"])
+    if hasattr(model, "foundation") and hasattr(model.foundation, "tie_weights"):
+        model.foundation.tie_weights()
+    return model, model_cfg
+
+
+def load_model_for_eval(run_dir: str | os.PathLike, cfg) -> nn.Module:
+    """The model of a run's latest complete checkpoint, on CPU, in eval mode."""
+    model, _ = load_model(run_dir, cfg.model)
+    return model.eval()

@@ -1,0 +1,168 @@
+"""Training metrics: one log line per step, ``metrics.jsonl``, TensorBoard events, ``loss.png``.
+
+FLOPs per step (for MFU) are the usual estimate: 6 × non-embedding parameters × tokens for the
+matmuls plus 6 × layers × hidden × Σ doc_len² for causal attention (forward + backward, the
+mask halving 12·L·d·n²). The peak is the device's: on CPU a measured fp32 matmul peak.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def matmul_peak_flops(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
+    """Best observed FLOP/s of an n×n fp32 matmul on ``device`` (the MFU denominator on CPU)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    mod = getattr(torch, device.type, None) if device.type != "cpu" else None
+    sync = mod.synchronize if mod is not None and hasattr(mod, "synchronize") else (lambda: None)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+# Dense bf16 peaks of common accelerators (FLOP/s); anything else is measured.
+KNOWN_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def device_peak_flops(device: torch.device, precision: str = "fp32") -> float:
+    if device.type == "cuda" and precision == "bf16":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in KNOWN_PEAKS.items():
+            if key in name:
+                return peak
+    return matmul_peak_flops(device)
+
+
+def model_flop_counts(model: nn.Module) -> tuple[int, int, int]:
+    """(non-embedding parameters, decoder layers, hidden size) for the FLOP estimate."""
+    f = model.foundation
+    emb = f.embed_tokens.weight.numel() if hasattr(f, "embed_tokens") else 0
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) - emb
+    return n, len(f.layers), int(f.config.hidden_size)
+
+
+def step_flops(counts: tuple[int, int, int], tokens: int, sum_len2: int) -> float:
+    n_params, layers, hidden = counts
+    return 6.0 * n_params * tokens + 6.0 * layers * hidden * sum_len2
+
+
+def _fmt_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class MetricsLogger:
+    """Rank 0 only writes; other ranks get a logger whose methods do nothing."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool, log_interval: int = 1,
+                 tensorboard: bool = True):
+        self.enabled, self.run_dir, self.total, self.log_interval = enabled, Path(run_dir), total_steps, log_interval
+        self.start_step, self.t0 = start_step, time.perf_counter()
+        self.history: list[dict[str, Any]] = []
+        self._jsonl = self._tb = self._bar = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():  # resuming: keep the steps before the checkpoint, drop the ones redone
+            kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= start_step]
+            path.write_text("".join(ln + "\n" for ln in kept))
+            self.history = [json.loads(ln) for ln in kept]
+        self._jsonl = path.open("a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+            except ImportError:  # tensorboard is optional
+                self._tb = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        step = record["step"]
+        done = step - self.start_step
+        elapsed = time.perf_counter() - self.t0
+        record["eta_s"] = round(elapsed / max(done, 1) * (self.total - step), 1)
+        self.history.append(record)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
+                    self._tb.add_scalar(f"train/{k}", v, step)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                  tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        if step % self.log_interval == 0 or step == self.total:
+            line = (f"step {step}/{self.total} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+                    f"grad_norm {record['grad_norm']:.3f} | tokens/s {record['tokens_per_s']:.0f} | "
+                    f"MFU {100 * record['mfu']:.1f}% | mem {record['memory_gb']:.2f} GB | ETA {_fmt_eta(record['eta_s'])}")
+            if record.get("skipped"):
+                line += " | SKIPPED (non-finite)"
+            (self._bar.write if self._bar is not None else print)(line)
+            sys.stdout.flush()
+
+    def log_eval(self, step: int, result: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        rec = {"step": step, **{k: v for k, v in result.items() if isinstance(v, (int, float))}}
+        with (self.run_dir / "eval.jsonl").open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for k, v in rec.items():
+                if k != "step":
+                    self._tb.add_scalar(k.replace("eval_", "eval/", 1), v, step)
+        print(f"eval at step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in rec.items() if k != "step"), flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        plot_loss(self.history, self.run_dir / "loss.png")
+
+
+def plot_loss(history: list[dict[str, Any]], out: Path) -> None:
+    if not history:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history if not r.get("skipped")]
+    loss = [r["loss"] for r in history if not r.get("skipped")]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, loss, lw=1)
+    ax.set(xlabel="step", ylabel="loss (per loss token)", title="training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,29 @@
+"""AdamW with decoupled weight decay; norms, biases and other 1-D parameters get no decay."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Trainable parameters split into (decay, no-decay); frozen components are left out."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_norm = "norm" in name.lower() or name.endswith(".bias") or p.ndim < 2
+        (no_decay if is_norm else decay).append(p)
+    if not decay and not no_decay:
+        raise ValueError("no trainable parameters: every component is frozen")
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, train_cfg) -> torch.optim.Optimizer:
+    betas = tuple(train_cfg.get("betas", (0.9, 0.95)))
+    return torch.optim.AdamW(
+        param_groups(model, float(train_cfg.get("weight_decay", 0.0))),
+        lr=float(train_cfg.lr), betas=betas, eps=float(train_cfg.get("eps", 1e-8)),
+        foreach=True,
+    )
