@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from omniweave.train import checkpoint
+from omniweave.train.loss import PHASES, apply_phase
 from omniweave.train.metrics import MetricsLogger, device_peak_flops, model_flop_counts, step_flops
 
 META_INIT_PARAMS = 2_000_000_000  # above this, initialise on the meta device and shard before materialising
@@ -100,6 +101,13 @@ def build(cfg, device: torch.device, dims) -> nn.Module:
         model.to_empty(device=device)
         model.init_weights()
     return model
+
+
+def _vision_pad_ids(data_cfg: dict) -> tuple[int, ...]:
+    from omniweave.data.loader import _processor
+
+    proc = _processor(data_cfg)
+    return (proc.image_pad_id, proc.video_pad_id)
 
 
 def _to_device(mb: dict, device: torch.device) -> dict:
@@ -189,6 +197,10 @@ def _train(cfg, resume, fault_hook) -> dict:
     loader = PackedLoader(cfg.data.path, gb, dp_rank=rank, dp_size=dims.dp, seed=seed, data_cfg=data_cfg,
                           num_workers=int(cfg.data.get("num_workers", 0)), balance=cfg.data.get("balance"))
     torch.manual_seed(seed + rank)
+    phase = str(tc.get("phase", "sft"))
+    if phase not in PHASES:
+        raise ValueError(f"train.phase={phase!r}; choose one of {PHASES}")
+    vision_pads = _vision_pad_ids(data_cfg)
 
     step, skipped, bad_in_row = 0, 0, 0
     ckpt = None
@@ -227,7 +239,7 @@ def _train(cfg, resume, fault_hook) -> dict:
     it = iter(loader)
     while step < total:
         t0 = time.perf_counter()
-        packs = next(it)
+        packs = apply_phase(next(it), phase, vision_pads)
         local = torch.tensor([
             sum(p["num_loss_tokens"] for p in packs),
             sum(p["input_ids"].numel() for p in packs),

@@ -1,0 +1,38 @@
+"""Training phases and their labels.
+
+``sft``: the packs' own labels (assistant turns only, set by the chat template at pack time).
+``pretrain``: every token predicts the next one *within its document* (the last token of a
+document predicts nothing), except that vision placeholder tokens are never targets. The same
+packed dataset serves both phases.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PHASES = ("sft", "pretrain")
+
+
+def pretrain_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, ignore_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    """Shifted next-token labels [L] for a packed row: labels[i] = input_ids[i + 1] inside a
+    document, -100 at each document's last token and where the target is in ``ignore_ids``."""
+    labels = torch.full_like(input_ids, -100)
+    labels[:-1] = input_ids[1:]
+    ends = cu_seqlens[1:].to(torch.long) - 1  # last token of each document
+    labels[ends[ends >= 0]] = -100
+    for t in ignore_ids:
+        labels[labels == t] = -100
+    return labels
+
+
+def apply_phase(packs: list[dict], phase: str, ignore_ids: tuple[int, ...]) -> list[dict]:
+    """The micro-batches with the labels (and loss-token counts) of ``phase``."""
+    if phase not in PHASES:
+        raise ValueError(f"train.phase={phase!r}; choose one of {PHASES}")
+    if phase == "sft":
+        return packs
+    out = []
+    for p in packs:
+        labels = pretrain_labels(p["input_ids"], p["cu_seqlens"], ignore_ids)
+        out.append({**p, "labels": labels, "num_loss_tokens": int((labels != -100).sum())})
+    return out
