@@ -23,12 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# bench/ holds a file named like the stdlib ``tokenize``: keep the folder off the import path.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import torch
 
-import torch  # noqa: E402
+from omniweave.train.metrics import matmul_peak_flops
 
 # Model presets (Qwen2 family, GQA 2:1, head_dim 64): "small" fits the shared 2-core CPU box in
 # minutes; "medium" (~200M parameters) is the one to run on a GPU.
@@ -132,19 +129,6 @@ def child(impl: str, hf_dir: str, size: int, device_name: str, repeats: int) -> 
             "padded_tokens": len(lens) * max(lens)}  # fmt: skip
 
 
-def matmul_peak(device: torch.device, n: int = 2048) -> float:
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best = float("inf")
-    for _ in range(5):
-        sync()
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192, 16384])
@@ -164,7 +148,7 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    peak = matmul_peak(device)
+    peak = matmul_peak_flops(device, n=2048)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
