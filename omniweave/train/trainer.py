@@ -100,6 +100,10 @@ def build(cfg, device: torch.device, dims) -> nn.Module:
     if meta_init:  # materialise each rank's shards only, then initialise them
         model.to_empty(device=device)
         model.init_weights()
+    if cfg.train.get("init_from"):  # each rank reads only its own slices of the HF safetensors
+        from omniweave.models.hf.loading import load_hf_into
+
+        load_hf_into(model, cfg.train.init_from)
     return model
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -99,3 +99,66 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = torch.float32, devic
             tensors[ours] = t
     assign_state_dict(model, tensors, str(hf_dir), dtype)
     return model, model_cfg
+
+
+def _weight_files(hf_dir: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (from the index, or the single file)."""
+    from safetensors import safe_open
+
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        return {k: hf_dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    out = {}
+    for f in safetensors_files(hf_dir):
+        with safe_open(str(f), framework="pt") as st:
+            out.update({k: f for k in st.keys()})
+    return out
+
+
+@torch.no_grad()
+def load_hf_into(model: nn.Module, hf_dir: str | Path) -> int:
+    """Copy a HF checkpoint into an already materialised model, in place; returns tensors read.
+
+    Parameters sharded by FSDP2 (DTensors) read only their own slice of each tensor from the
+    safetensors files (``get_slice``), so every rank reads just what it owns and nobody holds
+    the full model. Shapes are checked against the model; errors name the tensor."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    hf_dir = Path(hf_dir)
+    adapter = adapter_for(read_hf_config(hf_dir).get("model_type", "?"))
+    where = _weight_files(hf_dir)
+    skip = adapter.skip_on_export(model) if hasattr(adapter, "skip_on_export") else set()
+    tensors = dict(model.named_parameters())  # buffers (rope frequencies) come from init_weights
+    missing = []
+    handles: dict[Path, Any] = {}
+    try:
+        for name, t in tensors.items():
+            hf_name = None if name in skip else adapter.model_name_to_hf(name)
+            if hf_name is None:
+                continue
+            if hf_name not in where:
+                missing.append(hf_name)
+                continue
+            f = where[hf_name]
+            if f not in handles:
+                handles[f] = safe_open(str(f), framework="pt").__enter__()
+            sl = handles[f].get_slice(hf_name)
+            if tuple(sl.get_shape()) != tuple(t.shape):
+                raise ValueError(f"{hf_dir}: tensor {hf_name!r} has shape {tuple(sl.get_shape())}, "
+                                 f"model expects {tuple(t.shape)} ({name})")
+            if isinstance(t, DTensor):
+                local = t.to_local()
+                shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+                index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+                if local.numel():
+                    local.copy_(sl[index])
+            else:
+                t.copy_(sl[:])
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    if missing:
+        raise KeyError(f"{hf_dir}: missing tensors {missing[:8]}{'…' if len(missing) > 8 else ''}")
+    return len(tensors) - len(missing)
