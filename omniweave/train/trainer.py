@@ -281,9 +281,6 @@ def _train(cfg, resume, fault_hook) -> dict:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         step += 1
-        if bad_in_row >= max_bad:
-            raise RuntimeError(f"step {step}: {bad_in_row} steps in a row had a non-finite loss or gradient "
-                               f"(loss {loss}, grad_norm {grad_norm}); stopping. Lower train.lr or check the data.")
         if info.module is not None and hasattr(info.module, "synchronize"):
             info.module.synchronize()
         dt = time.perf_counter() - t0
@@ -292,6 +289,10 @@ def _train(cfg, resume, fault_hook) -> dict:
                 "mfu": step_flops(counts, tokens, sum_len2) / dt / peak,
                 "memory_gb": peak_memory_bytes(info) / 2**30, "skipped": not finite, "skipped_total": skipped}
         log.log(last)
+        if bad_in_row >= max_bad:  # after logging, so metrics.jsonl shows the step that stopped the run
+            log.close()
+            raise RuntimeError(f"step {step}: {bad_in_row} steps in a row had a non-finite loss or gradient "
+                               f"(loss {loss}, grad_norm {grad_norm}); stopping. Lower train.lr or check the data.")
         if (save_interval and step % save_interval == 0) or step == total:
             save()
         if eval_interval and cfg.get("eval", {}).get("path") and (step % eval_interval == 0 or step == total):

@@ -1,0 +1,110 @@
+"""Shared helpers for the trainer tests: a small packed demo dataset, recipe overrides, running
+``omniweave train`` in-process or as a subprocess (torchrun), reading metrics and final weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from omniweave.cli import main as cli
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_LEN = 512  # small packs keep a step well under a second on CPU
+
+
+def make_demo_packed(root: Path, samples: int = 200, max_len: int = MAX_LEN) -> Path:
+    """``omniweave data demo`` -> convert -> pack (demo recipe, ``max_len`` tokens): ~18 packs."""
+    root = Path(root)
+    assert cli(["data", "demo", str(root / "demo"), "--samples", str(samples), "--eval-samples", "8"]) == 0
+    return pack_jsonl(root / "demo" / "train.jsonl", root / "demo" / "media", root, max_len)
+
+
+def pack_jsonl(jsonl: Path, media: Path, root: Path, max_len: int = MAX_LEN, *extra: str) -> Path:
+    raw, packed = Path(root) / "raw", Path(root) / "packed"
+    assert cli(["data", "convert", "--input", str(jsonl), "--media-dir", str(media), "--output", str(raw),
+                "--workers", "1"]) == 0
+    assert cli(["data", "pack", "--input", str(raw), "--output", str(packed), "--recipe", "demo",
+                "--max-len", str(max_len), "--workers", "1", *extra]) == 0
+    return packed
+
+
+def overrides(packed: Path, out: Path, steps: int = 4, global_batch: int = 4, **kw) -> list[str]:
+    """Hydra overrides for a short demo run on ``packed`` (``kw``: dotted keys with '__' for '.')."""
+    ov = {"output_dir": out, "data.path": packed, "data.max_len": MAX_LEN, "train.steps": steps,
+          "train.global_batch": global_batch, "train.warmup": 1, "train.save_interval": 0,
+          "train.log_interval": 1, "train.eval_interval": 0}
+    ov.update({k.replace("__", "."): v for k, v in kw.items()})
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in ov.items()]
+
+
+def recipe(packed: Path, out: Path, **kw):
+    from omniweave.config import load_recipe
+
+    return load_recipe("demo", overrides(packed, out, **kw))
+
+
+def train_in_process(packed: Path, out: Path, fault_hook=None, resume=None, **kw) -> dict:
+    from omniweave.train.trainer import train
+
+    return train(recipe(packed, out, **kw), resume=resume, fault_hook=fault_hook)
+
+
+def child_env(**extra: str) -> dict:
+    """Environment for a child process: this worktree first on PYTHONPATH, torchrun's vars cleared."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def train_cmd(packed: Path, out: Path, nproc: int = 1, resume: str | None = None, **kw) -> list[str]:
+    cmd = [sys.executable, "-m", "omniweave", "train", "demo", *overrides(packed, out, **kw)]
+    if nproc > 1:
+        cmd += ["--nproc", str(nproc)]
+    if resume:
+        cmd += ["--resume", resume]
+    return cmd
+
+
+def train_subprocess(packed: Path, out: Path, nproc: int = 1, resume: str | None = None, timeout: float = 300,
+                     env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """Run ``omniweave train`` (``--nproc N`` -> torchrun) in its own process group; kill it all on timeout."""
+    proc = subprocess.Popen(train_cmd(packed, out, nproc, resume, **kw), env=env or child_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
+        raise AssertionError(f"omniweave train (nproc={nproc}) did not finish in {timeout} s:\n{stdout[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+def final_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a run's (or checkpoint's) model, loaded without a process group."""
+    from omniweave.train.checkpoint import load_model
+
+    model, _ = load_model(path)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
