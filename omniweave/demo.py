@@ -116,6 +116,8 @@ def pipeline(data_dir: Path, work: Path, recipe: Path, overrides: list[str], wor
     report = evaluate_file(model, _processor(cfg), data_dir / "eval.jsonl", data_dir / "media",
                            max_new_tokens=int(cfg.eval.max_new_tokens))
     report.update(run_dir=str(run_dir), steps=int(cfg.train.steps), train_seconds=round(train_seconds, 1))
+    per_task = ", ".join(f"{t} {a:.0%}" for t, a in sorted(report["by_task"].items()))
+    print(f"eval: accuracy {report['accuracy']:.1%} on {report['n']} held-out questions ({per_task})", flush=True)
     return report
 
 
