@@ -41,6 +41,8 @@ def tokenizer_hf_fields(data_cfg: dict | None) -> tuple[dict, Path | None]:
                        ("eos_token_id", tok.eos_token), ("bos_token_id", tok.bos_token), ("pad_token_id", tok.pad_token)):
         if token and tok.has_token(token):
             ids[key] = tok.token_id(token)
+        elif key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            ids[key] = None  # this tokenizer has none: do not keep the family default's id
     return ids, tok.path
 
 
