@@ -137,14 +137,17 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(demo_packed, tmp_path_factory,
 # ---------------------------------------------------------------------------- media imbalance
 
 
+SMALL_LEN = 256  # ~1-3 documents a pack
+
+
 def _text_and_video_packs(root, demo_dir):
     """Packed data whose packs are text-only or video-only (sequential packing of sorted rows)."""
     rows = [json.loads(ln) for ln in (demo_dir / "train.jsonl").read_text().splitlines()]
-    text = [r for r in rows if not r["images"] and not r["videos"]][:24]
-    video = [r for r in rows if r["videos"] and not r["images"]][:12]
+    text = [r for r in rows if not r["images"] and not r["videos"]]
+    video = [r for r in rows if r["videos"] and not r["images"]]
     jsonl = root / "mixed.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in text + video))
-    return pack_jsonl(jsonl, demo_dir / "media", root, 512, "--algorithm", "sequential")
+    return pack_jsonl(jsonl, demo_dir / "media", root, SMALL_LEN, "--algorithm", "sequential")
 
 
 def test_text_only_rank_next_to_video_rank_does_not_hang(demo_packed, tmp_path):
@@ -166,7 +169,8 @@ def test_text_only_rank_next_to_video_rank_does_not_hang(demo_packed, tmp_path):
         return True
 
     seed = next(s for s in range(500) if mixes(s))
-    res = train_subprocess(packed, tmp_path / "run", nproc=2, timeout=180, steps=2, global_batch=2, train__seed=seed)
+    res = train_subprocess(packed, tmp_path / "run", nproc=2, timeout=180, steps=2, global_batch=2, train__seed=seed,
+                           data__max_len=SMALL_LEN)
     assert res.returncode == 0, res.stdout[-4000:]
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) and not r["skipped"] for r in rows)
