@@ -55,12 +55,13 @@ def lognormal_mixture(n: int, capacity: int, seed: int = 0) -> np.ndarray:
 
 # ------------------------------------------------------------------------------ baselines
 
-def padding_to_longest(lengths: np.ndarray, capacity: int) -> dict:
-    """Dataset order, fixed batches of B = capacity // mean length samples, each padded to its
-    longest sample (the same token budget per batch as one pack, on average)."""
+def padding_to_longest(lengths: np.ndarray, capacity: int, grouped: bool = False) -> dict:
+    """Fixed batches of B = capacity // mean length samples (one pack's token budget on average),
+    each padded to its longest sample; in dataset order, or ``grouped`` by length (sorted first,
+    like ``group_by_length`` samplers; batches of similar lengths, in practice shuffled)."""
     b = max(1, int(capacity // lengths.mean()))
     n = len(lengths) // b * b
-    batches = lengths[:n].reshape(-1, b)
+    batches = (np.sort(lengths) if grouped else lengths)[:n].reshape(-1, b)
     padded = batches.max(axis=1) * b
     return {"efficiency": float(batches.sum() / padded.sum()), "rows": len(batches), "batch": b}
 
@@ -126,9 +127,11 @@ def efficiency_table(n: int, trl_limit: int) -> list[dict]:
     for cap in CAPACITIES:
         x = lognormal_mixture(n, cap)
         bound = int(np.ceil(x.sum() / cap))
-        pad = padding_to_longest(x, cap)
-        rows.append({"method": f"padding to longest (batch {pad['batch']})", "capacity": cap,
-                     "efficiency": pad["efficiency"], "rows": pad["rows"], "cv": None})
+        for grouped in (False, True):
+            pad = padding_to_longest(x, cap, grouped)
+            rows.append({"method": "padding, length-grouped" if grouped else "padding to longest",
+                         "batch": pad["batch"], "capacity": cap, "efficiency": pad["efficiency"],
+                         "rows": pad["rows"], "cv": None})
         plans = {"sorted greedy (next-fit)": sorted_greedy(x, cap)}
         for algo in P.ALGORITHMS:
             plans[f"omniweave {algo}"] = P.pack(x, cap, algo)
@@ -184,7 +187,7 @@ def demo_pack(samples: int, workers: int, max_len: int, work: Path) -> dict:
 # ------------------------------------------------------------------------------ report
 
 def fmt_pct(x) -> str:
-    return "—" if x is None else f"{100 * x:.2f}%"
+    return "—" if x is None else f"{100 * x:.3f}%"
 
 
 def print_tables(times: list[dict], eff: list[dict], demo: dict | None) -> None:
@@ -201,11 +204,12 @@ def print_tables(times: list[dict], eff: list[dict], demo: dict | None) -> None:
         print(f"| {'method':<36} | {'efficiency':>13} | {'rows':>9} | {'cost CV':>7} | {'max/mean':>8} |")
         print(f"|{'-' * 38}|{'-' * 14}:|{'-' * 10}:|{'-' * 8}:|{'-' * 9}:|")
         for r in rows:
+            name = f"{r['method']} (batch {r['batch']})" if "batch" in r else r["method"]
             eff_s = r.get("note") or fmt_pct(r["efficiency"])
             cv = "—" if r["cv"] is None else f"{r['cv']:.3f}"
             mm = "—" if r.get("max_over_mean") is None else f"{r['max_over_mean']:.2f}"
             rows_s = "—" if r["rows"] is None else f"{r['rows']:,}"
-            print(f"| {r['method']:<36} | {eff_s:>13} | {rows_s:>9} | {cv:>7} | {mm:>8} |")
+            print(f"| {name:<36} | {eff_s:>13} | {rows_s:>9} | {cv:>7} | {mm:>8} |")
         bfd = next(r for r in rows if r["method"] == "omniweave bfd")
         bal = next(r for r in rows if r["method"] == "omniweave balanced")
         print(f"balanced vs bfd attention-cost CV: {bal['cv']:.3f} vs {bfd['cv']:.3f} "
@@ -229,12 +233,16 @@ def plot(path: Path, times: list[dict], eff: list[dict], demo: dict | None) -> N
 
     fig, axes = plt.subplots(1, 3 if demo else 2, figsize=(15 if demo else 10, 4))
     ax = axes[0]
-    labels = [f"{r['algorithm']}\n{r['n'] / 1e6:g}M @{r['capacity'] // 1024}K" for r in times]
-    ax.bar(range(len(times)), [r["seconds"] for r in times], color="#4477aa")
-    ax.set_xticks(range(len(times)), labels, fontsize=7)
-    ax.set(ylabel="seconds (one thread)", title="packing plan time")
+    labels = [f"{r['algorithm']} {r['n'] / 1e6:g}M @{r['capacity'] // 1024}K" for r in times]
+    colors = {"bfd": "#4477aa", "balanced": "#228833", "sequential": "#aa3377"}
+    ax.barh(range(len(times)), [r["seconds"] for r in times], color=[colors[r["algorithm"]] for r in times])
+    ax.set_yticks(range(len(times)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set(xlabel="seconds (one thread, log scale)", title="packing plan time")
     for i, r in enumerate(times):
-        ax.text(i, r["seconds"], f"{r['seconds']:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.text(r["seconds"], i, f" {r['seconds']:.2f} s", va="center", fontsize=8)
+    ax.set_xlim(right=max(r["seconds"] for r in times) * 8)
     ax = axes[1]
     methods = list(dict.fromkeys(r["method"] for r in eff if r["efficiency"] is not None))
     width = 0.38
@@ -245,8 +253,13 @@ def plot(path: Path, times: list[dict], eff: list[dict], demo: dict | None) -> N
     ax.set_yticks(range(len(methods)), [m.replace("omniweave ", "") for m in methods], fontsize=8)
     ax.invert_yaxis()
     ax.set(xlabel="efficiency % (real / all tokens)", title="efficiency, 1M lognormal-mixture lengths")
-    ax.set_xlim(50, 100)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.set_xlim(0, 118)
+    for j, cap in enumerate(CAPACITIES):
+        for i, m in enumerate(methods):
+            v = next((r["efficiency"] for r in eff if r["method"] == m and r["capacity"] == cap), None)
+            if v is not None:
+                ax.text(100 * v, i + (j - 0.5) * width, f" {100 * v:.1f}", va="center", fontsize=7)
+    ax.legend(fontsize=8, loc="upper right")
     if demo:
         ax = axes[2]
         left = 0.0
@@ -255,7 +268,7 @@ def plot(path: Path, times: list[dict], eff: list[dict], demo: dict | None) -> N
             left += demo[f"{phase}_s"]
         ax.set_yticks([0], [f"{demo['samples']} demo samples"])
         ax.set(xlabel="seconds (each phase a fresh process)",
-               title=f"data pack: {demo['samples_per_s']:.0f} samples/s, efficiency {100 * demo['efficiency']:.2f}%")
+               title=f"data pack (demo): {demo['samples_per_s']:.0f} samples/s, {100 * demo['efficiency']:.2f}%")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
