@@ -86,10 +86,21 @@ def make_jsonl(path: Path, n: int, max_len: int, seed: int) -> list[int]:
     return target.tolist()
 
 
-def om(*argv: str, quiet: bool = True) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.DEVNULL if quiet else None
-    subprocess.run([sys.executable, "-m", "omniweave", *argv], check=True, env=env, stdout=out)
+THREADS = {"n": 1}
+
+
+def child_env() -> dict:
+    n = str(THREADS["n"])
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+
+
+def om(*argv: str) -> None:
+    """``python -m omniweave ARGV`` quietly; its output is shown if it fails."""
+    env = child_env()
+    res = subprocess.run([sys.executable, "-m", "omniweave", *argv], env=env, capture_output=True, text=True)
+    if res.returncode:
+        print(res.stdout[-3000:], res.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"omniweave {' '.join(argv[:2])} failed (exit {res.returncode})")
 
 
 def plan_steps(packed: Path, global_batch: int, steps: int, seed: int) -> list[list[dict]]:
@@ -209,16 +220,19 @@ def hf_child(hf_dir: str, packed: str, global_batch: int, steps: int, seed: int)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
-        records.append({"step": step, "loss": float(loss), "grad_norm": float(grad_norm), "tokens": tokens,
+        records.append({"step": step, "loss": loss.item(), "grad_norm": float(grad_norm), "tokens": tokens,
                         "step_s": dt, "tokens_per_s": tokens / dt})
     return records
 
 
 def run_hf(hf_dir: Path, packed: Path, global_batch: int, steps: int, args, out: Path) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     cmd = [sys.executable, __file__, "--hf-child", str(hf_dir), str(packed), str(global_batch), str(steps),
            "--seed", str(args.seed), "--out", str(out)]
-    subprocess.run(cmd, check=True, env=env)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode:
+        print(res.stderr[-3000:], file=sys.stderr)
+        raise SystemExit("transformers arm failed")
     return json.loads((out / "hf_records.json").read_text())
 
 
@@ -278,13 +292,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller model, fewer samples and steps (a smoke test)")
     p.add_argument("--samples", type=int, default=160)
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps per arm (at most one epoch of packs)")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per arm (at most one epoch of packs)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     p.add_argument("--global-batch", type=int, default=2, help="packs per step in the packed arm")
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads of every arm (1: no OpenMP oversubscription on a shared box)")
     p.add_argument("--arms", nargs="+", default=["packed", "padded", "transformers"])
     p.add_argument("--work", default="/tmp/omniweave-bench-train")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
@@ -302,6 +318,9 @@ def main() -> int:
     import torch
 
     from omniweave.data.packed import PackedDataset
+
+    THREADS["n"] = args.threads
+    torch.set_num_threads(args.threads)
     from omniweave.train.metrics import matmul_peak_flops
 
     work = Path(args.work)

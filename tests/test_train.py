@@ -21,6 +21,16 @@ from tests.train_factory import final_state, losses, max_abs_diff, read_metrics,
 STEPS = 6
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: under ``pytest -n 2`` on a small machine, two workers each spinning
+    several OpenMP threads slow these runs down ~10x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def short_run(demo_packed, tmp_path_factory):
     """6 steps, global batch 4, a checkpoint every 2 steps keeping the last 2."""

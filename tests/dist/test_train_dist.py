@@ -33,12 +33,12 @@ WEIGHT_ATOL = 1e-5  # every tensor of the final checkpoint, max |Δ| (measured ~
 _RUNS: dict = {}
 
 
-def _run(demo_packed, tmp_path_factory, nproc: int, gb: int = 4):
-    """A finished 6-step run (cached per session/worker): checkpoints every 2 steps, all kept."""
-    key = (nproc, gb)
+def _run(demo_packed, tmp_path_factory, nproc: int, gb: int = 4, steps: int = STEPS):
+    """A finished run (cached per session/worker): checkpoints every 2 steps, all kept."""
+    key = (nproc, gb, steps)
     if key not in _RUNS:
         out = tmp_path_factory.mktemp(f"dp{nproc}_gb{gb}") / "run"
-        res = train_subprocess(demo_packed, out, nproc=nproc, steps=STEPS, global_batch=gb,
+        res = train_subprocess(demo_packed, out, nproc=nproc, steps=steps, global_batch=gb,
                                train__save_interval=SAVE, train__keep_last=0)
         assert res.returncode == 0, res.stdout[-4000:]
         _RUNS[key] = out
@@ -55,10 +55,11 @@ def _assert_same_losses(got: list[float], want: list[float], rtol: float) -> flo
 # ---------------------------------------------------------------------------- data parallel
 
 
-@pytest.mark.parametrize("nproc,gb", [(2, 4), (4, 4), (2, 8)], ids=["2ranks", "4ranks", "2ranks-accum4"])
-def test_data_parallel_equals_single_process(demo_packed, tmp_path_factory, nproc, gb):
+@pytest.mark.parametrize("nproc,gb,steps", [(2, 4, STEPS), (4, 4, STEPS), (2, 8, 3)],
+                         ids=["2ranks", "4ranks", "2ranks-accum4"])
+def test_data_parallel_equals_single_process(demo_packed, tmp_path_factory, nproc, gb, steps):
     """Same global batch on N ranks (gb 8 on 2 ranks = 4 micro-batches per rank): same losses, same weights."""
-    ref, run = _run(demo_packed, tmp_path_factory, 1, gb), _run(demo_packed, tmp_path_factory, nproc, gb)
+    ref, run = (_run(demo_packed, tmp_path_factory, n, gb, steps) for n in (1, nproc))
     rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
     tokens = [r["tokens"] for r in read_metrics(run)]
     assert tokens == [r["tokens"] for r in read_metrics(ref)]  # every rank's packs counted once
