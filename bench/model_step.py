@@ -8,7 +8,12 @@ subprocess so peak memory is that step's alone (CUDA: max_memory_allocated; CPU:
 over the post-warm-up RSS). MFU = useful model FLOPs / step time / measured fp32 matmul peak
 (useful = 6·N per real token + causal attention 6·layers·H·hd·Σ len²; padding is not useful).
 
+On a shared CPU box, wall-clock times swing with other processes' load; ``--clock cpu`` times the
+process's CPU seconds instead (``time.process_time``, all threads summed) and, with
+``--threads 1``, gives per-core numbers that other load barely moves.
+
     python bench/model_step.py [--sizes 2048 8192 16384] [--device cpu] [--preset small] [--out bench/out]
+                               [--repeats 1] [--threads N] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -101,7 +106,11 @@ def make_step(impl: str, hf_dir: str, lens: list[int], device: torch.device):
     return model, step
 
 
-def child(impl: str, hf_dir: str, size: int, device_name: str, repeats: int) -> dict:
+def clock_fn(name: str):
+    return time.process_time if name == "cpu" else time.perf_counter
+
+
+def child(impl: str, hf_dir: str, size: int, device_name: str, repeats: int, clock: str = "wall") -> dict:
     device = torch.device(device_name)
     lens = documents(size)
     model, step = make_step(impl, hf_dir, documents(512, seed=9), device)
@@ -116,12 +125,12 @@ def child(impl: str, hf_dir: str, size: int, device_name: str, repeats: int) -> 
         base = torch.cuda.memory_allocated()
     else:
         base = rss_bytes()
-    times = []
+    times, now = [], clock_fn(clock)
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         step()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
         model.zero_grad(set_to_none=False)
     peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()) - base
     return {"impl": impl, "tokens": size, "docs": len(lens), "step_s": min(times),
@@ -137,18 +146,25 @@ def main() -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
     p.add_argument("--child", nargs=3, metavar=("IMPL", "HF_DIR", "SIZE"), help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time steps by wall clock or by the process's CPU seconds (all threads summed)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and args.device != "cpu":
+        p.error("--clock cpu only makes sense with --device cpu")
     CONFIG.update(PRESETS[args.preset])
     if args.child:
         impl, hf_dir, size = args.child
-        print(json.dumps(child(impl, hf_dir, int(size), args.device, args.repeats)))
+        print(json.dumps(child(impl, hf_dir, int(size), args.device, args.repeats, args.clock)))
         return 0
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    peak = matmul_peak_flops(device, n=2048)
+    peak = matmul_peak_flops(device, n=2048, timer=clock_fn(args.clock))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
@@ -161,7 +177,8 @@ def main() -> int:
         for size in args.sizes:
             for impl in ("omniweave", "transformers"):
                 cmd = [sys.executable, __file__, "--child", impl, tmp, str(size), "--device", args.device,
-                       "--repeats", str(args.repeats), "--preset", args.preset]  # fmt: skip
+                       "--repeats", str(args.repeats), "--preset", args.preset, "--threads", str(args.threads),
+                       "--clock", args.clock]  # fmt: skip
                 res = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if res.returncode:
                     print(res.stderr[-3000:], file=sys.stderr)
@@ -176,7 +193,7 @@ def main() -> int:
                       f"{r['tokens_per_s']:.0f} tok/s, peak +{r['peak_mb']:.0f} MB, MFU {100 * r['mfu']:.1f}%", flush=True)  # fmt: skip
 
     header = "| tokens | docs | impl | step s | tokens/s | peak MB | MFU | padded tokens |"
-    lines = [f"preset {args.preset}, device {args.device}, fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, model {n_params / 1e6:.1f}M params "
+    lines = [f"preset {args.preset}, device {args.device}, threads {torch.get_num_threads()}, {args.clock} clock, fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, model {n_params / 1e6:.1f}M params "
              f"({n_nonembed / 1e6:.1f}M non-embedding)", "", header, "|" + "---|" * 8]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['docs']} | {r['impl']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
@@ -195,7 +212,7 @@ def main() -> int:
         rs = [r for r in rows if r["impl"] == impl]
         axes[0].plot([r["tokens"] for r in rs], [r["tokens_per_s"] for r in rs], style, label=impl)
         axes[1].plot([r["tokens"] for r in rs], [r["peak_mb"] for r in rs], style, label=impl)
-    axes[0].set(xlabel="packed tokens per step", ylabel="tokens/s (fwd+bwd)", title=f"throughput ({args.device})")
+    axes[0].set(xlabel="packed tokens per step", ylabel="tokens/s (fwd+bwd)", title=f"throughput ({args.device}, {args.clock} clock)")
     axes[1].set(xlabel="packed tokens per step", ylabel="peak memory growth (MB)", title="peak memory")
     for ax in axes:
         ax.legend()
