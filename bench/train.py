@@ -18,7 +18,7 @@ tokens/s counts real (non-pad) tokens only. MFU = useful FLOPs / step time / mea
 matmul peak, useful FLOPs = 6·N·real tokens + 6·layers·hidden·Σ len² over the real samples
 (``omniweave.train.metrics.step_flops``); padding is wasted work, not useful FLOPs.
 
-    python bench/train.py [--quick] [--samples 160] [--steps 10] [--max-len 2048] [--out bench/out]
+    python bench/train.py [--quick] [--samples 160] [--steps 8] [--repeats 2] [--threads 1] [--out bench/out]
 """
 
 from __future__ import annotations
