@@ -18,7 +18,7 @@ tokens/s counts real (non-pad) tokens only. MFU = useful FLOPs / step time / mea
 matmul peak, useful FLOPs = 6·N·real tokens + 6·layers·hidden·Σ len² over the real samples
 (``omniweave.train.metrics.step_flops``); padding is wasted work, not useful FLOPs.
 
-    python bench/train.py [--quick] [--samples 160] [--steps 10] [--max-len 2048] [--out bench/out]
+    python bench/train.py [--quick] [--samples 160] [--steps 8] [--repeats 2] [--threads 1] [--out bench/out]
 """
 
 from __future__ import annotations
@@ -239,26 +239,29 @@ def run_hf(hf_dir: Path, packed: Path, global_batch: int, steps: int, args, out:
 # ---------------------------------------------------------------------------- report
 
 
-def summarize(name: str, records: list[dict], plan: list[list[dict]], counts, peak: float, warmup: int) -> dict:
+def summarize(name: str, runs: list[list[dict]], plan: list[list[dict]], counts, peak: float, warmup: int) -> dict:
+    """Medians over the timed steps of all repeats of one arm."""
     from omniweave.train.metrics import step_flops
 
     real = [sum(len(d["input_ids"]) for d in docs) for docs in plan]
     lens2 = [sum(len(d["input_ids"]) ** 2 for d in docs) for docs in plan]
     computed = real if name == "packed" else [len(docs) * max(len(d["input_ids"]) for d in docs) for docs in plan]
-    timed = [r for r in records if r["step"] > warmup]
-    step_s = [r["step_s"] for r in timed]
+    timed = [r for records in runs for r in records if r["step"] > warmup]
+    sel = [r["step"] - 1 for r in timed]
     tps = [real[r["step"] - 1] / r["step_s"] for r in timed]
     mfu = [step_flops(counts, real[r["step"] - 1], lens2[r["step"] - 1]) / r["step_s"] / peak for r in timed]
-    sel = [r["step"] - 1 for r in timed]
+    per_repeat = [statistics.median(real[r["step"] - 1] / r["step_s"] for r in records if r["step"] > warmup)
+                  for records in runs]
     return {
         "arm": name, "steps_timed": len(timed), "samples_per_step": statistics.mean(len(plan[i]) for i in sel),
         "real_tokens_per_step": statistics.mean(real[i] for i in sel),
         "computed_tokens_per_step": statistics.mean(computed[i] for i in sel),
         "padding": 1 - sum(real[i] for i in sel) / sum(computed[i] for i in sel),
-        "median_step_s": statistics.median(step_s), "total_s": sum(step_s),
-        "tokens_per_s": statistics.median(tps), "mfu": statistics.median(mfu),
+        "median_step_s": statistics.median(r["step_s"] for r in timed),
+        "tokens_per_s": statistics.median(tps), "mfu": statistics.median(mfu), "tokens_per_s_per_repeat": per_repeat,
         "trainer_mfu": statistics.median(r["mfu"] for r in timed) if "mfu" in timed[0] else None,
-        "losses": [r["loss"] for r in records], "step_tokens_per_s": tps,
+        "losses": [r["loss"] for r in runs[0]], "all_losses": [[r["loss"] for r in rs] for rs in runs],
+        "step_tokens_per_s": tps,
     }
 
 
@@ -293,6 +296,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="smaller model, fewer samples and steps (a smoke test)")
     p.add_argument("--samples", type=int, default=160)
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per arm (at most one epoch of packs)")
+    p.add_argument("--repeats", type=int, default=2, help="runs of every arm, round-robin; medians pool them")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     p.add_argument("--global-batch", type=int, default=2, help="packs per step in the packed arm")
     p.add_argument("--max-len", type=int, default=2048)
@@ -314,6 +318,7 @@ def main() -> int:
         return 0
     if args.quick:
         args.samples, args.steps, args.warmup, args.max_len, args.hidden, args.layers = 40, 4, 1, 1024, 128, 2
+        args.repeats = 1
 
     import torch
 
@@ -344,33 +349,38 @@ def main() -> int:
           f"{time.perf_counter() - t0:.0f} s", flush=True)
 
     peak = max(matmul_peak_flops(torch.device("cpu"), repeats=10) for _ in range(2))
-    records = {}
-    for arm in args.arms:
-        t1 = time.perf_counter()
-        if arm == "packed":
-            records[arm] = run_trainer(work / "packed", work / "run-packed", args.global_batch, steps, args)
-        elif arm == "padded":
-            records[arm] = run_trainer(work / "padded", work / "run-padded", 1, steps, args)
-        elif arm == "transformers":
-            records[arm] = run_hf(work / "hf", work / "packed", args.global_batch, steps, args, args.out)
-        print(f"  {arm}: {time.perf_counter() - t1:.0f} s", flush=True)
+    records: dict[str, list[list[dict]]] = {a: [] for a in args.arms}
+    for rep in range(args.repeats):  # round-robin, so slow phases of the shared box hit every arm
+        for arm in args.arms:
+            t1 = time.perf_counter()
+            if arm == "packed":
+                recs = run_trainer(work / "packed", work / "run-packed", args.global_batch, steps, args)
+            elif arm == "padded":
+                recs = run_trainer(work / "padded", work / "run-padded", 1, steps, args)
+            else:
+                recs = run_hf(work / "hf", work / "packed", args.global_batch, steps, args, args.out)
+            records[arm].append(recs)
+            print(f"  repeat {rep + 1}/{args.repeats} {arm}: {time.perf_counter() - t1:.0f} s", flush=True)
     results = [summarize(a, records[a], plan, counts, peak, args.warmup) for a in args.arms]
 
     n_params, layers, hidden = counts
     ref = results[0]
     print(f"\nmodel: Qwen2.5-VL shape, foundation hidden {hidden} x {layers} layers, {n_params / 1e6:.2f}M non-embedding "
           f"params; fp32; peak {peak / 1e9:.0f} GFLOP/s (fp32 matmul, measured); torch threads "
-          f"{torch.get_num_threads()}; medians over steps {args.warmup + 1}..{steps}")
+          f"{torch.get_num_threads()}; medians over steps {args.warmup + 1}..{steps} of {args.repeats} repeat(s)")
     print("| arm | samples/step | real tokens/step | computed tokens/step | padding | median step s "
           "| real tokens/s | MFU (useful) | packed speed-up | max abs loss diff vs packed |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        dl = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
+        dl = max(abs(a - b) for losses in r["all_losses"] for a, b in zip(losses, ref["losses"]))
         r["speedup_of_first"] = ref["tokens_per_s"] / r["tokens_per_s"]
         r["max_loss_diff"] = dl
         print(f"| {r['arm']} | {r['samples_per_step']:.1f} | {r['real_tokens_per_step']:.0f} | "
               f"{r['computed_tokens_per_step']:.0f} | {100 * r['padding']:.0f}% | {r['median_step_s']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | {r['speedup_of_first']:.2f}x | {dl:.1e} |")
+    for r in results[1:]:
+        per = [a / b for a, b in zip(ref["tokens_per_s_per_repeat"], r["tokens_per_s_per_repeat"])]
+        print(f"packed / {r['arm']} per repeat: " + ", ".join(f"{x:.2f}x" for x in per))
     (args.out / "train.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "steps": steps, "peak_flops": peak, "counts": counts,
          "lengths": lengths, "results": results}, indent=1))
