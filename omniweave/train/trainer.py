@@ -114,6 +114,11 @@ def _vision_pad_ids(data_cfg: dict) -> tuple[int, ...]:
     return (proc.image_pad_id, proc.video_pad_id)
 
 
+def tc_threads(cfg) -> int:
+    """``train.cpu_threads``: intra-op threads per process on CPU (0/null: torch's default)."""
+    return int(cfg.train.get("cpu_threads") or 0)
+
+
 def _to_device(mb: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
 
@@ -184,6 +189,8 @@ def _train(cfg, resume, fault_hook) -> dict:
     if info.module is not None and hasattr(info.module, "set_device"):
         info.module.set_device(device)
     dims = ParallelDims.from_config(cfg.get("parallel"), world)
+    if device.type == "cpu" and tc_threads(cfg):
+        torch.set_num_threads(tc_threads(cfg))
     tc = cfg.train
     total, gb, seed = int(tc.steps), int(tc.global_batch), int(tc.seed)
     precision, fsdp = str(tc.get("precision", "fp32")), dims.dp > 1
