@@ -223,7 +223,6 @@ def close_gaps(plan: PackPlan, lengths, max_victims: int = 16, max_ops: int = 40
     if K <= -(-int(fills.sum()) // C):
         return plan
     gaps = C - fills  # int64 [K], updated in place
-    L = lengths.tolist()
     alive = np.ones(K, bool)
     members: dict[int, list[int]] = {}  # packs touched so far -> their sample indices
 
@@ -237,8 +236,8 @@ def close_gaps(plan: PackPlan, lengths, max_victims: int = 16, max_ops: int = 40
     def first(k: int) -> dict[int, int]:
         if k not in firsts:
             f: dict[int, int] = {}
-            for pos, i in enumerate(get(k)):
-                f.setdefault(L[i], pos)
+            for pos, length in enumerate(lengths[get(k)].tolist()):
+                f.setdefault(length, pos)
             firsts[k] = dict(sorted(f.items()))
         return firsts[k]
 
