@@ -10,7 +10,9 @@ reason ``longer_than_capacity`` — the tokenizer's truncation policy normally g
   segment tree over the L+1 buckets finds the fullest pack that still fits in O(log L). Items of
   equal length are placed as a batch (numpy), which is *exactly* sequential BFD: the best-fit
   pack for an item of length l absorbs ``remaining // l`` items before another pack becomes the
-  best fit. 1M lengths take well under a second.
+  best fit. 1M lengths take well under a second. Then (``refine=True``, default) ``close_gaps``
+  dissolves least-full packs while the count is above ceil(sum / capacity), by moves and 1-for-1
+  swaps that close the gaps short samples leave (bounded work; never adds a pack).
 - ``balanced``: the ``bfd`` packs (same number, same capacity), then pairwise re-partitioning of
   the most and least expensive packs so that attention cost (sum of len**2 per pack) evens out.
 - ``sequential``: order-preserving next-fit.
@@ -387,7 +389,9 @@ def _over_caps(lengths, capacity, media, vision, max_media, max_vision) -> np.nd
 
 
 def bfd_capped(lengths, capacity: int, media=None, vision=None, max_media=None, max_vision=None) -> PackPlan:
-    """Best-fit decreasing with per-pack caps on media items and vision tokens (item by item)."""
+    """Best-fit decreasing with per-pack caps on media items and vision tokens (item by item).
+
+    Plain BFD: no gap-closing refinement (``close_gaps`` does not check the caps)."""
     lengths = _check(lengths, capacity)
     n = len(lengths)
     media, vision = _counts(n, media, vision)
