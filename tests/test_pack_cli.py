@@ -109,16 +109,16 @@ def test_demo_dataset_packs_to_the_optimal_pack_count(tmp_path):
 
 @pytest.mark.slow
 def test_demo_dataset_efficiency_at_4096(tmp_path):
-    """The issue asks for >= 99.5 % on the demo data at max length 4096. Measured (docs/benchmarks/pack.md):
-    16k samples 99.49 % (171 packs, the optimum ceil(tokens / 4096)), 24k 99.27 % (257 packs, optimum
-    256), 32k 99.46 % (342 / 341), 48k 99.48 % (513 / 511). Demo samples are 35-67 tokens, so every
-    BFD pack ends with a gap of up to 34 tokens (99.65 % mean fill), and the part-full last pack costs
-    up to 1/K: 99.5 % needs BFD to reach the optimal pack count at >= 24k samples, which it does not yet.
-    This pins what holds at 16k: the optimal pack count and 99.48 %+."""
+    """The issue asks for >= 99.5 % on the demo data at max length 4096. Demo samples are 35-67 tokens, so
+    plain BFD leaves every pack a gap of up to 34 tokens and, from 20K samples on, ends 1-2 packs over
+    ceil(tokens / 4096); bfd's gap-closing refinement removes them. Measured (docs/benchmarks/pack.md):
+    16K samples 99.49 % (171 packs, already the optimum: the part-full last pack costs the rest),
+    20K 99.78 % (213 packs = the optimum; plain BFD 214, 99.31 %), 24K 99.66 %, 32K 99.75 %.
+    20K is the smallest size measured that reaches 99.5 %."""
     from omniweave.cli import main
     from omniweave.data import demo
 
-    n = 16_000
+    n = 20_000
     demo.generate(tmp_path / "demo", samples=n, eval_samples=0)
     assert main(["data", "convert", "--input", str(tmp_path / "demo" / "train.jsonl"), "--media-dir",
                  str(tmp_path / "demo" / "media"), "--output", str(tmp_path / "raw"), "--workers", "2",
@@ -131,4 +131,4 @@ def test_demo_dataset_efficiency_at_4096(tmp_path):
     s = json.loads((tmp_path / "packed" / "stats.json").read_text())
     assert s["samples_packed"] == n and s["dropped_total"] == 0
     assert s["packs"] == math.ceil(s["real_tokens"] / 4096)
-    assert s["efficiency"] >= 0.9948, s["efficiency"]
+    assert s["efficiency"] >= 0.995, s["efficiency"]

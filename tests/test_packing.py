@@ -1,5 +1,6 @@
 """Packing algorithms: invariants (hypothesis), exactness of the batched BFD, efficiency, speed."""
 
+import math
 import time
 
 import numpy as np
@@ -77,13 +78,44 @@ def test_invariants_hold_for_every_algorithm(lengths, capacity, algorithm, cappe
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(1, 100), min_size=1, max_size=150), capacity=st.integers(20, 100))
 def test_batched_bfd_equals_textbook_best_fit_decreasing(lengths, capacity):
-    plan = P.bfd(np.asarray(lengths), capacity)
+    plan = P.bfd(np.asarray(lengths), capacity, refine=False)
     assert sorted(plan.fills(np.asarray(lengths)).tolist()) == reference_bfd(lengths, capacity)
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(1, 100), min_size=0, max_size=300), capacity=st.integers(20, 200))
+def test_gap_closing_keeps_invariants_and_never_adds_packs(lengths, capacity):
+    x = np.asarray(lengths, np.int64)
+    base = P.bfd(x, capacity, refine=False)
+    plan = P.close_gaps(base, x)
+    check_plan(plan, x, capacity)
+    assert math.ceil(x[x <= capacity].sum() / capacity) <= plan.num_packs <= base.num_packs
+    assert P.bfd(x, capacity).num_packs == plan.num_packs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gap_closing_reaches_the_lower_bound_on_demo_like_lengths(seed):
+    """Demo samples are 35-67 tokens: plain BFD leaves a 0-34 token gap in every pack and ends 1 pack
+    over ceil(sum / 4096) at 24K samples; the refinement closes the gaps down to the bound."""
+    x = np.random.default_rng(seed).integers(35, 68, 24_000)
+    base = P.bfd(x, 4096, refine=False)
+    plan = P.bfd(x, 4096)
+    check_plan(plan, x, 4096)
+    bound = math.ceil(x.sum() / 4096)
+    assert base.num_packs > bound  # there is something to close
+    assert plan.num_packs == bound, (base.num_packs, plan.num_packs, bound)
+
+
+def test_gap_closing_leaves_optimal_plans_alone():
+    x = lognormal_mixture(20_000, 32768, seed=2)
+    base = P.bfd(x, 32768, refine=False)
+    if base.num_packs == math.ceil(x.sum() / 32768):
+        assert P.close_gaps(base, x) is base
 
 
 def test_capped_bfd_without_binding_caps_equals_bfd():
     x = lognormal_mixture(5000, 8192, seed=3)
-    a, b = P.bfd(x, 8192), P.bfd_capped(x, 8192)
+    a, b = P.bfd(x, 8192, refine=False), P.bfd_capped(x, 8192)
     assert sorted(a.fills(x).tolist()) == sorted(b.fills(x).tolist())
 
 
