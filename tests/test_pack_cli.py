@@ -83,23 +83,26 @@ def test_other_algorithms_and_caps_produce_valid_packs(raw, tmp_path, algorithm)
     assert sum(len(ds.record(k)["docs"]) for k in range(len(ds))) == 38
 
 
-@pytest.mark.slow
-def test_demo_dataset_packs_to_the_optimal_pack_count(tmp_path):
-    from omniweave.data import demo
+def _pack_demo(tmp_path, n: int) -> dict:
+    """Demo data of n samples -> convert -> pack at 4096 (the demo's vision settings); stats.json."""
     from omniweave.cli import main
+    from omniweave.data import demo
 
-    demo.generate(tmp_path / "demo", samples=600, eval_samples=0)
-    assert main(["data", "convert", "--input", str(tmp_path / "demo" / "train.jsonl"),
-                 "--media-dir", str(tmp_path / "demo" / "media"), "--output", str(tmp_path / "raw"),
-                 "--workers", "1"]) == 0
+    demo.generate(tmp_path / "demo", samples=n, eval_samples=0)
+    assert main(["data", "convert", "--input", str(tmp_path / "demo" / "train.jsonl"), "--media-dir",
+                 str(tmp_path / "demo" / "media"), "--output", str(tmp_path / "raw"), "--workers", "2",
+                 "--no-progress"]) == 0
     recipe = tmp_path / "r.yaml"
     recipe.write_text("data: {tokenizer: demo, template: chatml, max_len: 4096, truncation: drop, rope: mrope,"
                       " vision: {min_pixels: 3136, video_min_pixels: 3136}}\n")
-    from omniweave.cli import main as cli
+    assert main(["data", "pack", "--input", str(tmp_path / "raw"), "--output", str(tmp_path / "packed"),
+                 "--recipe", str(recipe), "--workers", "2"]) == 0
+    return json.loads((tmp_path / "packed" / "stats.json").read_text())
 
-    assert cli(["data", "pack", "--input", str(tmp_path / "raw"), "--output", str(tmp_path / "packed"),
-                "--recipe", str(recipe), "--workers", "2"]) == 0
-    s = json.loads((tmp_path / "packed" / "stats.json").read_text())
+
+@pytest.mark.slow
+def test_demo_dataset_packs_to_the_optimal_pack_count(tmp_path):
+    s = _pack_demo(tmp_path, 600)
     assert s["samples_packed"] == 600 and s["dropped_total"] == 0
     # few packs: the last one is partial, so the bound is the pack count, not 99.5 %
     assert s["packs"] == math.ceil(s["real_tokens"] / 4096)
@@ -115,20 +118,8 @@ def test_demo_dataset_efficiency_at_4096(tmp_path):
     16K samples 99.49 % (171 packs, already the optimum: the part-full last pack costs the rest),
     20K 99.78 % (213 packs = the optimum; plain BFD 214, 99.31 %), 24K 99.66 %, 32K 99.75 %.
     20K is the smallest size measured that reaches 99.5 %."""
-    from omniweave.cli import main
-    from omniweave.data import demo
-
     n = 20_000
-    demo.generate(tmp_path / "demo", samples=n, eval_samples=0)
-    assert main(["data", "convert", "--input", str(tmp_path / "demo" / "train.jsonl"), "--media-dir",
-                 str(tmp_path / "demo" / "media"), "--output", str(tmp_path / "raw"), "--workers", "2",
-                 "--no-progress"]) == 0
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text("data: {tokenizer: demo, template: chatml, max_len: 4096, truncation: drop, rope: mrope,"
-                      " vision: {min_pixels: 3136, video_min_pixels: 3136}}\n")
-    assert main(["data", "pack", "--input", str(tmp_path / "raw"), "--output", str(tmp_path / "packed"),
-                 "--recipe", str(recipe), "--workers", "2"]) == 0
-    s = json.loads((tmp_path / "packed" / "stats.json").read_text())
+    s = _pack_demo(tmp_path, n)
     assert s["samples_packed"] == n and s["dropped_total"] == 0
     assert s["packs"] == math.ceil(s["real_tokens"] / 4096)
     assert s["efficiency"] >= 0.995, s["efficiency"]
