@@ -14,51 +14,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# bench/ holds tokenize.py, named like the stdlib module: keep this folder off the import path.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse  # noqa: E402
-import io  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
-from fractions import Fraction  # noqa: E402
 
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
+from synthetic_media import jpeg, mp4  # noqa: E402  (bench/, the script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def jpeg(height: int, width: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = np.stack([(xx // 3 + seed) % 256, (yy // 2) % 256, (xx + yy) // 4 % 256], -1).astype(np.uint8)
-    noise = rng.integers(0, 40, base.shape, dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(base + noise).save(buf, format="JPEG", quality=85)
-    return buf.getvalue()
-
-
-def mp4(seconds: float, fps: int, height: int, width: int, seed: int) -> bytes:
-    import av
-
-    buf = io.BytesIO()
-    yy, xx = np.mgrid[0:height, 0:width]
-    with av.open(buf, mode="w", format="mp4") as out:
-        stream = out.add_stream("mpeg4", rate=Fraction(fps))
-        stream.width, stream.height, stream.pix_fmt, stream.bit_rate = width, height, "yuv420p", 4_000_000
-        for i in range(int(seconds * fps)):
-            frame = np.stack([(xx + 4 * i + seed) % 256, (yy + 2 * i) % 256, (xx + yy + i) % 256], -1)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame.astype(np.uint8), format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
 
 
 def make_dataset(root: Path, samples: int) -> dict:

@@ -17,47 +17,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import argparse  # noqa: E402
-import io  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from fractions import Fraction  # noqa: E402
 
 import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from omniweave.data.sample import Conversation, Message, RawSample  # noqa: E402
 from omniweave.data.tokenize import SampleProcessor  # noqa: E402
+from synthetic_media import jpeg, mp4  # noqa: E402  (bench/, the script's folder)
 
 IMAGE_SIZES = [(480, 640), (720, 1280), (1080, 1920), (1200, 800), (400, 3000), (2160, 3840)]
 
 
-def jpeg(height: int, width: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = np.stack([(xx // 3 + seed) % 256, (yy // 2) % 256, (xx + yy) // 4 % 256], -1).astype(np.uint8)
-    noise = rng.integers(0, 24, base.shape, dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(base + noise).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
-def mp4(seconds: float, fps: int, height: int, width: int, seed: int) -> bytes:
-    import av
-
-    buf = io.BytesIO()
-    yy, xx = np.mgrid[0:height, 0:width]
-    with av.open(buf, mode="w", format="mp4") as out:
-        stream = out.add_stream("mpeg4", rate=Fraction(fps))
-        stream.width, stream.height, stream.pix_fmt, stream.bit_rate = width, height, "yuv420p", 2_000_000
-        for i in range(int(seconds * fps)):
-            frame = np.stack([(xx + 4 * i + seed) % 256, (yy + 2 * i) % 256, (xx + yy + i) % 256], -1)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame.astype(np.uint8), format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
 
 
 def make_samples(n_images: int, n_videos: int) -> list[RawSample]:
@@ -66,11 +39,11 @@ def make_samples(n_images: int, n_videos: int) -> list[RawSample]:
         h, w = IMAGE_SIZES[i % len(IMAGE_SIZES)]
         conv = Conversation(f"img{i}", [Message("user", "<image>Describe the picture in detail."),
                                         Message("assistant", "A colourful gradient with some noise. " * 4)], images=["img0.jpg"])
-        samples.append(RawSample(f"img{i}", conv, {"img0.jpg": jpeg(h, w, i)}))
+        samples.append(RawSample(f"img{i}", conv, {"img0.jpg": jpeg(h, w, i, noise=24, quality=90)}))
     for i in tqdm(range(n_videos), desc="videos", leave=False):
         conv = Conversation(f"vid{i}", [Message("user", "<video>What happens in this clip?"),
                                         Message("assistant", "Stripes drift to the left.")], videos=["vid0.mp4"])
-        samples.append(RawSample(f"vid{i}", conv, {"vid0.mp4": mp4(3 + i % 3, 30, 360, 640, i)}))
+        samples.append(RawSample(f"vid{i}", conv, {"vid0.mp4": mp4(3 + i % 3, 30, 360, 640, i, bit_rate=2_000_000)}))
     return samples
 
 

@@ -27,11 +27,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from omniweave.models.components.loss import chunked_ce_sum
-from omniweave.models.text import ModelOutput, _cu_seqlens, _positions, greedy_generate
+from omniweave.models.text import LMHeadMixin, _cu_seqlens, _positions, greedy_generate
 
 
-class OmniModel(nn.Module):
+class OmniModel(LMHeadMixin, nn.Module):
     def __init__(
         self,
         foundation: nn.Module,
@@ -113,15 +112,6 @@ class OmniModel(nn.Module):
             position_ids=_positions(batch, L, device),
             cu_seqlens=_cu_seqlens(batch, L, device),
         )
-
-    def forward(self, batch: dict) -> ModelOutput:
-        h = self.hidden(batch)
-        loss_sum, n = chunked_ce_sum(h, self.foundation.lm_head.weight, batch["labels"], self.loss_chunk)
-        return ModelOutput(loss_sum, n)
-
-    def logits(self, batch: dict) -> torch.Tensor:
-        """[L, V] (tests / eval only)."""
-        return self.foundation.logits(self.hidden(batch))
 
     @torch.no_grad()
     def generate(self, batch_prompt: dict, max_new_tokens: int, eos_ids: Iterable[int] = ()) -> list[int]:

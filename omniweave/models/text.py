@@ -62,7 +62,20 @@ def greedy_generate(
     return out
 
 
-class CausalLM(nn.Module):
+class LMHeadMixin:
+    """The model contract on top of ``hidden(batch) -> [L, D]``: chunked loss and logits."""
+
+    def forward(self, batch: dict) -> ModelOutput:
+        h = self.hidden(batch)
+        loss_sum, n = chunked_ce_sum(h, self.foundation.lm_head.weight, batch["labels"], self.loss_chunk)
+        return ModelOutput(loss_sum, n)
+
+    def logits(self, batch: dict) -> torch.Tensor:
+        """[L, V] (tests / eval only)."""
+        return self.foundation.logits(self.hidden(batch))
+
+
+class CausalLM(LMHeadMixin, nn.Module):
     """Wraps a foundation; ``model.foundation.layers`` are the blocks the trainer shards."""
 
     def __init__(self, foundation: nn.Module, loss_chunk: int = 1024):
@@ -77,15 +90,6 @@ class CausalLM(nn.Module):
             position_ids=_positions(batch, ids.shape[0], ids.device),
             cu_seqlens=_cu_seqlens(batch, ids.shape[0], ids.device),
         )
-
-    def forward(self, batch: dict) -> ModelOutput:
-        h = self.hidden(batch)
-        loss_sum, n = chunked_ce_sum(h, self.foundation.lm_head.weight, batch["labels"], self.loss_chunk)
-        return ModelOutput(loss_sum, n)
-
-    def logits(self, batch: dict) -> torch.Tensor:
-        """[L, V] (tests / eval only)."""
-        return self.foundation.logits(self.hidden(batch))
 
     def generate(self, batch_prompt: dict, max_new_tokens: int, eos_ids: Iterable[int] = ()) -> list[int]:
         ids = batch_prompt["input_ids"]
