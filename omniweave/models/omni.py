@@ -18,6 +18,12 @@ the encoder and projector on a tiny dummy item (one merge block of zero pixels) 
 and are zero, and — what matters under FSDP — every rank runs the same encoder forward/backward,
 so the all-gathers / reduce-scatters of the encoder's shards stay matched even when only some
 ranks have media. Turn it off only for single-process inference.
+
+Two hook points let ``parallel/`` change how the row is computed without the model knowing:
+``media_split`` (``media_split(encode, pixel_values, grid_thw) -> features [N, D]``: e.g. each
+context-parallel rank encodes a share of the media and the features are all-gathered), and the
+optional batch key ``feature_rows [L]`` (int64: for each row, the index of the media feature it
+takes, -1 for text), which replaces ``media_spans`` when the row is a shard of a longer one.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class OmniModel(LMHeadMixin, nn.Module):
         self.projector = projector
         self.run_encoder_always = run_encoder_always
         self.loss_chunk = loss_chunk
+        self.media_split = None  # set by parallel/context for the vision split; see the module doc
 
     def init_weights(self) -> None:
         """Re-initialise every component (e.g. after ``to_empty`` from the meta device)."""
@@ -62,6 +69,11 @@ class OmniModel(LMHeadMixin, nn.Module):
 
     def encode_media(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """All media of a row -> projected features [N, D] in span order."""
+        if self.media_split is not None:
+            return self.media_split(self._encode, pixel_values, grid_thw)
+        return self._encode(pixel_values, grid_thw)
+
+    def _encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self.projector(self.image_encoder(pixel_values, grid_thw), grid_thw)
 
     def _dummy_features(self, device) -> torch.Tensor:
@@ -84,6 +96,8 @@ class OmniModel(LMHeadMixin, nn.Module):
             if self.run_encoder_always:  # keep FSDP collectives matched; contributes exactly 0
                 embeds = embeds + 0.0 * self._dummy_features(embeds.device).sum().to(embeds.dtype)
             return embeds
+        if batch.get("feature_rows") is not None:
+            return self._scatter_rows(embeds, batch["feature_rows"], self.encode_media(batch["pixel_values"], grid_thw))
         spans = batch.get("media_spans")
         if spans is None:
             raise ValueError("batch has grid_thw but no media_spans to place the features")
@@ -101,6 +115,17 @@ class OmniModel(LMHeadMixin, nn.Module):
             raise ValueError(f"projector produced {features.shape[0]} features, spans need {int(expected.sum())}")
         index = torch.cat([torch.arange(s, s + n, device=ids.device) for s, n in spans.tolist()])
         return embeds.index_put((index,), features.to(embeds.dtype))  # out of place: autograd-safe
+
+    @staticmethod
+    def _scatter_rows(embeds: torch.Tensor, rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """embeds [L, D] with row i replaced by features[rows[i]] wherever rows[i] >= 0."""
+        rows = rows.to(device=embeds.device, dtype=torch.long)
+        top = int(rows.max()) if rows.numel() else -1
+        if rows.shape[0] != embeds.shape[0] or top >= features.shape[0]:
+            raise ValueError(f"feature_rows (length {rows.shape[0]}, max {top}) do not fit "
+                             f"{embeds.shape[0]} rows and {features.shape[0]} media features")
+        taken = features.to(embeds.dtype)[rows.clamp_min(0)]
+        return torch.where((rows >= 0)[:, None], taken, embeds)
 
     # ------------------------------------------------------------------ the model contract
 

@@ -74,9 +74,17 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    """GQA self-attention over a packed row.
+
+    ``attn_fn`` is the hook through which ``parallel/`` swaps the local kernel for a
+    context-parallel one (``attn_fn(q, k, v, cu_seqlens, window) -> out [L, H, Dh]``); the model
+    itself never sets it. Head counts are read from the projections' outputs (``view(L, -1, hd)``)
+    so that tensor parallelism can shard the heads without the model knowing."""
+
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
+        self.attn_fn = None
         hd = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
@@ -88,9 +96,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cu_seqlens, kv_cache: KVCache | None = None):
         L, hd = x.shape[0], self.cfg.head_dim
-        q = self.q_proj(x).view(L, self.cfg.num_heads, hd)
-        k = self.k_proj(x).view(L, self.cfg.num_kv_heads, hd)
-        v = self.v_proj(x).view(L, self.cfg.num_kv_heads, hd)
+        q = self.q_proj(x).view(L, -1, hd)
+        k = self.k_proj(x).view(L, -1, hd)
+        v = self.v_proj(x).view(L, -1, hd)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -98,6 +106,8 @@ class Attention(nn.Module):
         if kv_cache is not None:  # one sequence: all cached keys precede the new queries
             k, v = kv_cache.update(self.layer, k, v)
             cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=x.device)
+        if self.attn_fn is not None and kv_cache is None:
+            return self.o_proj(self.attn_fn(q, k, v, cu_seqlens, self.cfg.sliding_window).reshape(L, -1))
         backend = select_backend(self.cfg.attn_backend, x.device)
         out, _ = attn(q, k, v, cu_seqlens, cu_k, True, self.cfg.sliding_window, backend=backend, need_lse=False)
         return self.o_proj(out.reshape(L, -1))
