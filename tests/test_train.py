@@ -155,10 +155,26 @@ def test_parallel_dims_mismatch_names_the_sizes():
         ParallelDims.from_config({"dp": 2}, 4)
 
 
-@pytest.mark.parametrize("key", ["cp", "tp"])
-def test_parallel_dims_cp_tp_not_implemented_yet(key):
-    with pytest.raises(NotImplementedError, match=rf"parallel\.{key}=2.*data-parallel only"):
-        ParallelDims.from_config({"dp": -1, key: 2}, 4)
+def test_parallel_dims_cp_takes_ranks_from_dp():
+    dims = ParallelDims.from_config({"dp": -1, "cp": 2, "cp_attention": "ulysses"}, 8)
+    assert (dims.dp, dims.cp, dims.shard_ranks, dims.cp_attention) == (4, 2, 8, "ulysses")
+    assert ParallelDims.from_config({"cp": 4, "cp_attention": "hybrid", "cp_ulysses": 2}, 4).cp_ulysses == 2
+
+
+@pytest.mark.parametrize("parallel,match", [
+    ({"cp": 2, "cp_attention": "star"}, r"cp_attention='star'; choose one of ring, allgather, ulysses, hybrid"),
+    ({"cp": 4, "cp_attention": "hybrid"}, r"hybrid needs parallel.cp_ulysses .* cp=4 .*; got 1"),
+    ({"cp": 4, "cp_attention": "hybrid", "cp_ulysses": 3}, r"got 3"),
+    ({"cp": 3}, r"world size 4 is not divisible by cp\*tp = 3"),
+])
+def test_parallel_dims_bad_cp_layouts_name_the_problem(parallel, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims.from_config(parallel, 4)
+
+
+def test_parallel_dims_global_tp_points_to_per_component_tp():
+    with pytest.raises(NotImplementedError, match=r"parallel.tp=2: set tensor parallelism per component"):
+        ParallelDims.from_config({"tp": 2}, 4)
 
 
 # ---------------------------------------------------------------------------- non-finite steps

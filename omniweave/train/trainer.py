@@ -77,26 +77,28 @@ def init_distributed(info) -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
 
 
-def build(cfg, device: torch.device, dims) -> nn.Module:
-    """The model, wrapped for training: AC then FSDP2 when there is more than one DP rank."""
+def build(cfg, device: torch.device, dims, meshes) -> nn.Module:
+    """The model, parallelised from outside in DESIGN's order: CP -> AC -> FSDP2 (over dp x cp)."""
     from omniweave.config import to_dict
     from omniweave.models.registry import build_model
+    from omniweave.parallel.context import apply_cp
     from omniweave.parallel.fsdp import apply_ac, apply_fsdp
 
     model_cfg = to_dict(cfg.model)
     with torch.device("meta"):
         model = build_model(model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    meta_init = n_params > META_INIT_PARAMS and dims.dp > 1
+    meta_init = n_params > META_INIT_PARAMS and dims.shard_ranks > 1
     if not meta_init:  # identical weights on every rank from the seed: sharding then keeps each rank's slice
         torch.manual_seed(int(cfg.train.seed))
         model = build_model(model_cfg)
         if hasattr(model, "init_weights"):
             model.init_weights()
         model.to(device)
+    apply_cp(model, dims, meshes, head_groups=int(cfg.get("parallel", {}).get("cp_head_groups", 1) or 1))
     apply_ac(model, str(cfg.train.get("ac", "none")))
-    if dims.dp > 1:
-        apply_fsdp(model, dims.build_mesh(device.type), str(cfg.train.get("precision", "fp32")))
+    if dims.shard_ranks > 1:
+        apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")))
     if meta_init:  # materialise each rank's shards only, then initialise them
         model.to_empty(device=device)
         model.init_weights()
@@ -178,6 +180,7 @@ def _train(cfg, resume, fault_hook) -> dict:
     from omegaconf import OmegaConf
 
     from omniweave.data.loader import PackedLoader
+    from omniweave.parallel.context import shard_micro_batch
     from omniweave.device import detect, peak_memory_bytes
     from omniweave.parallel.dims import ParallelDims
     from omniweave.train.optim import build_optimizer
@@ -189,11 +192,12 @@ def _train(cfg, resume, fault_hook) -> dict:
     if info.module is not None and hasattr(info.module, "set_device"):
         info.module.set_device(device)
     dims = ParallelDims.from_config(cfg.get("parallel"), world)
+    meshes = dims.build_meshes(device.type)
     if device.type == "cpu" and tc_threads(cfg):
         torch.set_num_threads(tc_threads(cfg))
     tc = cfg.train
     total, gb, seed = int(tc.steps), int(tc.global_batch), int(tc.seed)
-    precision, fsdp = str(tc.get("precision", "fp32")), dims.dp > 1
+    precision, fsdp = str(tc.get("precision", "fp32")), dims.shard_ranks > 1
     run_dir = Path(cfg.output_dir)
     ckpt_root = run_dir / "checkpoints"
     config_yaml = OmegaConf.to_yaml(cfg)
@@ -201,11 +205,11 @@ def _train(cfg, resume, fault_hook) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_yaml)
 
-    model = build(cfg, device, dims)
+    model = build(cfg, device, dims, meshes)
     optimizer = build_optimizer(model, tc)
     scheduler = build_scheduler(optimizer, tc)
     data_cfg = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in LOADER_ONLY_KEYS}
-    loader = PackedLoader(cfg.data.path, gb, dp_rank=rank, dp_size=dims.dp, seed=seed, data_cfg=data_cfg,
+    loader = PackedLoader(cfg.data.path, gb, dp_rank=meshes.dp_rank, dp_size=dims.dp, seed=seed, data_cfg=data_cfg,
                           num_workers=int(cfg.data.get("num_workers", 0)), balance=cfg.data.get("balance"))
     torch.manual_seed(seed + rank)
     phase = str(tc.get("phase", "sft"))
@@ -232,7 +236,7 @@ def _train(cfg, resume, fault_hook) -> dict:
     log = MetricsLogger(run_dir, total, step, enabled=rank == 0, log_interval=int(tc.get("log_interval", 1)))
     if rank == 0:
         n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print(f"{info.type} x{world} (dp={dims.dp}), {n / 1e6:.2f}M trainable parameters, {loader.num_packs} packs, "
+        print(f"{info.type} x{world} (dp={dims.dp}, cp={dims.cp}), {n / 1e6:.2f}M trainable parameters, {loader.num_packs} packs, "
               f"{loader.steps_per_epoch} steps/epoch, training steps {step}..{total}", flush=True)
     max_bad = int(tc.get("max_bad_steps", 5))
     clip = float(tc.get("grad_clip", 0.0) or 0.0)
@@ -256,14 +260,14 @@ def _train(cfg, resume, fault_hook) -> dict:
             sum(p["input_ids"].numel() for p in packs),
             sum(int((p["cu_seqlens"][1:] - p["cu_seqlens"][:-1]).pow(2).sum()) for p in packs),
         ], dtype=torch.float64)
-        dist.all_reduce(local)
-        loss_tokens, tokens, sum_len2 = (int(x) for x in local.tolist())
-        # FSDP averages gradients over the dp ranks; multiplying by dp undoes that, so each
-        # token's gradient is divided by the global number of loss tokens exactly once.
-        scale = (dims.dp if fsdp else 1) / max(loss_tokens, 1)
+        dist.all_reduce(local)  # the cp ranks of a dp group hold the same packs: count them once
+        loss_tokens, tokens, sum_len2 = (int(x) // dims.cp for x in local.tolist())
+        # FSDP averages gradients over the dp x cp ranks; multiplying by dp x cp undoes that, so
+        # each token's gradient is divided by the global number of loss tokens exactly once.
+        scale = dims.shard_ranks / max(loss_tokens, 1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, mb in enumerate(packs):
-            mb = _to_device(mb, device)
+            mb = _to_device(shard_micro_batch(mb, dims.cp, meshes.cp_rank), device)
             if fsdp:
                 model.set_requires_gradient_sync(i == len(packs) - 1)
             with _autocast(device, precision, fsdp):
