@@ -2,7 +2,7 @@
 
     def body(rank, world, x):          # module-level (picklable); runs in every rank
         ...                            # the default process group is initialised (gloo, CPU)
-        return result                  # must be picklable
+        return result                  # must be picklable (tensors are copied back)
 
     results = run_ranks(body, 2, x)    # [result of rank 0, result of rank 1]
 
@@ -13,6 +13,7 @@ here with its traceback; a hang is cut off after ``timeout`` seconds.
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import traceback
 
@@ -28,7 +29,9 @@ def _entry(rank: int, world: int, store_path: str, queue, fn, args) -> None:
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         try:
-            queue.put((rank, True, fn(rank, world, *args)))
+            # plain pickle: tensors travel by value (the queue's default shares their storage
+            # with this process, which is gone by the time the parent reads them)
+            queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report any failure to the parent
@@ -50,7 +53,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 180.0) -> list:
             for _ in range(world):
                 rank, ok, value = queue.get(timeout=timeout)
                 if ok:
-                    results[rank] = value
+                    results[rank] = pickle.loads(value)
                 else:
                     errors.append(f"rank {rank} failed:\n{value}")
                     break

@@ -33,13 +33,13 @@ WEIGHT_ATOL = 1e-5  # every tensor of the final checkpoint, max |Δ| (measured ~
 _RUNS: dict = {}
 
 
-def _run(demo_packed, tmp_path_factory, nproc: int, gb: int = 4, steps: int = STEPS):
+def _run(demo_packed, tmp_path_factory, nproc: int, gb: int = 4, steps: int = STEPS, **kw):
     """A finished run (cached per session/worker): checkpoints every 2 steps, all kept."""
-    key = (nproc, gb, steps)
+    key = (nproc, gb, steps, tuple(sorted(kw.items())))
     if key not in _RUNS:
-        out = tmp_path_factory.mktemp(f"dp{nproc}_gb{gb}") / "run"
+        out = tmp_path_factory.mktemp(f"n{nproc}_gb{gb}") / "run"
         res = train_subprocess(demo_packed, out, nproc=nproc, steps=steps, global_batch=gb,
-                               train__save_interval=SAVE, train__keep_last=0)
+                               train__save_interval=SAVE, train__keep_last=0, **kw)
         assert res.returncode == 0, res.stdout[-4000:]
         _RUNS[key] = out
     return _RUNS[key]
@@ -66,6 +66,21 @@ def test_data_parallel_equals_single_process(demo_packed, tmp_path_factory, npro
     dw = max_abs_diff(final_state(run), final_state(ref))
     assert dw <= WEIGHT_ATOL
     print(f"dp={nproc} gb={gb}: loss max rel Δ {rel:.2e}, weights max |Δ| {dw:.2e}")
+
+
+@pytest.mark.parametrize("nproc,parallel", [
+    (2, {"parallel__cp": 2}),
+    (4, {"parallel__cp": 2, "parallel__cp_attention": "ulysses", "parallel__vision_split": False}),
+], ids=["cp2-ring", "dp2xcp2-ulysses"])
+def test_context_parallel_training_equals_single_process(demo_packed, tmp_path_factory, nproc, parallel):
+    """`omniweave train --nproc N parallel.cp=2`: the 1-rank losses, token counts and final weights."""
+    ref = _run(demo_packed, tmp_path_factory, 1)
+    run = _run(demo_packed, tmp_path_factory, nproc, **parallel)
+    rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
+    assert [r["tokens"] for r in read_metrics(run)] == [r["tokens"] for r in read_metrics(ref)]
+    dw = max_abs_diff(final_state(run), final_state(ref))
+    assert dw <= WEIGHT_ATOL
+    print(f"{nproc} ranks {parallel}: loss max rel Δ {rel:.2e}, weights max |Δ| {dw:.2e}")
 
 
 # ---------------------------------------------------------------------------- resume
