@@ -1,0 +1,106 @@
+"""Context-parallel causal attention over zigzag-sharded packed rows: the one entry point.
+
+Input layout (the sharding module builds it): every document of the packed row is padded at its
+end to ``2·cp·c_d`` rows and cut into ``2·cp`` chunks; CP rank ``r`` holds chunks ``r`` and
+``2cp-1-r`` of each document, as ``[chunk r | chunk 2cp-1-r]`` per document, so the local
+``cu_seqlens`` is the same on every rank. :func:`cp_attention` returns, on the rows this rank holds,
+the causal varlen attention over the full padded documents.
+
+Modes (``CPContext.mode``):
+
+- ``ring``       K/V blocks circulate over P2P, overlapped with the block computation; linear
+                 memory; balanced by the zigzag layout (ring.py). No sliding window.
+- ``allgather``  all-gather K/V (optionally ``head_groups`` KV heads at a time), one local kernel
+                 call over the key prefixes each local chunk sees; windows work (allgather.py).
+- ``ulysses``    all-to-all sequence -> heads, the local kernel over whole documents, and back;
+                 needs ``H % cp == 0``; windows work (ulysses.py).
+- ``hybrid``     Ulysses inside groups of ``u`` consecutive CP ranks, ring across the groups.
+
+A :class:`CPContext` is itself a decoder ``attn_fn`` (``ctx(q, k, v, cu_seqlens, window)``), which is
+how ``parallel/`` swaps it into ``models.components.decoder.Attention`` from outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from omniweave.parallel.context.allgather import allgather_attention
+from omniweave.parallel.context.kernels import select_block_kernel
+from omniweave.parallel.context.ring import ring_attention
+from omniweave.parallel.context.ulysses import hybrid_attention, ulysses_attention
+from omniweave.parallel.context.zigzag import zigzag_chunks
+
+MODES = ("ring", "allgather", "ulysses", "hybrid")
+
+
+@dataclass
+class CPContext:
+    """How one run does context-parallel attention; built once, process groups passed in."""
+
+    group: ProcessGroup  # the whole CP group (size cp, rank r = dist.get_rank(group))
+    mode: str = "ring"  # ring | allgather | ulysses | hybrid
+    ulysses_group: ProcessGroup | None = None  # hybrid: the inner group (size u, consecutive CP ranks)
+    ring_group: ProcessGroup | None = None  # hybrid: ranks with the same inner index across inner groups
+    head_groups: int = 1  # allgather: gather K/V in this many KV-head groups to bound memory
+    backend: str = "auto"  # local kernel (components.attention backends; ring/hybrid: auto | math | flash)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown context-parallel attention mode {self.mode!r}; choose from {', '.join(MODES)}")
+        if self.mode == "hybrid" and (self.ulysses_group is None or self.ring_group is None):
+            raise ValueError("mode 'hybrid' needs ulysses_group and ring_group (see make_hybrid_groups)")
+        if self.head_groups < 1:
+            raise ValueError(f"head_groups must be >= 1, got {self.head_groups}")
+
+    def __call__(self, q, k, v, cu_seqlens, window: int | None = None) -> torch.Tensor:
+        """The decoder's ``attn_fn`` hook."""
+        return cp_attention(q, k, v, cu_seqlens, self, window)
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, ctx: CPContext,
+                 window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """``q [L, H, D]``, ``k, v [L, Hkv, D]`` zigzag rows of this rank -> ``out [L, H, D]`` in q's dtype,
+    differentiable w.r.t. q, k, v. ``cu_seqlens``: the local document boundaries."""
+    if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"expected q [L, H, D] and k, v [L, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if window is not None and ctx.mode in ("ring", "hybrid"):
+        raise ValueError(f"a sliding window ({window}) is not supported by {ctx.mode} context-parallel attention; "
+                         f"choose mode 'allgather' or 'ulysses'")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if ctx.mode == "allgather":
+        return allgather_attention(q, k, v, cu_seqlens, ctx.group, window, scale, ctx.backend, ctx.head_groups)
+    if ctx.mode == "ulysses":
+        return ulysses_attention(q, k, v, cu_seqlens, ctx.group, window, scale, ctx.backend)
+    kernel = select_block_kernel(ctx.backend, q.device, q.dtype)
+    if ctx.mode == "ring":
+        cp = dist.get_world_size(ctx.group)
+        chunks = [zigzag_chunks(cp, r) for r in range(cp)]
+        return ring_attention(q, k, v, cu_seqlens, ctx.group, chunks, scale, kernel)
+    return hybrid_attention(q, k, v, cu_seqlens, ctx.group, ctx.ulysses_group, ctx.ring_group, scale, kernel)
+
+
+def make_hybrid_groups(cp_ranks: list[int], ulysses_size: int) -> tuple[ProcessGroup | None, ProcessGroup | None]:
+    """(Ulysses group, ring group) of this rank for the CP group of global ranks ``cp_ranks``.
+
+    Every rank of the default group must call this with the same arguments (``dist.new_group`` is
+    collective); ranks outside ``cp_ranks`` get ``(None, None)``."""
+    cp_ranks, u = sorted(cp_ranks), ulysses_size
+    if u < 1 or len(cp_ranks) % u:
+        raise ValueError(f"ulysses_size={u} must divide the CP size {len(cp_ranks)}")
+    me, inner, ring = dist.get_rank(), None, None
+    for g in range(len(cp_ranks) // u):
+        ranks = cp_ranks[g * u:(g + 1) * u]
+        group = dist.new_group(ranks)
+        inner = group if me in ranks else inner
+    for i in range(u):
+        ranks = cp_ranks[i::u]
+        group = dist.new_group(ranks)
+        ring = group if me in ranks else ring
+    return inner, ring
