@@ -49,7 +49,7 @@ def _reference(model, rows: list[dict]) -> tuple[float, dict[str, torch.Tensor]]
     model.zero_grad()
     loss = sum(model(r).loss_sum for r in rows) / n
     loss.backward()
-    return float(loss), {k: p.grad.clone() for k, p in model.named_parameters()}
+    return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
 def _layouts(world: int) -> list[tuple[int, str, int, bool]]:

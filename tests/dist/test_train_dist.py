@@ -78,7 +78,11 @@ def test_context_parallel_training_equals_single_process(demo_packed, tmp_path_f
     run = _run(demo_packed, tmp_path_factory, nproc, **parallel)
     rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
     assert [r["tokens"] for r in read_metrics(run)] == [r["tokens"] for r in read_metrics(ref)]
-    dw = max_abs_diff(final_state(run), final_state(ref))
+    # k_proj.bias gets a gradient that is exactly 0 in exact arithmetic (a per-query constant
+    # added to every score cancels in the softmax), so its fp32 noise — which depends on the
+    # order of the sums, i.e. on the layout — is all AdamW sees; leave it out of the comparison.
+    got, want = (({k: v for k, v in final_state(r).items() if not k.endswith("k_proj.bias")}) for r in (run, ref))
+    dw = max_abs_diff(got, want)
     assert dw <= WEIGHT_ATOL
     print(f"{nproc} ranks {parallel}: loss max rel Δ {rel:.2e}, weights max |Δ| {dw:.2e}")
 

@@ -26,18 +26,6 @@ from __future__ import annotations
 from torch import nn
 
 
-class _CPAttention:
-    """``Attention.attn_fn`` for CP: ``(q, k, v, cu_seqlens, window) -> out``."""
-
-    def __init__(self, ctx):
-        self.ctx = ctx
-
-    def __call__(self, q, k, v, cu_seqlens, window=None):
-        from omniweave.parallel.context.attention import cp_attention
-
-        return cp_attention(q, k, v, cu_seqlens, self.ctx, window=window)
-
-
 def apply_cp(model: nn.Module, dims, meshes, head_groups: int = 1) -> None:
     """Swap every decoder layer's attention for the CP one and, with ``dims.vision_split``,
     install the vision split on an ``OmniModel``. A no-op when ``dims.cp == 1``."""
@@ -47,10 +35,12 @@ def apply_cp(model: nn.Module, dims, meshes, head_groups: int = 1) -> None:
 
     layers = model.foundation.layers
     backend = layers[0].self_attn.cfg.attn_backend if len(layers) else "auto"
+    if dims.cp_attention in ("ring", "hybrid") and backend == "sdpa":
+        backend = "auto"  # ring blocks need a kernel with a backward from a given lse: math or flash
     ctx = CPContext(group=meshes.cp.get_group(), mode=dims.cp_attention, ulysses_group=meshes.ulysses_group,
                     ring_group=meshes.ring_group, head_groups=head_groups, backend=backend)
     for layer in layers:
-        layer.self_attn.attn_fn = _CPAttention(ctx)
+        layer.self_attn.attn_fn = ctx  # a CPContext is an attn_fn: ctx(q, k, v, cu_seqlens, window)
     encoder = getattr(model, "image_encoder", None)
     if dims.vision_split and encoder is not None:
         from omniweave.parallel.context.vision import VisionSplit
