@@ -16,7 +16,7 @@ Each case compares the loss (relative) and every parameter's full gradient
   checkpoint written under TP (and under FSDP x TP) after an optimizer step loads at TP=1
   into exactly the weights the sharded model held.
 
-Measured (loaded 2-core box): loss rel. error <= 1e-7, gradient rel. error <= 2.3e-6.
+Measured: loss rel. error <= 9e-8, gradient rel. error <= 1.4e-6 (worst: a k_proj bias).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from tests.dist.tp_cases import build, compare, full, loss_and_grads, model_cfg,
 
 pytestmark = [pytest.mark.dist]
 
-LOSS_RTOL = 1e-5  # relative, measured <= 1e-7
-GRAD_RTOL = 1e-5  # ||Δgrad|| / ||grad|| per parameter, measured <= 2.3e-6
+LOSS_RTOL = 1e-5  # relative, measured <= 9e-8
+GRAD_RTOL = 1e-5  # ||Δgrad|| / ||grad|| per parameter, measured <= 1.4e-6
 
 
 def _quiet() -> None:  # full_tensor() of 2-D grads warns about two sequential all-gathers

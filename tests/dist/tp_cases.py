@@ -72,7 +72,8 @@ def packed_row(seed: int, media: bool = True, multiple: int = 4) -> dict:
         doc_labels[(doc_ids == IMAGE) | (doc_ids == VIDEO)] = -100
         offset = cu[-1]
         spans += [(offset + s.start, s.length) for s in doc_spans]
-        pos.append(torch.from_numpy(mrope_position_ids(len(doc_ids), doc_spans, 2, tokens_per_second=2.0).astype(np.int64)))
+        doc_pos = mrope_position_ids(len(doc_ids), doc_spans, 2, tokens_per_second=2.0)  # [3, len]
+        pos.append(torch.from_numpy(doc_pos.astype(np.int64)))
         ids.append(doc_ids), labels.append(doc_labels)
         cu.append(offset + len(doc_ids))
     pad = -cu[-1] % multiple
