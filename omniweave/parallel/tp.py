@@ -19,9 +19,9 @@ projections stay replicated and each rank keeps the KV head its query heads use
 embeddings share the one vocab-sharded weight (embedding rows = LM head rows).
 
 ViT (Megatron TP, activations ``[P, D]`` replicated): fused ``qkv`` sharded over its input dim
-and reduce-scattered over heads (``tp_styles.FusedHeadsParallel``: each rank gets its heads' q,
-k and v; names and full tensors unchanged, DCP-safe), ``proj`` row-wise, MLP fc1|gate,up column-wise and fc2|down
-row-wise, each block ending in an all-reduce. Norms, the patch embedding and the projector
+and reduce-scattered over heads (``tp_styles.FusedHeadsParallel``: each rank gets its heads'
+q, k and v; names and full tensors unchanged, DCP-safe), ``proj`` row-wise, MLP fc1 | gate, up
+column-wise and fc2 | down row-wise, attention and MLP each ending in an all-reduce. Norms, the patch embedding and the projector
 (PatchMerger) stay replicated plain tensors: every rank computes them on the same inputs with
 the same full gradients, so their parameters and gradients are identical across tp ranks.
 
