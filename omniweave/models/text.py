@@ -63,11 +63,16 @@ def greedy_generate(
 
 
 class LMHeadMixin:
-    """The model contract on top of ``hidden(batch) -> [L, D]``: chunked loss and logits."""
+    """The model contract on top of ``hidden(batch) -> [L, D]``: chunked loss and logits.
+
+    ``ce_sum`` is the hook through which ``parallel/`` swaps the loss for a vocab-parallel one
+    (same signature as :func:`chunked_ce_sum`); the model itself never sets it."""
+
+    ce_sum = staticmethod(chunked_ce_sum)
 
     def forward(self, batch: dict) -> ModelOutput:
         h = self.hidden(batch)
-        loss_sum, n = chunked_ce_sum(h, self.foundation.lm_head.weight, batch["labels"], self.loss_chunk)
+        loss_sum, n = self.ce_sum(h, self.foundation.lm_head.weight, batch["labels"], self.loss_chunk)
         return ModelOutput(loss_sum, n)
 
     def logits(self, batch: dict) -> torch.Tensor:

@@ -142,7 +142,8 @@ class VisionAttention(nn.Module):
 
     def forward(self, x, cu_seqlens, cos, sin):  # x [P, D]
         P = x.shape[0]
-        q, k, v = self.qkv(x).view(P, 3, self.num_heads, self.head_dim).unbind(1)  # [P, H, Dh] each
+        # heads counted from qkv's output (-1), so tensor parallelism can give each rank its own heads
+        q, k, v = self.qkv(x).view(P, 3, -1, self.head_dim).unbind(1)  # [P, H, Dh] each
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, _ = attn(q, k, v, cu_seqlens, cu_seqlens, causal=False, backend=self.backend, need_lse=False)
         return self.proj(out.reshape(P, -1))

@@ -1,0 +1,238 @@
+"""Tensor parallelism (DTensor ``parallelize_module`` plans) applied from outside the model.
+
+Each component gets its own 1-D tp mesh (``model.foundation.tp``, ``model.image_encoder.tp``
+in a recipe); ``None`` (or a mesh of one rank) leaves it unsharded. Order in a run: TP -> CP ->
+AC -> FSDP (``fully_shard`` over the dp mesh of a 2-D ``(dp, tp)`` mesh takes TP's DTensors).
+
+Decoder (Megatron TP + sequence parallelism on our one packed row, sequence dim 0):
+
+    input_ids [L]  --embed_tokens: vocab-sharded rows, reduce-scatter-->  x [L/tp, D]   (Shard(0))
+    per layer:  norm on [L/tp, D] -> all-gather [L, D] -> q,k,v on local heads
+                [L, H/tp, Dh] (+ [L, Hkv/tp, Dh] or one replicated KV head) -> attention ->
+                o_proj -> reduce-scatter [L/tp, D];  same for the MLP (gate/up | down)
+    final norm [L/tp, D] -> vocab-parallel loss (``tp_loss``): LM head sharded over the vocab,
+                no [L, V] logits anywhere
+
+GQA: KV heads are split when ``num_kv_heads % tp == 0``; when ``tp % num_kv_heads == 0`` k/v
+projections stay replicated and each rank keeps the KV head its query heads use
+(``tp_styles.ReplicatedKVHeads``); anything else is a ValueError with the numbers. Tied
+embeddings share the one vocab-sharded weight (embedding rows = LM head rows).
+
+ViT (Megatron TP, activations ``[P, D]`` replicated): fused ``qkv`` sharded over its input dim
+and reduce-scattered over heads (``tp_styles.FusedHeadsParallel``: each rank gets its heads'
+q, k and v; names and full tensors unchanged, DCP-safe), ``proj`` row-wise, MLP fc1 | gate, up
+column-wise and fc2 | down row-wise, attention and MLP each ending in an all-reduce. Norms, the patch embedding and the projector
+(PatchMerger) stay replicated plain tensors: every rank computes them on the same inputs with
+the same full gradients, so their parameters and gradients are identical across tp ranks.
+
+Hand-off encoder -> decoder (``OmniModel``): the projected features ``[N, D]`` are replicated
+plain tensors, but each rank's embeddings are only its rows ``[r·L/tp, (r+1)·L/tp)``. A forward
+pre-hook gives the batch ``feature_rows`` for those rows (``sequence_parallel_row``) so each
+rank places the features of its own rows, and ``media_split`` wraps the features as
+Replicate -> local with a Partial gradient: identity forward, all-reduce of the per-rank
+feature gradients backward, so the encoder sees the complete gradient. The packed row length
+must be a multiple of the foundation's tp.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+)
+
+from omniweave.parallel.tp_loss import vocab_parallel_ce_sum
+from omniweave.parallel.tp_styles import FusedHeadsParallel, ReplicatedKVHeads
+
+# ----------------------------------------------------------------------------- layouts (pure)
+
+
+def kv_head_layout(num_heads: int, num_kv_heads: int, tp: int) -> str:
+    """``"split"`` (KV heads sharded like the query heads) or ``"replicate"`` (each rank keeps
+    the one KV head its queries need); ValueError for layouts that cannot work."""
+    if num_heads % tp:
+        raise ValueError(f"num_heads={num_heads} is not divisible by tp={tp}")
+    if num_kv_heads % tp == 0:
+        return "split"
+    if tp % num_kv_heads == 0:
+        return "replicate"
+    raise ValueError(f"num_kv_heads={num_kv_heads} and tp={tp}: tensor parallelism needs num_kv_heads % tp == 0 "
+                     f"(split the KV heads) or tp % num_kv_heads == 0 (replicate them)")  # fmt: skip
+
+
+def _divisible(what: str, n: int, tp: int) -> None:
+    if n % tp:
+        raise ValueError(f"{what}={n} is not divisible by tp={tp}")
+
+
+def check_decoder_tp(cfg, tp: int) -> str:
+    """Validate a DecoderConfig for tp ranks; returns the KV head layout."""
+    layout = kv_head_layout(cfg.num_heads, cfg.num_kv_heads, tp)
+    _divisible("vocab_size", cfg.vocab_size, tp)
+    _divisible("intermediate_size", cfg.intermediate_size, tp)
+    return layout
+
+
+def check_vit_tp(cfg, tp: int) -> None:
+    _divisible("vision num_heads", cfg.num_heads, tp)
+    _divisible("vision intermediate_size", cfg.intermediate_size, tp)
+
+
+def feature_rows_from_spans(media_spans: torch.Tensor, length: int) -> torch.Tensor:
+    """int64 [L]: for each row the index of the media feature it takes (span order), -1 for text."""
+    spans = media_spans.to(torch.long).reshape(-1, 2)
+    if spans.numel() and (int(spans[:, 0].min()) < 0 or int((spans[:, 0] + spans[:, 1]).max()) > length):
+        raise ValueError(f"media_spans {spans.tolist()} fall outside the row of {length} tokens")
+    rows = torch.full((length,), -1, dtype=torch.long, device=spans.device)
+    offset = 0
+    for start, n in spans.tolist():
+        rows[start : start + n] = torch.arange(offset, offset + n, device=spans.device)
+        offset += n
+    return rows
+
+
+def sequence_parallel_row(batch: dict, tp_rank: int, tp: int) -> dict:
+    """The batch as tp rank ``tp_rank`` feeds it to a sequence-parallel foundation: full-length
+    ``position_ids`` / ``cu_seqlens`` (defaults made explicit) and, with media, ``feature_rows``
+    for its rows ``[tp_rank·L/tp, (tp_rank+1)·L/tp)`` only. Other keys unchanged."""
+    ids = batch["input_ids"]
+    length = ids.shape[0]
+    if length % tp:
+        raise ValueError(f"packed row of {length} tokens is not divisible by the foundation's tp={tp} "
+                         "(sequence parallelism splits the row evenly; pack to a multiple of tp)")  # fmt: skip
+    out = dict(batch)
+    if out.get("position_ids") is None:
+        out["position_ids"] = torch.arange(length, device=ids.device)[None]
+    if out.get("cu_seqlens") is None:
+        out["cu_seqlens"] = torch.tensor([0, length], dtype=torch.int32, device=ids.device)
+    grid_thw = batch.get("grid_thw")
+    if grid_thw is not None and grid_thw.shape[0] > 0:
+        rows = batch.get("feature_rows")
+        if rows is None:
+            if batch.get("media_spans") is None:
+                raise ValueError("batch has grid_thw but no media_spans to place the features")
+            rows = feature_rows_from_spans(batch["media_spans"], length)
+        shard = length // tp
+        out["feature_rows"] = rows[tp_rank * shard : (tp_rank + 1) * shard]
+    return out
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def decoder_plan(cfg, tp: int) -> dict:
+    """The Decoder's ``parallelize_module`` plan for tp ranks (sequence dim 0); validates the layout."""
+    if check_decoder_tp(cfg, tp) == "split":
+        kv = ColwiseParallel()
+    else:
+        kv = ReplicatedKVHeads(cfg.num_kv_heads, cfg.head_dim)
+    layer = {
+        "input_layernorm": SequenceParallel(sequence_dim=0),
+        # Attention.forward(x, cos, sin, cu_seqlens, kv_cache): gather x over the sequence
+        "self_attn": PrepareModuleInput(input_layouts=(Shard(0), None, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None, None)),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": kv,
+        "self_attn.v_proj": kv,
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(0)),
+        "post_attention_layernorm": SequenceParallel(sequence_dim=0),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(0)),
+    }  # fmt: skip
+    if cfg.qk_norm:  # per-head norms over local heads [L, h, Dh]: heads play the sharded dim
+        layer["self_attn.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        layer["self_attn.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    return {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        **{f"layers.*.{name}": style for name, style in layer.items()},
+        "norm": SequenceParallel(sequence_dim=0),
+        # used by logits() only (eval / tests: gathers [L, V]); the loss reads the weight itself
+        "lm_head": ColwiseParallel(input_layouts=Shard(0), output_layouts=Replicate()),
+    }
+
+
+def vit_plan(cfg, tp: int) -> dict:
+    """The VisionTransformer's plan for tp ranks; validates the layout."""
+    check_vit_tp(cfg, tp)
+    block = {"attn.qkv": FusedHeadsParallel(3, cfg.hidden_size // cfg.num_heads), "attn.proj": RowwiseParallel()}
+    if cfg.mlp == "swiglu":
+        block.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                      "mlp.down_proj": RowwiseParallel()})  # fmt: skip
+    else:
+        block.update({"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+    return {f"blocks.*.{name}": style for name, style in block.items()}
+
+
+# ----------------------------------------------------------------------------- apply
+
+
+def parallelize_decoder(decoder: nn.Module, mesh) -> None:
+    parallelize_module(decoder, mesh, decoder_plan(decoder.config, mesh.size()))
+    if decoder.config.tie_word_embeddings:  # both are Shard(0) of [V, D]: share the embedding's DTensor
+        decoder.tie_weights()
+
+
+def parallelize_vit(encoder: nn.Module, mesh) -> None:
+    parallelize_module(encoder, mesh, vit_plan(encoder.cfg, mesh.size()))
+
+
+def _features_into_tp(mesh, previous, encode, pixel_values, grid_thw) -> torch.Tensor:
+    """media_split under a tp foundation: replicated features [N, D] whose gradient is the sum
+    of every tp rank's (each rank's rows use some of them)."""
+    features = encode(pixel_values, grid_thw) if previous is None else previous(encode, pixel_values, grid_thw)
+    placed = DTensor.from_local(features, mesh, [Replicate()], run_check=False)
+    return placed.to_local(grad_placements=[Partial()])
+
+
+def _sequence_parallel_hook(mesh, model, args):
+    batch = sequence_parallel_row(args[0], mesh.get_local_rank(), mesh.size())
+    if "feature_rows" in batch and batch.get("media_spans") is not None:
+        need = int(model.projector.num_tokens(batch["grid_thw"]).sum())
+        have = int(batch["media_spans"].reshape(-1, 2)[:, 1].sum())
+        if need != have:
+            raise ValueError(f"media features do not match placeholder spans: grid_thw {batch['grid_thw'].tolist()} "
+                             f"gives {need} feature tokens, media_spans hold {have}")  # fmt: skip
+    return (batch, *args[1:])
+
+
+def _mesh_or_none(mesh, what: str):
+    if mesh is None or mesh.size() == 1:
+        return None
+    if mesh.ndim != 1:
+        raise ValueError(f"{what} needs a 1-D tp mesh (slice it: mesh['tp']), got {mesh.ndim}-D")
+    return mesh
+
+
+def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None) -> nn.Module:
+    """Shard ``model.foundation`` over ``foundation_mesh`` and ``model.image_encoder`` over
+    ``encoder_mesh`` (1-D meshes; None or size 1 = that component unsharded), in place.
+
+    Every rank must hold the same weights beforehand (same seed or checkpoint). Under a tp
+    foundation the model's loss is the vocab-parallel one and its forward takes each batch
+    through :func:`sequence_parallel_row`; the loss is replicated on the foundation's tp ranks.
+    Layouts are checked before anything changes. Training forwards only: KV-cache generation
+    needs the unsharded model, and ``logits(batch)`` of an OmniModel row with media (which
+    skips the forward hook) takes ``sequence_parallel_row(batch, tp_rank, tp)``."""
+    foundation_mesh = _mesh_or_none(foundation_mesh, "the foundation")
+    encoder_mesh = _mesh_or_none(encoder_mesh, "the image encoder")
+    encoder = getattr(model, "image_encoder", None)
+    if encoder_mesh is not None and encoder is None:
+        raise ValueError("encoder_mesh given but the model has no image_encoder")
+    if foundation_mesh is not None:
+        check_decoder_tp(model.foundation.config, foundation_mesh.size())
+    if encoder_mesh is not None:
+        check_vit_tp(encoder.cfg, encoder_mesh.size())
+        parallelize_vit(encoder, encoder_mesh)
+    if foundation_mesh is not None:
+        parallelize_decoder(model.foundation, foundation_mesh)
+        model.ce_sum = partial(vocab_parallel_ce_sum, mesh=foundation_mesh)
+        model.register_forward_pre_hook(partial(_sequence_parallel_hook, foundation_mesh))
+        if encoder is not None:
+            model.media_split = partial(_features_into_tp, foundation_mesh, model.media_split)
+    return model
