@@ -113,7 +113,7 @@ class SavedBytes:
 def _rank(rank: int, world: int, length: int, mode: str, vision_split: bool, repeats: int, device: str) -> dict:
     from omniweave.config import load_recipe, to_dict
     from omniweave.models.registry import build_model
-    from omniweave.parallel.context import apply_cp, shard_micro_batch
+    from omniweave.parallel.context import apply_cp, apply_vision_split, shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
     from omniweave.parallel.fsdp import apply_fsdp
 
@@ -125,6 +125,7 @@ def _rank(rank: int, world: int, length: int, mode: str, vision_split: bool, rep
     dims = ParallelDims(dp=1, cp=world, tp=1, world_size=world, cp_attention=mode,
                         cp_ulysses=2 if mode == "hybrid" else 1, vision_split=vision_split)
     meshes = dims.build_meshes(dev.type)
+    apply_vision_split(model, meshes.vision_split)
     apply_cp(model, dims, meshes)
     if world > 1:
         apply_fsdp(model, meshes.fsdp)

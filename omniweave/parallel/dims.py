@@ -1,15 +1,19 @@
 """ParallelDims: the recipe's ``parallel:`` section resolved against the world size, and its meshes.
 
-    dims = ParallelDims.from_config(cfg.parallel, world_size=8)   # dp=-1 -> 8 // cp
-    meshes = dims.build_meshes("cuda")                            # DeviceMesh(["dp", "cp"]) + groups
+    dims = ParallelDims.from_config(cfg.parallel, world_size=8, model=cfg.model)   # dp=-1 -> 8 // (cp * tp)
+    meshes = dims.build_meshes("cuda")                                          # DeviceMesh + groups
 
-Ranks are laid out dp-major: rank = dp_index * cp + cp_index, so the ranks of one context-parallel
-group are consecutive (on GPUs: the same node, where the sequence exchange is fastest). With
-``cp_attention: hybrid`` the CP dimension is itself (ring, ulysses): Ulysses inside each group of
-``cp_ulysses`` consecutive ranks, ring across those groups.
+Mesh dims, outermost first: ``dp``, ``cp`` (or ``cp_ring`` x ``cp_ulysses`` with hybrid CP
+attention: Ulysses inside each group of ``cp_ulysses`` consecutive ranks, ring across them),
+``tp_rep`` x ``tp_enc``. Tensor parallelism is per component (``model.foundation.tp``,
+``model.image_encoder.tp``): the foundation is sharded over the whole tp group
+(``tp_rep`` x ``tp_enc``), the encoder over ``tp_enc`` = its own, smaller, tp; over ``tp_rep`` the
+encoder's ranks act as extra data parallelism for encoding (each encodes a share of the media).
+TP is innermost (fastest links), then CP (the sequence exchange), then DP.
 
-FSDP shards over the flattened (dp, cp) mesh: the CP ranks of a DP group hold the same packs but
-different tokens, so for the gradients they are just more data-parallel ranks.
+FSDP shards the foundation over the flattened (dp, cp) mesh (the CP ranks of a DP group hold the
+same packs but different tokens: for the gradients they are just more data-parallel ranks) and
+the encoder + projector over (dp, cp, tp_rep).
 """
 
 from __future__ import annotations
@@ -29,13 +33,23 @@ class ParallelDims:
     cp_attention: str = "ring"
     cp_ulysses: int = 1  # hybrid: Ulysses group size (inner), ring across cp / cp_ulysses groups
     vision_split: bool = True  # CP ranks share the vision encoder's work (else each encodes all media)
+    tp_encoder: int = 1  # model.image_encoder.tp; divides tp (= model.foundation.tp)
 
     @classmethod
-    def from_config(cls, parallel: Any, world_size: int) -> "ParallelDims":
+    def from_config(cls, parallel: Any, world_size: int, model: Any = None) -> "ParallelDims":
         get = (lambda k, d: parallel.get(k, d)) if parallel is not None else (lambda k, d: d)
-        dp, cp, tp = int(get("dp", -1)), int(get("cp", 1)), int(get("tp", 1))
-        if cp < 1 or tp < 1:
-            raise ValueError(f"parallel.cp={cp} and parallel.tp={tp} must be >= 1")
+        if int(get("tp", 1)) != 1:
+            raise NotImplementedError(f"parallel.tp={get('tp', 1)}: set tensor parallelism per component "
+                                      "(model.foundation.tp, model.image_encoder.tp)")
+        comp = (lambda c: (model.get(c) or {}).get("tp", 1) or 1) if model is not None else (lambda c: 1)
+        has_encoder = model is not None and model.get("image_encoder") is not None
+        dp, cp, tp = int(get("dp", -1)), int(get("cp", 1)), int(comp("foundation"))
+        tp_enc = int(comp("image_encoder")) if has_encoder else 1
+        if cp < 1 or tp < 1 or tp_enc < 1:
+            raise ValueError(f"parallel.cp={cp}, model.foundation.tp={tp}, model.image_encoder.tp={tp_enc} must be >= 1")
+        if tp % tp_enc:
+            raise ValueError(f"model.image_encoder.tp={tp_enc} must divide model.foundation.tp={tp} "
+                             "(the encoder's tp group sits inside the foundation's)")
         if dp == -1:
             if world_size % (cp * tp):
                 raise ValueError(f"world size {world_size} is not divisible by cp*tp = {cp * tp}")
@@ -43,9 +57,6 @@ class ParallelDims:
         if dp < 1 or dp * cp * tp != world_size:
             raise ValueError(f"parallel dp={dp} x cp={cp} x tp={tp} = {dp * cp * tp} != world size {world_size} "
                              "(set parallel.dp=-1 to use all remaining ranks)")
-        if tp != 1:
-            raise NotImplementedError(f"parallel.tp={tp}: set tensor parallelism per component "
-                                      "(model.foundation.tp, model.image_encoder.tp)")
         mode = str(get("cp_attention", "ring"))
         if mode not in CP_ATTENTION:
             raise ValueError(f"parallel.cp_attention={mode!r}; choose one of {', '.join(CP_ATTENTION)}")
@@ -54,37 +65,49 @@ class ParallelDims:
             raise ValueError(f"parallel.cp_attention=hybrid needs parallel.cp_ulysses (the Ulysses group size) "
                              f"strictly between 1 and cp={cp} and dividing it; got {uly}")
         return cls(dp=dp, cp=cp, tp=tp, world_size=world_size, cp_attention=mode,
-                   cp_ulysses=uly if mode == "hybrid" else 1, vision_split=bool(get("vision_split", True)))
+                   cp_ulysses=uly if mode == "hybrid" else 1, vision_split=bool(get("vision_split", True)),
+                   tp_encoder=tp_enc)
 
     @property
     def shard_ranks(self) -> int:
-        """Ranks FSDP shards over (and gradients are averaged over): dp x cp."""
+        """Ranks the foundation's FSDP shards over: dp x cp."""
         return self.dp * self.cp
 
     def build_meshes(self, device_type: str) -> "Meshes":
         """All meshes and groups of the run (the process group must be initialised)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        if self.cp_attention == "hybrid" and self.cp > 1:
-            u = self.cp_ulysses
-            mesh = init_device_mesh(device_type, (self.dp, self.cp // u, u), mesh_dim_names=("dp", "cp_ring", "cp_ulysses"))
-            cp_mesh = mesh["cp_ring", "cp_ulysses"]._flatten("cp")
-            fsdp = mesh["dp", "cp_ring", "cp_ulysses"]._flatten("dp_cp")
-            ring, uly = mesh["cp_ring"].get_group(), mesh["cp_ulysses"].get_group()
-        else:
-            mesh = init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
-            cp_mesh = mesh["cp"]
-            fsdp = mesh["dp", "cp"]._flatten("dp_cp") if self.cp > 1 else mesh["dp"]
-            ring = uly = None
-        return Meshes(world=mesh, fsdp=fsdp, cp=cp_mesh, dp_rank=mesh["dp"].get_local_rank(),
-                      cp_rank=cp_mesh.get_local_rank(), ring_group=ring, ulysses_group=uly)
+        hybrid = self.cp_attention == "hybrid" and self.cp > 1
+        cp_dims = [("cp_ring", self.cp // self.cp_ulysses), ("cp_ulysses", self.cp_ulysses)] if hybrid else [("cp", self.cp)]
+        named = [("dp", self.dp), *cp_dims, ("tp_rep", self.tp // self.tp_encoder), ("tp_enc", self.tp_encoder)]
+        mesh = init_device_mesh(device_type, tuple(n for _, n in named), mesh_dim_names=tuple(k for k, _ in named))
+        cp_names = tuple(k for k, _ in cp_dims)
+
+        def flat(names: tuple[str, ...], name: str):
+            return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten(name)
+
+        cp_mesh = flat(cp_names, "cp") if hybrid else mesh["cp"]
+        split = (*cp_names, "tp_rep") if self.vision_split else ("tp_rep",)
+        split_size = (self.cp if self.vision_split else 1) * (self.tp // self.tp_encoder)
+        return Meshes(
+            world=mesh, fsdp=flat(("dp", *cp_names), "dp_cp"), cp=cp_mesh, tp=flat(("tp_rep", "tp_enc"), "tp"),
+            tp_encoder=mesh["tp_enc"], encoder_fsdp=flat(("dp", *cp_names, "tp_rep"), "dp_cp_tprep"),
+            vision_split=flat(split, "vision_split") if split_size > 1 else None,
+            dp_rank=mesh["dp"].get_local_rank(), cp_rank=cp_mesh.get_local_rank(),
+            ring_group=mesh["cp_ring"].get_group() if hybrid else None,
+            ulysses_group=mesh["cp_ulysses"].get_group() if hybrid else None,
+        )
 
 
 @dataclass
 class Meshes:
-    world: Any  # DeviceMesh over every rank
-    fsdp: Any  # the 1-D mesh FSDP shards over (dp, or flattened dp x cp)
+    world: Any  # DeviceMesh over every rank (dims above)
+    fsdp: Any  # the 1-D mesh the foundation's FSDP shards over: (dp, cp) flattened
     cp: Any  # 1-D mesh of this rank's CP group
+    tp: Any  # 1-D mesh of the foundation's tp group (tp_rep x tp_enc)
+    tp_encoder: Any  # 1-D mesh of the encoder's tp group
+    encoder_fsdp: Any  # the encoder + projector's FSDP mesh: (dp, cp, tp_rep) flattened
+    vision_split: Any  # 1-D mesh whose ranks share the media of a row (None: each rank encodes all)
     dp_rank: int
     cp_rank: int
     ring_group: Any = None  # hybrid only

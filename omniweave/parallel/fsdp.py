@@ -46,18 +46,32 @@ def apply_ac(model: nn.Module, mode: str = "none", every: int = 2) -> None:
     _replace_blocks(model, wrap)
 
 
-def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32") -> nn.Module:
-    """``fully_shard`` every block and then the root over the ``dp`` mesh.
+def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=None) -> nn.Module:
+    """``fully_shard`` every block and then the root over ``mesh``; with ``encoder_mesh`` (the
+    encoder's own data-parallel mesh, see ``dims.Meshes``) the vision blocks, the rest of the
+    encoder and the projector shard over that one instead.
 
+    Gradients are SUMMED over the ranks (divide factor 1), not averaged: the trainer divides
+    every token's loss by the global number of loss tokens, whatever the layout.
     bf16: parameters are all-gathered and computed in bf16, gradients reduced in fp32, the
     sharded master weights stay fp32 (FSDP2 ``MixedPrecisionPolicy``)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = None
     if precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kw = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    extra = {} if mp is None else {"mp_policy": mp}
+    encoder = getattr(model, "image_encoder", None)
+    vision = set(map(id, encoder.blocks)) if encoder is not None and hasattr(encoder, "blocks") else set()
+    enc_mesh = mesh if encoder_mesh is None else encoder_mesh
     for block in blocks(model):
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
+        fully_shard(block, mesh=enc_mesh if id(block) in vision else mesh, **extra)
+    if encoder_mesh is not None and encoder is not None:
+        fully_shard(encoder, mesh=encoder_mesh, **extra)
+        fully_shard(model.projector, mesh=encoder_mesh, **extra)
+    fully_shard(model, mesh=mesh, **extra)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     return model

@@ -209,7 +209,7 @@ def _mesh_or_none(mesh, what: str):
     return mesh
 
 
-def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None) -> nn.Module:
+def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None, features_mesh="foundation") -> nn.Module:
     """Shard ``model.foundation`` over ``foundation_mesh`` and ``model.image_encoder`` over
     ``encoder_mesh`` (1-D meshes; None or size 1 = that component unsharded), in place.
 
@@ -218,7 +218,12 @@ def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None) -> nn.Mo
     through :func:`sequence_parallel_row`; the loss is replicated on the foundation's tp ranks.
     Layouts are checked before anything changes. Training forwards only: KV-cache generation
     needs the unsharded model, and ``logits(batch)`` of an OmniModel row with media (which
-    skips the forward hook) takes ``sequence_parallel_row(batch, tp_rank, tp)``."""
+    skips the forward hook) takes ``sequence_parallel_row(batch, tp_rank, tp)``.
+
+    ``features_mesh``: the ranks over which the media features' gradient partials are summed
+    (default: the foundation's tp mesh). When the encoder's tp is smaller than the foundation's,
+    the media are split over the foundation's tp replicas of the encoder (``VisionSplit``, whose
+    backward sums over them), so only the encoder's own tp group is left: pass that mesh."""
     foundation_mesh = _mesh_or_none(foundation_mesh, "the foundation")
     encoder_mesh = _mesh_or_none(encoder_mesh, "the image encoder")
     encoder = getattr(model, "image_encoder", None)
@@ -233,6 +238,7 @@ def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None) -> nn.Mo
         parallelize_decoder(model.foundation, foundation_mesh)
         model.ce_sum = partial(vocab_parallel_ce_sum, mesh=foundation_mesh)
         model.register_forward_pre_hook(partial(_sequence_parallel_hook, foundation_mesh))
-        if encoder is not None:
-            model.media_split = partial(_features_into_tp, foundation_mesh, model.media_split)
+        features_mesh = foundation_mesh if features_mesh == "foundation" else _mesh_or_none(features_mesh, "features")
+        if encoder is not None and features_mesh is not None:
+            model.media_split = partial(_features_into_tp, features_mesh, model.media_split)
     return model

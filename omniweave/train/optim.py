@@ -27,3 +27,23 @@ def build_optimizer(model: nn.Module, train_cfg) -> torch.optim.Optimizer:
         lr=float(train_cfg.lr), betas=betas, eps=float(train_cfg.get("eps", 1e-8)),
         foreach=True,
     )
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Global L2 norm of the gradients (clipped to ``max_norm`` when > 0), for parameters that may
+    live on different device meshes (per-component tensor / data parallelism): the norm of each
+    mesh's gradients is computed by DTensor, the squares are summed, then every group is scaled."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = getattr(p.grad, "device_mesh", None)
+            groups.setdefault(id(mesh) if mesh is not None else None, []).append(p)
+    squares = []
+    for ps in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=True)
+        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+    if max_norm > 0:
+        for ps in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(ps[0].grad.dtype), foreach=True)
+    return float(total)

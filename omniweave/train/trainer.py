@@ -81,24 +81,30 @@ def build(cfg, device: torch.device, dims, meshes) -> nn.Module:
     """The model, parallelised from outside in DESIGN's order: CP -> AC -> FSDP2 (over dp x cp)."""
     from omniweave.config import to_dict
     from omniweave.models.registry import build_model
-    from omniweave.parallel.context import apply_cp
+    from omniweave.parallel.context import apply_cp, apply_vision_split
     from omniweave.parallel.fsdp import apply_ac, apply_fsdp
+    from omniweave.parallel.tp import apply_tp
 
     model_cfg = to_dict(cfg.model)
     with torch.device("meta"):
         model = build_model(model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    meta_init = n_params > META_INIT_PARAMS and dims.shard_ranks > 1
+    meta_init = n_params > META_INIT_PARAMS and dims.world_size > 1
     if not meta_init:  # identical weights on every rank from the seed: sharding then keeps each rank's slice
         torch.manual_seed(int(cfg.train.seed))
         model = build_model(model_cfg)
         if hasattr(model, "init_weights"):
             model.init_weights()
         model.to(device)
+    apply_vision_split(model, meshes.vision_split)  # before TP, which passes the split features on
+    if dims.tp > 1:  # features' gradient partials: over the encoder's tp group, the split sums the rest
+        apply_tp(model, meshes.tp, meshes.tp_encoder, features_mesh=meshes.tp_encoder if dims.tp_encoder < dims.tp
+                 else meshes.tp)
     apply_cp(model, dims, meshes, head_groups=int(cfg.get("parallel", {}).get("cp_head_groups", 1) or 1))
     apply_ac(model, str(cfg.train.get("ac", "none")))
-    if dims.shard_ranks > 1:
-        apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")))
+    if dims.world_size > 1:
+        apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")),
+                   encoder_mesh=meshes.encoder_fsdp if dims.tp_encoder < dims.tp else None)
     if meta_init:  # materialise each rank's shards only, then initialise them
         model.to_empty(device=device)
         model.init_weights()
@@ -183,7 +189,7 @@ def _train(cfg, resume, fault_hook) -> dict:
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.device import detect, peak_memory_bytes
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.train.optim import build_optimizer
+    from omniweave.train.optim import build_optimizer, clip_grad_norm
     from omniweave.train.schedule import build_scheduler
 
     info = detect()
@@ -191,13 +197,13 @@ def _train(cfg, resume, fault_hook) -> dict:
     device = info.device(local_rank)
     if info.module is not None and hasattr(info.module, "set_device"):
         info.module.set_device(device)
-    dims = ParallelDims.from_config(cfg.get("parallel"), world)
+    dims = ParallelDims.from_config(cfg.get("parallel"), world, model=cfg.model)
     meshes = dims.build_meshes(device.type)
     if device.type == "cpu" and tc_threads(cfg):
         torch.set_num_threads(tc_threads(cfg))
     tc = cfg.train
     total, gb, seed = int(tc.steps), int(tc.global_batch), int(tc.seed)
-    precision, fsdp = str(tc.get("precision", "fp32")), dims.shard_ranks > 1
+    precision, fsdp = str(tc.get("precision", "fp32")), world > 1
     run_dir = Path(cfg.output_dir)
     ckpt_root = run_dir / "checkpoints"
     config_yaml = OmegaConf.to_yaml(cfg)
@@ -236,7 +242,7 @@ def _train(cfg, resume, fault_hook) -> dict:
     log = MetricsLogger(run_dir, total, step, enabled=rank == 0, log_interval=int(tc.get("log_interval", 1)))
     if rank == 0:
         n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print(f"{info.type} x{world} (dp={dims.dp}, cp={dims.cp}), {n / 1e6:.2f}M trainable parameters, {loader.num_packs} packs, "
+        print(f"{info.type} x{world} (dp={dims.dp}, cp={dims.cp}, tp={dims.tp}/{dims.tp_encoder}), {n / 1e6:.2f}M trainable parameters, {loader.num_packs} packs, "
               f"{loader.steps_per_epoch} steps/epoch, training steps {step}..{total}", flush=True)
     max_bad = int(tc.get("max_bad_steps", 5))
     clip = float(tc.get("grad_clip", 0.0) or 0.0)
@@ -260,14 +266,14 @@ def _train(cfg, resume, fault_hook) -> dict:
             sum(p["input_ids"].numel() for p in packs),
             sum(int((p["cu_seqlens"][1:] - p["cu_seqlens"][:-1]).pow(2).sum()) for p in packs),
         ], dtype=torch.float64)
-        dist.all_reduce(local)  # the cp ranks of a dp group hold the same packs: count them once
-        loss_tokens, tokens, sum_len2 = (int(x) // dims.cp for x in local.tolist())
-        # FSDP averages gradients over the dp x cp ranks; multiplying by dp x cp undoes that, so
-        # each token's gradient is divided by the global number of loss tokens exactly once.
-        scale = dims.shard_ranks / max(loss_tokens, 1)
+        dist.all_reduce(local)  # the cp x tp ranks of a dp group hold the same packs: count them once
+        loss_tokens, tokens, sum_len2 = (int(x) // (dims.cp * dims.tp) for x in local.tolist())
+        # FSDP sums gradients over the ranks (divide factor 1), so each token's gradient is
+        # divided by the global number of loss tokens exactly once.
+        scale = 1.0 / max(loss_tokens, 1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, mb in enumerate(packs):
-            mb = _to_device(shard_micro_batch(mb, dims.cp, meshes.cp_rank), device)
+            mb = _to_device(shard_micro_batch(mb, dims.cp, meshes.cp_rank, dims.tp), device)
             if fsdp:
                 model.set_requires_gradient_sync(i == len(packs) - 1)
             with _autocast(device, precision, fsdp):
@@ -276,12 +282,9 @@ def _train(cfg, resume, fault_hook) -> dict:
                 out = fault_hook(step, out)
             (out.loss_sum.float() * scale).backward()
             loss_sum += out.loss_sum.detach().double()
-        dist.all_reduce(loss_sum)
-        loss = float(loss_sum) / max(loss_tokens, 1)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
+        dist.all_reduce(loss_sum)  # a tp foundation's loss is replicated on its tp ranks
+        loss = float(loss_sum) / dims.tp / max(loss_tokens, 1)
+        grad_norm = clip_grad_norm(params, clip)
         lr = scheduler.get_last_lr()[0]
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:

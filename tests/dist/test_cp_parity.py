@@ -63,7 +63,7 @@ def _layouts(world: int) -> list[tuple[int, str, int, bool]]:
 
 
 def _body(rank: int, world: int, packed: str) -> list[dict]:
-    from omniweave.parallel.context import apply_cp, shard_micro_batch
+    from omniweave.parallel.context import apply_cp, apply_vision_split, shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
     from omniweave.parallel.fsdp import apply_fsdp
 
@@ -80,11 +80,12 @@ def _body(rank: int, world: int, packed: str) -> list[dict]:
         ref_loss, ref_grads = refs[dims.dp]
         meshes = dims.build_meshes("cpu")
         model = copy.deepcopy(base)
+        apply_vision_split(model, meshes.vision_split)
         apply_cp(model, dims, meshes)
-        apply_fsdp(model, meshes.fsdp)
+        apply_fsdp(model, meshes.fsdp)  # sums gradients over dp x cp
         row, n = batch[meshes.dp_rank], sum(r["num_loss_tokens"] for r in batch)
         out = model(shard_micro_batch(row, cp, meshes.cp_rank))
-        (out.loss_sum * dims.shard_ranks / n).backward()
+        (out.loss_sum / n).backward()
         loss = out.loss_sum.detach().double()
         dist.all_reduce(loss)
         worst = 0.0

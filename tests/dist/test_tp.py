@@ -115,7 +115,7 @@ def _world4(rank, world, ckpt):
     ref = loss_and_grads(build(cfg), rows)
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = apply_fsdp(apply_tp(build(cfg), mesh2d["tp"], mesh2d["tp"]), mesh2d["dp"])
-    loss, grads = loss_and_grads(model, [rows[mesh2d.get_local_rank("dp")]], scale=2.0)  # FSDP averages over dp
+    loss, grads = loss_and_grads(model, [rows[mesh2d.get_local_rank("dp")]])  # apply_fsdp sums over dp
     total = torch.tensor(loss, dtype=torch.float64)
     dist.all_reduce(total, group=mesh2d["dp"].get_group())
     out["fsdp_dp2_tp2"] = compare(float(total), grads, *ref)

@@ -1,6 +1,7 @@
 """Context parallelism (CP): one packed row split across the ranks of a CP group.
 
-    apply_cp(model, dims, meshes)                    # once, before AC and FSDP (DESIGN: TP -> CP -> AC -> FSDP)
+    apply_vision_split(model, meshes.vision_split)   # once, before TP (TP wraps the split features)
+    apply_cp(model, dims, meshes)                    # once, after TP, before AC and FSDP
     local_mb = shard_micro_batch(mb, dims.cp, meshes.cp_rank)   # every micro-batch, on every CP rank
 
 What happens to a micro-batch (a packed row of text, image and video documents):
@@ -14,7 +15,8 @@ What happens to a micro-batch (a packed row of text, image and video documents):
    encoder cost — whole images, or temporal slices of videos (Qwen2-VL's vision attention never
    crosses a frame, so a video splits by frames exactly); each rank encodes its share and the
    features are all-gathered with an autograd-correct gather. Without the split every CP rank
-   encodes every item.
+   encodes every item. (A foundation with a larger tp than the encoder's also splits the media
+   over its tp replicas of the encoder: ``Meshes.vision_split`` is the group that shares them.)
 3. ``attention``: the decoder's attention kernel is swapped (``Attention.attn_fn``) for one that
    exchanges keys/values across the group: ``ring``, ``allgather``, ``ulysses`` or ``hybrid``.
 
@@ -26,9 +28,18 @@ from __future__ import annotations
 from torch import nn
 
 
+def apply_vision_split(model: nn.Module, mesh) -> None:
+    """Share the encoding of each row's media over the ranks of ``mesh`` (None: no split)."""
+    encoder = getattr(model, "image_encoder", None)
+    if mesh is None or mesh.size() == 1 or encoder is None:
+        return
+    from omniweave.parallel.context.vision import VisionSplit
+
+    model.media_split = VisionSplit(mesh.get_group(), encoder.dummy_input, encoder.cfg.hidden_size)
+
+
 def apply_cp(model: nn.Module, dims, meshes, head_groups: int = 1) -> None:
-    """Swap every decoder layer's attention for the CP one and, with ``dims.vision_split``,
-    install the vision split on an ``OmniModel``. A no-op when ``dims.cp == 1``."""
+    """Swap every decoder layer's attention for the CP one. A no-op when ``dims.cp == 1``."""
     if dims.cp == 1:
         return
     from omniweave.parallel.context.attention import CPContext
@@ -41,20 +52,19 @@ def apply_cp(model: nn.Module, dims, meshes, head_groups: int = 1) -> None:
                     ring_group=meshes.ring_group, head_groups=head_groups, backend=backend)
     for layer in layers:
         layer.self_attn.attn_fn = ctx  # a CPContext is an attn_fn: ctx(q, k, v, cu_seqlens, window)
-    encoder = getattr(model, "image_encoder", None)
-    if dims.vision_split and encoder is not None:
-        from omniweave.parallel.context.vision import VisionSplit
-
-        model.media_split = VisionSplit(meshes.cp.get_group(), encoder.dummy_input, encoder.cfg.hidden_size)
 
 
-def shard_micro_batch(mb: dict, cp: int, cp_rank: int, pad_id: int = 0) -> dict:
-    """This CP rank's share of a micro-batch (unchanged when cp == 1)."""
+def shard_micro_batch(mb: dict, cp: int, cp_rank: int, tp: int = 1, pad_id: int = 0) -> dict:
+    """This CP rank's share of a micro-batch (unchanged when cp == tp == 1). With a tensor-parallel
+    foundation (``tp`` > 1) a pad document is appended first, so that the local row splits
+    evenly over the tp ranks' sequence-parallel shards."""
+    from omniweave.parallel.context.sharding import append_pad_document, pad_rows_for, plan_cp_shard, shard_batch
+
+    if tp > 1:
+        mb = append_pad_document(mb, pad_rows_for(mb["cu_seqlens"], cp, tp), pad_id)
     if cp == 1:
         return mb
-    from omniweave.parallel.context.sharding import plan_cp_shard, shard_batch
-
     return shard_batch(mb, plan_cp_shard(mb["cu_seqlens"], cp), cp_rank, pad_id)
 
 
-__all__ = ["apply_cp", "shard_micro_batch"]
+__all__ = ["apply_cp", "apply_vision_split", "shard_micro_batch"]

@@ -191,3 +191,37 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
     }
     out.update({k: batch[k] for k in _WHOLE_ROW_KEYS if k in batch})
     return out
+
+
+def pad_rows_for(cu_seqlens, cp: int, multiple: int) -> int:
+    """Length of a pad document to append to a row so that every CP rank's local length is a
+    multiple of ``multiple`` (tensor parallelism splits the local row evenly over its ranks)."""
+    if multiple <= 1:
+        return 0
+    local = plan_cp_shard(cu_seqlens, cp).local_len
+    if local % multiple == 0:
+        return 0
+    if cp == 1:
+        return -local % multiple
+    for c in range(1, multiple + 1):  # the pad document adds 2c local rows (2cp·c tokens)
+        if (local + 2 * c) % multiple == 0:
+            return 2 * cp * c
+    raise ValueError(f"no pad document makes a local row of {local} tokens a multiple of {multiple}")
+
+
+def append_pad_document(batch: dict, length: int, pad_id: int = 0) -> dict:
+    """The micro-batch with one more document of ``length`` pad tokens (label -100) at its end."""
+    if length == 0:
+        return batch
+    ids = batch["input_ids"]
+    out = dict(batch)
+    out["input_ids"] = torch.cat([ids, ids.new_full((length,), pad_id)])
+    out["labels"] = torch.cat([batch["labels"], batch["labels"].new_full((length,), -100)])
+    pos = batch.get("position_ids")
+    if pos is not None:
+        tail = torch.arange(length, dtype=pos.dtype, device=pos.device)
+        out["position_ids"] = torch.cat([pos, tail.expand(*pos.shape[:-1], length)], dim=-1)
+    cu = batch.get("cu_seqlens")
+    cu = torch.tensor([0, ids.shape[0]], dtype=torch.int32) if cu is None else cu
+    out["cu_seqlens"] = torch.cat([cu, cu.new_tensor([int(cu[-1]) + length])])
+    return out
