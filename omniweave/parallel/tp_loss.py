@@ -24,9 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.utils.checkpoint import checkpoint
 
-from omniweave.models.components.loss import IGNORE_INDEX
+from omniweave.models.components.loss import sum_over_chunks
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -77,16 +76,4 @@ def vocab_parallel_ce_sum(
     # every rank needs every position; each rank's gradient covers only its vocab shard (Partial)
     full = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])  # [L, D]
     weight = lm_head_weight.to_local()  # [V/tp, D]; its gradient stays Shard(0)
-    keep = labels != IGNORE_INDEX
-    num_tokens = keep.sum()
-    h, y = full[keep], labels[keep]
-    total = full.new_zeros((), dtype=torch.float32)
-    if h.shape[0] == 0:  # keep the graph connected so every rank runs the same backward
-        return total + 0.0 * full.sum() + 0.0 * weight.sum(), num_tokens
-    for s in range(0, h.shape[0], chunk):
-        hc, yc = h[s : s + chunk], y[s : s + chunk]
-        if torch.is_grad_enabled() and (hc.requires_grad or weight.requires_grad):
-            total = total + checkpoint(_chunk_loss, hc, weight, yc, vocab_start, group, use_reentrant=False)
-        else:
-            total = total + _chunk_loss(hc, weight, yc, vocab_start, group)
-    return total, num_tokens
+    return sum_over_chunks(_chunk_loss, full, weight, labels, chunk, vocab_start, group)

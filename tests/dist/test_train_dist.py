@@ -76,7 +76,7 @@ def test_data_parallel_equals_single_process(demo_packed, tmp_path_factory, npro
 @pytest.mark.parametrize("nproc,parallel", [
     (2, {"parallel__cp": 2}),
     (4, {"parallel__cp": 2, "parallel__cp_attention": "ulysses", "parallel__vision_split": False}),
-    (2, {"model__foundation__tp": 2, "model__image_encoder__tp": 1}),
+    (2, {"model__foundation__tp": 2, "model__image_encoder__tp": 1, "train__save_hf": True}),
     (4, {"parallel__cp": 2, "model__foundation__tp": 2, "model__image_encoder__tp": 2}),
 ], ids=["cp2-ring", "dp2xcp2-ulysses", "tp2-encoder-tp1", "cp2xtp2"])
 def test_parallel_layouts_train_like_single_process(demo_packed, tmp_path_factory, nproc, parallel):
@@ -90,6 +90,8 @@ def test_parallel_layouts_train_like_single_process(demo_packed, tmp_path_factor
     assert gnorm_rel <= LOSS_RTOL  # a component's gradients off by a factor would show here (AdamW hides it)
     dw = max_abs_diff(final_state(run), final_state(ref))
     assert dw <= LAYOUT_WEIGHT_ATOL
+    if parallel.get("train__save_hf"):  # the sharded (TP + FSDP) model gathers into a HF export
+        assert (run / "hf" / "config.json").exists() and list((run / "hf").glob("*.safetensors"))
     print(f"{nproc} ranks {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
 
 

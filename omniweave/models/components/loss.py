@@ -24,16 +24,23 @@ def chunked_ce_sum(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss_sum fp32 0-d, num_tokens int64 0-d) of hidden [L, D] against labels [L] (already
     shifted, -100 = no loss); logits computed ``chunk`` rows at a time."""
+    return sum_over_chunks(_chunk_loss, hidden, lm_head_weight, labels, chunk)
+
+
+def sum_over_chunks(chunk_loss, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
+                    *extra) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk_loss(h [c, D], weight, y [c], *extra) -> loss sum`` over the labelled rows, ``chunk``
+    rows at a time, each chunk under activation checkpointing; returns (loss_sum, num_tokens)."""
     keep = labels != IGNORE_INDEX
     num_tokens = keep.sum()
     h, y = hidden[keep], labels[keep]
     total = hidden.new_zeros((), dtype=torch.float32)
     if h.shape[0] == 0:  # keep the graph connected so every rank runs the same backward
-        return total + 0.0 * hidden.sum() + 0.0 * lm_head_weight.sum(), num_tokens
+        return total + 0.0 * hidden.sum() + 0.0 * weight.sum(), num_tokens
     for s in range(0, h.shape[0], chunk):
         hc, yc = h[s : s + chunk], y[s : s + chunk]
-        if torch.is_grad_enabled() and (hc.requires_grad or lm_head_weight.requires_grad):
-            total = total + checkpoint(_chunk_loss, hc, lm_head_weight, yc, use_reentrant=False)
+        if torch.is_grad_enabled() and (hc.requires_grad or weight.requires_grad):
+            total = total + checkpoint(chunk_loss, hc, weight, yc, *extra, use_reentrant=False)
         else:
-            total = total + _chunk_loss(hc, lm_head_weight, yc)
+            total = total + chunk_loss(hc, weight, yc, *extra)
     return total, num_tokens
