@@ -1,6 +1,8 @@
 """DP load balancing (omniweave.parallel.balance / cost_model): the assignment's guarantees, the
 cost model's FLOP coefficients and refit, and the loader's cost-balanced shares across ranks."""
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -221,7 +223,7 @@ def test_loader_resume_makes_the_same_assignments_with_a_cost_model_switched_mid
     assert full != run(switch=False)[0]
     resumed = [PackedLoader(packed, G, r, dp, seed=1, balance="cost") for r in range(dp)]
     for ld in resumed:
-        ld.load_state_dict(states[3])
+        ld.load_state_dict(json.loads(json.dumps(states[3])))  # as the trainer's trainer_state.json
     assert _shares(resumed, 2) == full[4:]
     assert states[3]["cost_models"] == [{"from": 4 * G, **other.to_dict()}]
 
@@ -242,6 +244,6 @@ def test_loader_resume_matches_when_workers_had_assigned_batches_ahead_of_the_sw
             state = ld.state_dict()
     assert [d["from"] for d in state["cost_models"]] == [3 * G, 4 * G]  # old model for batch 4, then the new
     resumed = PackedLoader(packed, G, 1, dp, seed=1, balance="cost")
-    resumed.load_state_dict(state)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
     shares = [step[0] for step in _shares([resumed], 3)]
     assert [[resumed.dataset[i]["input_ids"].tolist() for i in share] for share in shares] == got[3:]
