@@ -1,10 +1,12 @@
 """PackedLoader: the contract micro-batch, seeded epochs, exact resume (also across DP sizes),
 worker decoding, fingerprint check."""
 
+import json
+
 import pytest
 import torch
 
-from omniweave.data.loader import PackedLoader, balance_by_cost
+from omniweave.data.loader import PackedLoader
 from omniweave.data.packed import PackedDataset
 from tests.fakes_data import DATA_CFG, build_packed
 
@@ -75,7 +77,7 @@ def test_resume_with_dp_size_changed_4_to_2_neither_skips_nor_repeats(packed):
     full = _ids(PackedLoader(packed, G, 0, 1, seed=2), k + rest)
     four = [PackedLoader(packed, G, r, 4, seed=2) for r in range(4)]
     got = [_ids(ld, k) for ld in four]
-    states = {tuple(sorted(ld.state_dict().items())) for ld in four}
+    states = {json.dumps(ld.state_dict(), sort_keys=True) for ld in four}
     assert len(states) == 1, "every rank holds the same state"
     two = [PackedLoader(packed, G, r, 2, seed=2) for r in range(2)]
     for ld in two:
@@ -113,7 +115,6 @@ def test_cost_balance_gives_each_rank_its_share_of_the_global_batch(packed):
     shares = [_ids(PackedLoader(packed, G, r, 2, balance="cost"), 3) for r in range(2)]
     for s in range(3):
         assert sorted(shares[0][s] + shares[1][s]) == sorted(full[s]) and len(shares[0][s]) == 2
-    assert balance_by_cost([9.0, 1.0, 8.0, 2.0], 2) == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("field,value,message", [

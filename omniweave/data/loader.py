@@ -10,7 +10,14 @@ pack ids, epochs follow each other, and global batch n is stream[n*G : (n+1)*G] 
 straddle two epochs). ``cursor`` counts packs consumed within ``epoch``, so the state does not
 depend on dp_size: resuming with another number of ranks continues the same global batches,
 skipping nothing and repeating nothing. Rank r takes packs [r*m, (r+1)*m) of each global batch
-(m = G // dp_size), or, with ``balance="cost"``, an attention-cost balanced share.
+(m = G // dp_size), or, with ``balance="cost"``, its group of ``parallel.balance.assign`` over the
+packs' predicted costs (``pack_features`` from the pack index, no media decoding, times the cost
+model: ``cost_model``, else ``CostModel.from_model_config(model_cfg)``, else ``CostModel.default()``).
+
+``set_cost_model`` (e.g. after ``parallel.balance.Refitter``) takes effect at the first global
+batch not yet assigned; the loader keeps the models with the stream position each starts at, and
+``state_dict`` carries them, so a resumed run makes the same assignments as an uninterrupted one
+(also when DataLoader workers had assigned batches ahead of the trainer).
 
 Iteration never ends by itself (the trainer stops at ``train.steps``); ``steps_per_epoch`` =
 num_packs // global_batch.
@@ -26,6 +33,7 @@ import torch
 
 from omniweave.data.packed import PackedDataset, check_fingerprint
 from omniweave.data.sample import MediaSpan
+from omniweave.parallel.balance import CostModel, assign, imbalance, pack_features, round_robin
 
 _PROCESSORS: dict[str, object] = {}
 
@@ -83,22 +91,10 @@ def _as_list(batch: list) -> list:
     return batch
 
 
-def balance_by_cost(costs: list[float], dp_size: int) -> list[list[int]]:
-    """Split positions 0..G-1 into dp_size groups of G // dp_size with near-equal cost sums
-    (greedy: most expensive first, to the cheapest group that still has a free slot)."""
-    m = len(costs) // dp_size
-    groups: list[list[int]] = [[] for _ in range(dp_size)]
-    sums = [0.0] * dp_size
-    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        r = min((r for r in range(dp_size) if len(groups[r]) < m), key=lambda r: (sums[r], r))
-        groups[r].append(j)
-        sums[r] += costs[j]
-    return [sorted(g) for g in groups]
-
-
 class PackedLoader:
     def __init__(self, path, global_batch: int, dp_rank: int, dp_size: int, seed: int = 0, data_cfg=None,
-                 num_workers: int = 0, balance: str | None = None, prefetch_factor: int = 2):
+                 num_workers: int = 0, balance: str | None = None, prefetch_factor: int = 2,
+                 cost_model: CostModel | None = None, model_cfg: dict | None = None):
         self.path = str(path)
         self.dataset = PackedDataset(self.path)
         manifest = self.dataset.manifest
@@ -121,6 +117,10 @@ class PackedLoader:
         self.data_cfg = manifest["data_cfg"]  # what built the packs (media processing params)
         self.epoch, self.cursor = 0, 0
         self._orders: dict[int, np.ndarray] = {}
+        if cost_model is None:
+            cost_model = CostModel.from_model_config(model_cfg) if model_cfg is not None else CostModel.default()
+        self._cost_models: list[tuple[int, CostModel]] = [(0, cost_model)]  # (first stream position, model)
+        self._assigned_to = 0  # stream position after the last global batch a share was computed for
 
     # ------------------------------------------------------------------ order and state
 
@@ -148,21 +148,54 @@ class PackedLoader:
                 epoch, cursor = epoch + 1, 0
         return ids, epoch, cursor
 
-    def pack_cost(self, i: int) -> float:
-        rec = self.dataset.record(i)
-        return float(sum(d["length"] ** 2 for d in rec["docs"]))
+    def position(self, epoch: int, cursor: int) -> int:
+        """Packs of the stream before (epoch, cursor): the key of the global batch starting there."""
+        return epoch * self.num_packs + cursor
 
-    def rank_share(self, ids: list[int]) -> list[int]:
-        """This rank's packs of one global batch (the same rule on every rank: they agree)."""
-        if self.balance == "cost":
-            groups = balance_by_cost([self.pack_cost(i) for i in ids], self.dp_size)
-            return [ids[j] for j in groups[self.dp_rank]]
-        m = self.per_rank
-        return ids[self.dp_rank * m : (self.dp_rank + 1) * m]
+    @property
+    def cost_model(self) -> CostModel:
+        """The model of the next global batch to be assigned."""
+        return self._model_at(self._assigned_to)
+
+    def _model_at(self, position: int) -> CostModel:
+        return next(cm for start, cm in reversed(self._cost_models) if start <= position)
+
+    def set_cost_model(self, cost_model: CostModel) -> None:
+        """Use ``cost_model`` from the first global batch not yet assigned on (call it on every rank)."""
+        start = self._assigned_to
+        self._cost_models = [(s, cm) for s, cm in self._cost_models if s < start] + [(start, cost_model)]
+
+    def pack_costs(self, ids: list[int], cost_model: CostModel | None = None) -> np.ndarray:
+        """Predicted cost of each pack, float64 [len(ids)]."""
+        features = np.stack([pack_features(self.dataset.record(i)) for i in ids])
+        return (cost_model or self.cost_model).cost(features)
+
+    def assignment(self, ids: list[int], position: int | None = None) -> list[list[int]]:
+        """Every rank's pack ids of one global batch (the same rule on every rank: they agree)."""
+        if self.balance != "cost":
+            groups = round_robin(len(ids), self.dp_size)
+        else:
+            model = self.cost_model if position is None else self._model_at(position)
+            groups = assign(self.pack_costs(ids, model), self.dp_size)
+        return [[ids[j] for j in g] for g in groups]
+
+    def rank_share(self, ids: list[int], position: int | None = None) -> list[int]:
+        """This rank's packs of the global batch ``ids`` (starting at stream ``position``)."""
+        return self.assignment(ids, position)[self.dp_rank]
+
+    def balance_stats(self, ids: list[int]) -> dict:
+        """Predicted max/mean rank cost of one global batch, contiguous vs cost-balanced (for logging)."""
+        costs = self.pack_costs(ids)
+        return {"round_robin": imbalance(costs, round_robin(len(ids), self.dp_size)),
+                "cost": imbalance(costs, assign(costs, self.dp_size))}
 
     def state_dict(self) -> dict:
+        here = self.position(self.epoch, self.cursor)
+        models = [(s, cm) for s, cm in self._cost_models if s > here]
+        models.insert(0, (here, self._model_at(here)))
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_packs": self.num_packs,
-                "global_batch": self.global_batch}
+                "global_batch": self.global_batch,
+                "cost_models": [{"from": s, **cm.to_dict()} for s, cm in models]}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("num_packs", self.num_packs) != self.num_packs:
@@ -170,20 +203,24 @@ class PackedLoader:
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"loader state has seed {state['seed']}, this loader seed {self.seed}")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._assigned_to = self.position(self.epoch, self.cursor)
+        if "cost_models" in state:
+            self._cost_models = [(int(d["from"]), CostModel.from_dict(d)) for d in state["cost_models"]]
 
     # ------------------------------------------------------------------ iteration
 
     def iter_pack_ids(self) -> Iterator[list[int]]:
         """This rank's pack ids per step, from the current state on; advances the state."""
-        while True:
-            ids, epoch, cursor = self.global_batch_ids(self.epoch, self.cursor)
-            self.epoch, self.cursor = epoch, cursor
-            yield self.rank_share(ids)
+        for share in self._shares_from(self.epoch, self.cursor):
+            _, self.epoch, self.cursor = self.global_batch_ids(self.epoch, self.cursor)
+            yield share
 
     def _shares_from(self, epoch: int, cursor: int) -> Iterator[list[int]]:
         while True:
+            start = self.position(epoch, cursor)
             ids, epoch, cursor = self.global_batch_ids(epoch, cursor)
-            yield self.rank_share(ids)
+            self._assigned_to = max(self._assigned_to, self.position(epoch, cursor))
+            yield self.rank_share(ids, start)
 
     def __iter__(self) -> Iterator[list[dict]]:
         epoch, cursor = self.epoch, self.cursor

@@ -1,0 +1,263 @@
+"""Predicted compute cost of a pack: a linear model over five metadata features, FLOP-derived
+then refitted to measured step times. Pure numpy (no scipy, no torch).
+
+    features  [F=5]  (Σ len_d², Σ len_d, docs, Σ t·(h·w)², Σ t·h·w)       see balance.pack_features
+    cost      = a·Σlen² + b·Σlen + c·docs + e·patches² + p·patches
+
+Starting coefficients (``CostModel.from_model_config``), in FLOPs of forward + backward:
+
+- ``b`` = passes · N_dec: every decoder token runs every decoder matmul once (N_dec = the
+  non-embedding parameters plus the LM head's matmul; passes = 6 when the decoder trains,
+  4 when it is frozen but gradients flow through it to a trained encoder or projector, else 2).
+- ``a`` = (2 + 4·grad) · layers · heads · head_dim: causal varlen attention, QKᵀ and AV over
+  len²/2 pairs per document, the same estimate as ``train.metrics.step_flops``; sliding windows
+  are not modelled.
+- ``c`` = a · 128² / 2: a per-document overhead, the half-filled 128×128 diagonal tile a flash
+  kernel pays at every document boundary. The refit replaces it with what the hardware shows.
+- ``e`` = (4 + 8·grad) · d_vit · full_layers: bidirectional attention within a frame, per
+  (patches per frame)² (full_layers = every block, or only ``fullatt_block_indexes`` when the
+  tower uses window attention).
+- ``p`` = passes · (N_vit + N_proj / merge²) + (4 + 8·grad) · d_vit · window² · window_layers:
+  the ViT's matmuls per patch (plus the projector's share) and window attention, which is linear
+  in patches. It is kept as its own feature because it is the larger encoder term by far: in
+  Qwen2.5-VL-7B at 400 patches per frame the per-patch terms cost ~160x the frame attention, and
+  a vision token (merge² = 4 patches) costs ~37 % more than a text token.
+
+``refit(features [n, F], seconds [n])``: non-negative least squares (Lawson-Hanson active set,
+deterministic) on columns scaled to unit norm, with a free non-negative intercept (per-step
+overhead every rank pays alike; it does not change an assignment, so it is dropped) and a weak
+ridge pull (``RIDGE``) toward the FLOP model scaled to seconds, which keeps a coefficient the data
+cannot separate (a feature that is always zero, two features that move together) at the FLOP
+model's proportion. Too few samples (< F + 2) or no spread in the timings: the scaled FLOP model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("sum_len2", "tokens", "docs", "patches2", "patches")
+NUM_FEATURES = len(FEATURES)
+DOC_TILE = 128  # flash-attention tile edge behind the per-document overhead ``c``
+RIDGE = 1e-4  # pull toward the scaled FLOP model, relative to unit-norm columns
+
+
+def _passes(trains: bool, grads_flow: bool) -> int:
+    """Matmul FLOPs per parameter per item: forward 2, input gradients 2, weight gradients 2."""
+    return 2 + (2 if trains or grads_flow else 0) + (2 if trains else 0)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    a: float  # per Σ len² (decoder attention)
+    b: float  # per token (decoder matmuls)
+    c: float  # per document
+    e: float  # per Σ t·(h·w)² (ViT full attention)
+    p: float  # per patch (ViT + projector matmuls, window attention)
+
+    def __post_init__(self):
+        coef = self.coefficients
+        if not np.all(np.isfinite(coef)) or np.any(coef < 0):
+            raise ValueError(f"cost coefficients must be finite and >= 0, got {dict(zip('abcep', coef.tolist()))}")
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        return np.array([self.a, self.b, self.c, self.e, self.p], dtype=np.float64)
+
+    def cost(self, features) -> np.ndarray:
+        """features [..., F] -> predicted cost [...] (float64)."""
+        features = np.asarray(features, dtype=np.float64)
+        if features.shape[-1:] != (NUM_FEATURES,):
+            raise ValueError(f"features must end in {NUM_FEATURES} ({', '.join(FEATURES)}), got shape {features.shape}")
+        return features @ self.coefficients
+
+    def scaled(self, factor: float) -> CostModel:
+        return CostModel(*(self.coefficients * factor).tolist())
+
+    def to_dict(self) -> dict:
+        return {"a": self.a, "b": self.b, "c": self.c, "e": self.e, "p": self.p}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        return cls(**{k: float(d[k]) for k in "abcep"})
+
+    @classmethod
+    def default(cls) -> CostModel:
+        """Without a model config: attention work only (decoder Σ len² + ViT Σ patches² per
+        frame, equal weights), the rule packs were balanced by before this model existed."""
+        return cls(a=1.0, b=0.0, c=0.0, e=1.0, p=0.0)
+
+    @classmethod
+    def from_model_config(cls, model_cfg: dict) -> CostModel:
+        """FLOP model of ``model_cfg`` (the recipe's ``model`` section: ``foundation`` and
+        optionally ``image_encoder`` / ``projector``); see the module docstring."""
+        if "foundation" not in model_cfg:
+            raise ValueError(f"model config needs a 'foundation' section, got keys {sorted(model_cfg)}")
+        dec, vit, proj = model_cfg["foundation"], model_cfg.get("image_encoder"), model_cfg.get("projector")
+        vit_trains = vit is not None and not vit.get("freeze", False)
+        proj_trains = proj is not None and not proj.get("freeze", False)
+        dec_trains = not dec.get("freeze", False)
+        h, heads, layers = int(dec["hidden_size"]), int(dec["num_heads"]), int(dec["num_layers"])
+        hd = int(dec.get("head_dim") or h // heads)
+        dec_grad = dec_trains or vit_trains or proj_trains
+        a = (2 + 4 * dec_grad) * layers * heads * hd
+        b = _passes(dec_trains, vit_trains or proj_trains) * decoder_params(dec)
+        c = a * DOC_TILE**2 / 2
+        e = p = 0.0
+        if vit is not None:
+            d, depth = int(vit["hidden_size"]), int(vit["depth"])
+            window = vit.get("window_size")
+            full = len(vit.get("fullatt_block_indexes") or []) if window else depth
+            win_patches = (int(window) // int(vit["patch_size"])) ** 2 if window else 0
+            attn = 4 + 8 * vit_trains
+            e = float(attn * d * full)
+            p = _passes(vit_trains, False) * vit_params(vit) + attn * d * win_patches * (depth - full)
+            if proj is not None:
+                p += _passes(proj_trains, vit_trains) * projector_params_per_patch(proj, d, h, vit)
+        return cls(a=float(a), b=float(b), c=float(c), e=float(e), p=float(p))
+
+    def refit(self, features, seconds) -> CostModel:
+        """Coefficients (seconds per feature unit) fitted to measured ``seconds [n]`` of work
+        with ``features [n, F]``; ``self`` is the prior. See the module docstring."""
+        x = np.asarray(features, dtype=np.float64)
+        y = np.asarray(seconds, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != NUM_FEATURES or y.shape != (x.shape[0],):
+            raise ValueError(f"refit needs features [n, {NUM_FEATURES}] and seconds [n], got {x.shape} and {y.shape}")
+        if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))) or np.any(x < 0) or np.any(y < 0):
+            raise ValueError("refit needs finite, non-negative features and seconds")
+        prior_cost = self.cost(x)
+        scale = float(prior_cost @ y / (prior_cost @ prior_cost)) if prior_cost.any() else 0.0
+        prior = self.scaled(max(scale, 0.0))
+        n = len(y)
+        if n < NUM_FEATURES + 2 or np.ptp(y) <= 1e-9 * np.max(y) or not prior_cost.any():
+            return prior
+        seen = np.flatnonzero(np.any(x > 0, axis=0))  # features the samples show; the rest keep the prior
+        design = np.column_stack([x[:, seen], np.ones(n)])  # [n, S + 1], the last column the intercept
+        norms = np.linalg.norm(design, axis=0)
+        # unknowns u = coefficients * norms; ridge rows sqrt(RIDGE) * (u - u_prior), not on the intercept
+        ridge = np.sqrt(RIDGE) * np.eye(len(seen), len(seen) + 1)
+        u_prior = prior.coefficients[seen] * norms[:-1]
+        u = nnls(np.vstack([design / norms, ridge]), np.concatenate([y, np.sqrt(RIDGE) * u_prior]))
+        coefficients = prior.coefficients
+        coefficients[seen] = (u / norms)[:-1]
+        return CostModel(*coefficients.tolist())
+
+def decoder_params(dec: dict) -> int:
+    """Non-embedding parameters of a ``decoder`` config, the LM head counted even when tied
+    (its matmul runs either way)."""
+    h, heads, kv, inter = (int(dec[k]) for k in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size"))
+    hd = int(dec.get("head_dim") or h // heads)
+    qkv = (heads + 2 * kv) * hd * (h + bool(dec.get("qkv_bias", False)))
+    norms = 2 * h + (2 * hd if dec.get("qk_norm", False) else 0)
+    per_layer = qkv + heads * hd * h + 3 * h * inter + norms
+    return int(dec["num_layers"]) * per_layer + h + int(dec["vocab_size"]) * h
+
+
+def vit_params(vit: dict) -> int:
+    """Parameters of a Qwen2-VL / Qwen2.5-VL vision tower config (each patch runs all of them)."""
+    d, inter = int(vit["hidden_size"]), int(vit["intermediate_size"])
+    patch_in = int(vit.get("in_channels", 3)) * int(vit.get("temporal_patch_size", 2)) * int(vit["patch_size"]) ** 2
+    mlp = 3 * d * inter + 2 * inter + d if vit.get("mlp", "quick_gelu") == "swiglu" else 2 * d * inter + inter + d
+    return patch_in * d + int(vit["depth"]) * (4 * d * d + 4 * d + mlp + 2 * d)
+
+
+def projector_params_per_patch(proj: dict, vit_dim: int, dec_dim: int, vit: dict) -> float:
+    """Projector parameters a patch runs through: a patch merger's per merged token / merge²."""
+    name = proj.get("name", "patch_merger")
+    if name == "patch_merger":
+        merge = int(proj.get("merge_size") or vit.get("spatial_merge_size", 2))
+        merged = vit_dim * merge**2
+        return (vit_dim + merged * merged + merged + merged * dec_dim + dec_dim) / merge**2
+    if name == "mlp_adapter":
+        hidden = int(proj.get("hidden_dim") or dec_dim)
+        return vit_dim * hidden + hidden + hidden * dec_dim + dec_dim
+    raise ValueError(f"projector {name!r}: the cost model knows patch_merger and mlp_adapter")
+
+
+def nnls(a: np.ndarray, y: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """argmin_{x >= 0} ||a x - y||₂ by Lawson & Hanson's active-set method. a [n, k], y [n] -> x [k].
+
+    Deterministic: the entering column is the first of the largest gradient, the leaving one the
+    first to hit zero. Columns should be of comparable scale (callers normalise them)."""
+    n, k = a.shape
+    x, passive = np.zeros(k), np.zeros(k, dtype=bool)
+    scale = np.abs(a).sum(axis=0).max(initial=1.0) * np.abs(y).max(initial=1.0)
+    tol = 10 * np.finfo(np.float64).eps * max(n, k) * scale
+    grad = a.T @ y
+    for _ in range(max_iter or 3 * k):
+        free = ~passive & (grad > tol)
+        if not free.any():
+            break
+        passive[int(np.argmax(np.where(free, grad, -np.inf)))] = True
+        while True:
+            z = np.zeros(k)
+            z[passive] = np.linalg.lstsq(a[:, passive], y, rcond=None)[0]
+            if np.all(z[passive] > 0):
+                x = z
+                break
+            blocked = np.flatnonzero(passive & (z <= 0))
+            gap = x[blocked] - z[blocked]  # >= 0; 0 only where x and z are both 0
+            ratios = np.divide(x[blocked], gap, out=np.zeros_like(gap), where=gap > 0)
+            x = x + ratios.min() * (z - x)
+            passive[blocked[int(np.argmin(ratios))]] = False  # the first variable to reach zero leaves
+            passive &= x > 0
+            x[~passive] = 0.0
+        grad = a.T @ (y - a @ x)
+    return x
+
+
+class Refitter:
+    """Collects (features, measured seconds) over the first steps; ``add`` returns the refitted
+    CostModel exactly once (at the ``warmup``-th collected step), None before and after.
+
+    Per step every rank passes the same arrays: ``rank_features [dp, F]`` (row r: Σ of
+    ``pack_features`` over the packs rank r ran) and ``rank_seconds [dp]`` (rank r's compute time
+    of those packs: forward + backward of its micro-batches), both all-gathered over the dp ranks.
+    Each rank is one sample. The time must be the rank's own work: where collectives synchronise
+    the ranks inside the step (FSDP all-gathers parameters in every layer), a fast rank's wall
+    time includes waiting for the slowest, so take kernel time (CUDA events around compute
+    kernels, a profiler), or calibrate in steps without sharding. The first ``skip`` steps
+    (allocator warm-up, lazy initialisation, compilation) are ignored.
+
+    The trainer's loop, with ``loader`` balancing by cost::
+
+        refitter = Refitter(loader.cost_model, warmup=20)
+        ...after each step:
+            row = torch.tensor([*features_of_my_packs, my_compute_seconds], dtype=torch.float64)
+            rows = all_gather(row)                                  # [dp, F + 1], same on every rank
+            model = refitter.add(rows[:, :F].numpy(), rows[:, F].numpy())
+            if model is not None:
+                loader.set_cost_model(model)  # every rank, same step: same assignments on all ranks
+
+    The loader's ``state_dict`` carries the model, so a run resumed after the refit makes the same
+    assignments as an uninterrupted one (keep ``refitter.done`` in the trainer's checkpoint state
+    and do not refit again); one resumed before it refits from its own timings, which no run
+    reproduces exactly."""
+
+    def __init__(self, prior: CostModel, warmup: int = 20, skip: int = 1):
+        if warmup < 1 or skip < 0:
+            raise ValueError(f"warmup={warmup} must be >= 1 and skip={skip} >= 0")
+        self.prior, self.warmup, self.skip = prior, warmup, skip
+        self.features: list[np.ndarray] = []  # per collected step [dp, F]
+        self.seconds: list[np.ndarray] = []  # per collected step [dp]
+        self.seen, self.result = 0, None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def add(self, rank_features, rank_seconds) -> CostModel | None:
+        self.seen += 1
+        if self.done or self.seen <= self.skip:
+            return None
+        feats = np.asarray(rank_features, dtype=np.float64).reshape(-1, NUM_FEATURES)
+        secs = np.asarray(rank_seconds, dtype=np.float64).reshape(-1)
+        if len(secs) != len(feats):
+            raise ValueError(f"{len(feats)} ranks' features but {len(secs)} times; pass one time per rank")
+        self.features.append(feats)
+        self.seconds.append(secs)
+        if len(self.features) < self.warmup:
+            return None
+        self.result = self.prior.refit(np.concatenate(self.features), np.concatenate(self.seconds))
+        return self.result
