@@ -35,6 +35,9 @@ from omniweave.data.packed import PackedDataset, check_fingerprint
 from omniweave.data.sample import MediaSpan
 from omniweave.parallel.balance import CostModel, assign, imbalance, pack_features, round_robin
 
+# data keys that only steer the loader: left out of the packed dataset's fingerprint
+LOADER_ONLY_KEYS = ("path", "num_workers", "balance", "balance_refit")
+
 _PROCESSORS: dict[str, object] = {}
 
 

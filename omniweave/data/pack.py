@@ -51,9 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def data_config(recipe: str, max_len: int | None) -> dict:
     from omniweave.config import load_recipe, to_dict
+    from omniweave.data.loader import LOADER_ONLY_KEYS
 
     data = to_dict(load_recipe(recipe)).get("data") or {}
-    data.pop("path", None)
+    for key in LOADER_ONLY_KEYS:
+        data.pop(key, None)
     if max_len is not None:
         data["max_len"] = int(max_len)
     return data

@@ -30,7 +30,6 @@ from omniweave.train.loss import PHASES, apply_phase
 from omniweave.train.metrics import MetricsLogger, device_peak_flops, model_flop_counts, step_flops
 
 META_INIT_PARAMS = 2_000_000_000  # above this, initialise on the meta device and shard before materialising
-LOADER_ONLY_KEYS = ("path", "num_workers", "balance")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -185,10 +184,11 @@ def train(cfg, resume: str | None = None, fault_hook=None) -> dict:
 def _train(cfg, resume, fault_hook) -> dict:
     from omegaconf import OmegaConf
 
-    from omniweave.data.loader import PackedLoader
+    from omniweave.data.loader import LOADER_ONLY_KEYS, PackedLoader
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.device import detect, peak_memory_bytes
     from omniweave.parallel.dims import ParallelDims
+    from omniweave.parallel.cost_model import Refitter
     from omniweave.train.optim import build_optimizer, clip_grad_norm
     from omniweave.train.schedule import build_scheduler
 
@@ -215,8 +215,12 @@ def _train(cfg, resume, fault_hook) -> dict:
     optimizer = build_optimizer(model, tc)
     scheduler = build_scheduler(optimizer, tc)
     data_cfg = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in LOADER_ONLY_KEYS}
+    balance = cfg.data.get("balance")
     loader = PackedLoader(cfg.data.path, gb, dp_rank=meshes.dp_rank, dp_size=dims.dp, seed=seed, data_cfg=data_cfg,
-                          num_workers=int(cfg.data.get("num_workers", 0)), balance=cfg.data.get("balance"))
+                          num_workers=int(cfg.data.get("num_workers", 0)), balance=balance,
+                          model_cfg=OmegaConf.to_container(cfg.model, resolve=True) if balance == "cost" else None)
+    refit_steps = int(cfg.data.get("balance_refit", 0) or 0) if balance == "cost" else 0
+    refitter = Refitter(loader.cost_model, warmup=refit_steps) if refit_steps > 0 else None
     torch.manual_seed(seed + rank)
     phase = str(tc.get("phase", "sft"))
     if phase not in PHASES:
@@ -234,6 +238,8 @@ def _train(cfg, resume, fault_hook) -> dict:
         scheduler.load_state_dict(state["scheduler"])
         loader.load_state_dict(state["loader"])
         step, skipped = int(state["step"]), int(state.get("skipped", 0))
+        if state.get("balance_refitted"):  # the refitted cost model came back with the loader state
+            refitter = None
         if rank == 0:
             print(f"resumed from {ckpt} at step {step}", flush=True)
 
@@ -254,12 +260,14 @@ def _train(cfg, resume, fault_hook) -> dict:
     def save() -> None:
         if not _all_finite(model):
             raise RuntimeError(f"step {step}: weights are not finite; refusing to save a checkpoint")
-        state = {"step": step, "skipped": skipped, "scheduler": scheduler.state_dict(), "loader": loader.state_dict()}
+        state = {"step": step, "skipped": skipped, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+                 "balance_refitted": refitter is None or refitter.done}
         checkpoint.save(ckpt_root, step, model, optimizer, state, config_yaml, keep_last)
 
     it = iter(loader)
     while step < total:
         t0 = time.perf_counter()
+        balance_log = _balance_stats(loader) if balance == "cost" else {}
         packs = apply_phase(next(it), phase, vision_pads)
         local = torch.tensor([
             sum(p["num_loss_tokens"] for p in packs),
@@ -272,6 +280,7 @@ def _train(cfg, resume, fault_hook) -> dict:
         # divided by the global number of loss tokens exactly once.
         scale = 1.0 / max(loss_tokens, 1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        t_compute = time.perf_counter()
         for i, mb in enumerate(packs):
             mb = _to_device(shard_micro_batch(mb, dims.cp, meshes.cp_rank, dims.tp), device)
             if fsdp:
@@ -282,6 +291,8 @@ def _train(cfg, resume, fault_hook) -> dict:
                 out = fault_hook(step, out)
             (out.loss_sum.float() * scale).backward()
             loss_sum += out.loss_sum.detach().double()
+        if refitter is not None and not refitter.done:
+            _refit(refitter, loader, packs, time.perf_counter() - t_compute, meshes.dp_rank, dims.dp, rank)
         dist.all_reduce(loss_sum)  # a tp foundation's loss is replicated on its tp ranks
         loss = float(loss_sum) / dims.tp / max(loss_tokens, 1)
         grad_norm = clip_grad_norm(params, clip)
@@ -301,7 +312,8 @@ def _train(cfg, resume, fault_hook) -> dict:
         last = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
                 "loss_tokens": loss_tokens, "tokens_per_s": tokens / dt, "step_s": round(dt, 4),
                 "mfu": step_flops(counts, tokens, sum_len2) / dt / peak,
-                "memory_gb": peak_memory_bytes(info) / 2**30, "skipped": not finite, "skipped_total": skipped}
+                "memory_gb": peak_memory_bytes(info) / 2**30, "skipped": not finite, "skipped_total": skipped,
+                **balance_log}
         log.log(last)
         if bad_in_row >= max_bad:  # after logging, so metrics.jsonl shows the step that stopped the run
             log.close()
@@ -317,6 +329,34 @@ def _train(cfg, resume, fault_hook) -> dict:
     seconds = time.perf_counter() - t_start
     dist.barrier()
     return {"rank": rank, "steps": step, "seconds": seconds, "loss": last["loss"], "run_dir": str(run_dir)}
+
+
+def _balance_stats(loader) -> dict:
+    """Predicted max/mean rank cost of the coming global batch: contiguous split vs balanced."""
+    ids, _, _ = loader.global_batch_ids(loader.epoch, loader.cursor)
+    stats = loader.balance_stats(ids)
+    return {"imbalance_before": round(stats["round_robin"], 4), "imbalance_after": round(stats["cost"], 4)}
+
+
+def _refit(refitter, loader, packs: list[dict], seconds: float, dp_rank: int, dp: int, rank: int) -> None:
+    """Warm-up of ``data.balance_refit``: every dp rank's pack features and compute seconds are
+    gathered; after the warm-up the loader switches to the refitted cost model (on every rank)."""
+    from omniweave.parallel.balance import pack_features
+
+    feats = sum(pack_features({
+        "docs": [{"length": int(n)} for n in (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()],
+        "media": [{"grid_thw": g} for g in mb["grid_thw"].tolist()],
+    }) for mb in packs)  # fmt: skip
+    row = torch.tensor([dp_rank, *feats, seconds], dtype=torch.float64)
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    by_dp = {int(r[0]): r for r in rows}  # one row per dp rank (its cp x tp ranks ran the same packs)
+    table = torch.stack([by_dp[r] for r in range(dp)]).numpy()
+    model = refitter.add(table[:, 1:-1], table[:, -1])
+    if model is not None:
+        loader.set_cost_model(model)
+        if rank == 0:
+            print(f"load balancing: cost model refitted from {refitter.warmup} steps: {model.to_dict()}", flush=True)
 
 
 def evaluate(model: nn.Module, cfg, step: int, log: MetricsLogger, fsdp: bool) -> None:

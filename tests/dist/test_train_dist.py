@@ -46,6 +46,7 @@ def _run(demo_packed, tmp_path_factory, nproc: int, gb: int = 4, steps: int = ST
         res = train_subprocess(demo_packed, out, nproc=nproc, steps=steps, global_batch=gb,
                                train__save_interval=SAVE, train__keep_last=0, **kw)
         assert res.returncode == 0, res.stdout[-4000:]
+        (out / "stdout.txt").write_text(res.stdout)
         _RUNS[key] = out
     return _RUNS[key]
 
@@ -78,10 +79,12 @@ def test_data_parallel_equals_single_process(demo_packed, tmp_path_factory, npro
     (4, {"parallel__cp": 2, "parallel__cp_attention": "ulysses", "parallel__vision_split": False}),
     (2, {"model__foundation__tp": 2, "model__image_encoder__tp": 1, "train__save_hf": True}),
     (4, {"parallel__cp": 2, "model__foundation__tp": 2, "model__image_encoder__tp": 2}),
-], ids=["cp2-ring", "dp2xcp2-ulysses", "tp2-encoder-tp1", "cp2xtp2"])
+    (2, {"data__balance": "cost", "data__balance_refit": 2}),
+], ids=["cp2-ring", "dp2xcp2-ulysses", "tp2-encoder-tp1", "cp2xtp2", "dp2-balanced-refit"])
 def test_parallel_layouts_train_like_single_process(demo_packed, tmp_path_factory, nproc, parallel):
     """`omniweave train --nproc N` with CP, per-component TP (the encoder's tp replicas splitting
-    the media) and both together: the 1-rank losses, token counts and final weights."""
+    the media), both together, and cost-balanced DP with a refit after 2 steps (other packs per
+    rank, same global batch): the 1-rank losses, token counts and final weights."""
     ref = _run(demo_packed, tmp_path_factory, 1)
     run = _run(demo_packed, tmp_path_factory, nproc, **parallel)
     rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
@@ -90,6 +93,10 @@ def test_parallel_layouts_train_like_single_process(demo_packed, tmp_path_factor
     assert gnorm_rel <= LOSS_RTOL  # a component's gradients off by a factor would show here (AdamW hides it)
     dw = max_abs_diff(final_state(run), final_state(ref))
     assert dw <= LAYOUT_WEIGHT_ATOL
+    if parallel.get("data__balance"):  # every step logs the predicted imbalance, balanced <= contiguous
+        rows = read_metrics(run)
+        assert all(r["imbalance_after"] <= r["imbalance_before"] for r in rows), rows
+        assert "cost model refitted from 2 steps" in (run / "stdout.txt").read_text()
     if parallel.get("train__save_hf"):  # the sharded (TP + FSDP) model gathers into a HF export
         assert (run / "hf" / "config.json").exists() and list((run / "hf").glob("*.safetensors"))
     print(f"{nproc} ranks {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
