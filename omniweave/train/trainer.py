@@ -6,8 +6,9 @@ gradient accumulation), then all ranks take one optimizer step. The loss of ever
 divided by the number of loss tokens of the *global* batch (DESIGN.md), so 1, 2 or 4 ranks give
 the same loss and the same gradients.
 
-Order of setup (torchtitan's): device + process group -> mesh -> model (full on CPU or on meta)
--> activation checkpointing -> FSDP2 -> optimizer, schedule -> loader -> resume -> loop.
+Order of setup (torchtitan's): device + process group -> meshes -> model (full on CPU or on meta)
+-> vision split, TP, CP, activation checkpointing, FSDP2 -> optimizer, schedule -> loader ->
+resume -> loop. With CP and TP the cp x tp ranks of a dp group take the same packs.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def init_distributed(info) -> tuple[int, int, int]:
 
 
 def build(cfg, device: torch.device, dims, meshes) -> nn.Module:
-    """The model, parallelised from outside in DESIGN's order: CP -> AC -> FSDP2 (over dp x cp)."""
+    """The model, parallelised from outside in DESIGN's order: (vision split) -> TP -> CP -> AC ->
+    FSDP2 (foundation over dp x cp, a smaller-tp encoder over dp x cp x tp_rep; see parallel/dims.py)."""
     from omniweave.config import to_dict
     from omniweave.models.registry import build_model
     from omniweave.parallel.context import apply_cp, apply_vision_split
@@ -248,7 +250,8 @@ def _train(cfg, resume, fault_hook) -> dict:
     log = MetricsLogger(run_dir, total, step, enabled=rank == 0, log_interval=int(tc.get("log_interval", 1)))
     if rank == 0:
         n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print(f"{info.type} x{world} (dp={dims.dp}, cp={dims.cp}, tp={dims.tp}/{dims.tp_encoder}), {n / 1e6:.2f}M trainable parameters, {loader.num_packs} packs, "
+        print(f"{info.type} x{world} (dp={dims.dp}, cp={dims.cp} {dims.cp_attention}, tp={dims.tp}, "
+              f"encoder tp={dims.tp_encoder}), {n / 1e6:.2f}M trainable parameters, {loader.num_packs} packs, "
               f"{loader.steps_per_epoch} steps/epoch, training steps {step}..{total}", flush=True)
     max_bad = int(tc.get("max_bad_steps", 5))
     clip = float(tc.get("grad_clip", 0.0) or 0.0)
