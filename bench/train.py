@@ -26,10 +26,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# bench/ holds tokenize.py, named like the stdlib module: keep this folder off the import path.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, also when run as a plain script
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -34,6 +34,18 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
+def _distribute_params(module: nn.Module, mesh, placement_of, src_data_rank) -> None:
+    """Replace each direct parameter by a DTensor with placement ``placement_of(name)``."""
+    for pname, param in module.named_parameters(recurse=False):
+        placed = distribute_tensor(param, mesh, [placement_of(pname)], src_data_rank=src_data_rank)
+        module.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+
+def _as_dtensor(x, mesh) -> DTensor:
+    """A module input as a DTensor (a plain tensor is taken as replicated on ``mesh``)."""
+    return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+
 class FusedHeadsParallel(ParallelStyle):
     """A Linear of ``parts`` fused head blocks; the module returns its local output
     ``[..., parts·(H/tp)·Dh]`` (this rank's heads of each part, in part order)."""
@@ -43,17 +55,12 @@ class FusedHeadsParallel(ParallelStyle):
         self.parts, self.head_dim = parts, head_dim
 
     def _partition(self, name, module, mesh):
-        for pname, param in module.named_parameters(recurse=False):
-            placement = Shard(1) if pname == "weight" else Replicate()
-            placed = distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank)
-            module.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
+        _distribute_params(module, mesh, lambda pname: Shard(1) if pname == "weight" else Replicate(),
+                           self.src_data_rank)
 
     @staticmethod
     def _input_columns(mod, inputs, mesh):
-        x = inputs[0]
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-        return x.redistribute(mesh, [Shard(x.ndim - 1)])
+        return _as_dtensor(inputs[0], mesh).redistribute(mesh, [Shard(inputs[0].ndim - 1)])
 
     def _own_heads(self, mod, out, mesh):  # out: Partial [..., parts·H·Dh]
         lead = tuple(out.shape[:-1])
@@ -78,16 +85,11 @@ class ReplicatedKVHeads(ParallelStyle):
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
 
     def _replicate(self, name, module, mesh):
-        for pname, param in module.named_parameters(recurse=False):
-            placed = distribute_tensor(param, mesh, [Replicate()], src_data_rank=self.src_data_rank)
-            module.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
+        _distribute_params(module, mesh, lambda pname: Replicate(), self.src_data_rank)
 
     @staticmethod
     def _replicated_input(mod, inputs, mesh):
-        x = inputs[0]
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-        return x.redistribute(mesh, [Replicate()])
+        return _as_dtensor(inputs[0], mesh).redistribute(mesh, [Replicate()])
 
     def _own_head(self, mod, out, mesh):  # out: Replicate [L, Hkv·Dh] -> local [L, Dh]
         hkv, hd, copies = self.num_kv_heads, self.head_dim, mesh.size() // self.num_kv_heads
