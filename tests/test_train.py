@@ -323,3 +323,28 @@ def test_exported_checkpoint_gives_transformers_the_trained_logits(short_run, de
             diff = (got - ref).abs().max().item()
             print(f"{kinds or 'text'}: max |Δlogits| {diff:.1e}")
             assert diff <= 1e-4, kinds
+
+
+@pytest.mark.parametrize("recipe,overrides,world,dp", [
+    ("qwen2_5_vl_7b", ["parallel.cp=2", "parallel.cp_attention=ulysses", "model.foundation.tp=2",
+                       "model.image_encoder.tp=1"], 8, 2),
+    ("qwen2_5_vl_72b", ["model.foundation.tp=8", "parallel.cp=2"], 16, 1),
+], ids=["7b-dp2-cp2-tp2", "72b-tp8-cp2"])
+def test_documented_layouts_validate_on_the_real_recipes(recipe, overrides, world, dp):
+    """The layouts docs/parallelism.md shows resolve and pass the TP head / vocab checks."""
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.models.components.decoder import DecoderConfig
+    from omniweave.models.components.vit import Qwen25ViTConfig
+    from omniweave.models.registry import COMMON_KEYS
+    from omniweave.parallel.tp import check_decoder_tp, check_vit_tp
+
+    cfg = load_recipe(recipe, overrides)
+    dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
+    assert dims.dp == dp and dims.dp * dims.cp * dims.tp == world
+    model = to_dict(cfg.model)
+    dec = DecoderConfig(**{k: v for k, v in model["foundation"].items() if k not in COMMON_KEYS})
+    check_decoder_tp(dec, dims.tp)
+    if dims.cp_attention == "ulysses":  # each tp rank's heads must split over the CP ranks
+        assert (dec.num_heads // dims.tp) % dims.cp == 0
+    check_vit_tp(Qwen25ViTConfig(**{k: v for k, v in model["image_encoder"].items() if k not in COMMON_KEYS}),
+                 dims.tp_encoder)
