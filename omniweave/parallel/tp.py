@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
 )
 
+from omniweave.parallel.context.sharding import feature_rows_from_spans
 from omniweave.parallel.tp_loss import vocab_parallel_ce_sum
 from omniweave.parallel.tp_styles import FusedHeadsParallel, ReplicatedKVHeads
 
@@ -80,19 +81,6 @@ def check_decoder_tp(cfg, tp: int) -> str:
 def check_vit_tp(cfg, tp: int) -> None:
     _divisible("vision num_heads", cfg.num_heads, tp)
     _divisible("vision intermediate_size", cfg.intermediate_size, tp)
-
-
-def feature_rows_from_spans(media_spans: torch.Tensor, length: int) -> torch.Tensor:
-    """int64 [L]: for each row the index of the media feature it takes (span order), -1 for text."""
-    spans = media_spans.to(torch.long).reshape(-1, 2)
-    if spans.numel() and (int(spans[:, 0].min()) < 0 or int((spans[:, 0] + spans[:, 1]).max()) > length):
-        raise ValueError(f"media_spans {spans.tolist()} fall outside the row of {length} tokens")
-    rows = torch.full((length,), -1, dtype=torch.long, device=spans.device)
-    offset = 0
-    for start, n in spans.tolist():
-        rows[start : start + n] = torch.arange(offset, offset + n, device=spans.device)
-        offset += n
-    return rows
 
 
 def sequence_parallel_row(batch: dict, tp_rank: int, tp: int) -> dict:

@@ -35,7 +35,7 @@ class AttnFn(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
-def _doc_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
+def doc_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q has {len(cq) - 1} documents but cu_seqlens_k has {len(ck) - 1}")
@@ -68,15 +68,19 @@ def scaled_dot(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> 
     return torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
 
 
-def math_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None, **_):
-    """Reference kernel in fp32, one document at a time."""
+def masked_scores(q, k, causal: bool, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """fp32 scores [H, Lq, Lk] of one document, ``-inf`` where a query may not see a key."""
+    s = scaled_dot(q, k, scale)
+    mask = visible_mask(q.shape[0], k.shape[0], causal, window, q.device)
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def math_attn_fp32(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None):
+    """:func:`math_attn` with the output left in fp32 (ring attention merges partial outputs)."""
     h, hkv = q.shape[1], k.shape[1]
     outs, lses = [], []
-    for q0, q1, k0, k1 in _doc_bounds(cu_seqlens_q, cu_seqlens_k):
-        s = scaled_dot(q[q0:q1], k[k0:k1], scale)  # [H, lq, lk]
-        mask = visible_mask(q1 - q0, k1 - k0, causal, window, q.device)
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
+    for q0, q1, k0, k1 in doc_bounds(cu_seqlens_q, cu_seqlens_k):
+        s = masked_scores(q[q0:q1], k[k0:k1], causal, window, scale)  # [H, lq, lk]
         lse = torch.logsumexp(s, dim=-1)  # [H, lq]
         p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])  # 0 where masked
         vd = v[k0:k1].float()
@@ -85,13 +89,19 @@ def math_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=No
         lses.append(lse)
     out = torch.cat(outs) if outs else q.new_zeros(q.shape, dtype=torch.float32)
     lse = torch.cat(lses, dim=1) if lses else q.new_zeros((h, 0), dtype=torch.float32)
+    return out, lse
+
+
+def math_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None, **_):
+    """Reference kernel in fp32, one document at a time."""
+    out, lse = math_attn_fp32(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, scale)
     return out.to(q.dtype), lse
 
 
 def chunked_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None, chunk=1024):
     """lse [H, Tq] alone, query chunk by query chunk (bounded memory); differentiable."""
     lses = []
-    for q0, q1, k0, k1 in _doc_bounds(cu_seqlens_q, cu_seqlens_k):
+    for q0, q1, k0, k1 in doc_bounds(cu_seqlens_q, cu_seqlens_k):
         lq, lk = q1 - q0, k1 - k0
         full = visible_mask(lq, lk, causal, window, q.device)
         for c0 in range(0, lq, chunk):
@@ -107,7 +117,7 @@ def sdpa_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=No
     """``F.scaled_dot_product_attention`` per document; lse from :func:`chunked_lse` if asked."""
     h, hkv = q.shape[1], k.shape[1]
     outs = []
-    for q0, q1, k0, k1 in _doc_bounds(cu_seqlens_q, cu_seqlens_k):
+    for q0, q1, k0, k1 in doc_bounds(cu_seqlens_q, cu_seqlens_k):
         lq, lk = q1 - q0, k1 - k0
         # [1, H, L, D]: 4-D inputs let SDPA pick its fused kernels (also on CPU)
         qd, kd, vd = (t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1]))

@@ -24,19 +24,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from omniweave.models.components.attention import flash_available, scaled_dot, visible_mask
-
-
-def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    return zip(cq[:-1], cq[1:], ck[:-1], ck[1:])
-
-
-def _masked_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    """fp32 [H, lq, lk] scores, -inf where a query may not see a key."""
-    s = scaled_dot(q, k, scale)
-    mask = visible_mask(q.shape[0], k.shape[0], causal, None, q.device)
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+from omniweave.models.components.attention import doc_bounds, flash_available, masked_scores, math_attn_fp32
 
 
 def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -44,17 +32,9 @@ def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def math_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    """Partial ``(out fp32 [Tq, H, D], lse fp32 [H, Tq])`` of queries over this block's keys only."""
-    group = q.shape[1] // k.shape[1]
-    out = q.new_zeros(q.shape, dtype=torch.float32)
-    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
-    for q0, q1, k0, k1 in _segments(cu_q, cu_k):
-        s = _masked_scores(q[q0:q1], k[k0:k1], causal, scale)
-        seg_lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - seg_lse.clamp_min(torch.finfo(torch.float32).min)[..., None])  # 0 where masked
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", p, _repeat_heads(v[k0:k1], group))
-        lse[:, q0:q1] = seg_lse
-    return out, lse
+    """Partial ``(out fp32 [Tq, H, D], lse fp32 [H, Tq])`` of queries over this block's keys only
+    (the segments of ``cu_q`` cover every query row); the reference kernel without its cast."""
+    return math_attn_fp32(q, k, v, cu_q, cu_k, causal, None, scale)
 
 
 def math_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -63,8 +43,8 @@ def math_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causa
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for q0, q1, k0, k1 in _segments(cu_q, cu_k):
-        s = _masked_scores(q[q0:q1], k[k0:k1], causal, scale)
+    for q0, q1, k0, k1 in doc_bounds(cu_q, cu_k):
+        s = masked_scores(q[q0:q1], k[k0:k1], causal, None, scale)
         p = torch.exp(s - lse[:, q0:q1, None])  # [H, lq, lk]; exp(-inf) = 0 where masked
         d_out = dout[q0:q1].float()
         delta = (d_out * out[q0:q1].float()).sum(-1).T  # [H, lq]

@@ -133,14 +133,17 @@ def unshard_rows(shards: list[torch.Tensor], plan: CPShardPlan, dim: int = 0) ->
     return stacked.index_select(dim, source.to(stacked.device))
 
 
-def _feature_rows(spans: torch.Tensor, row_len: int) -> torch.Tensor:
-    """int64 [L]: for each row inside media span i at offset o, Σ_{j<i} len_j + o; else -1."""
-    rows = torch.full((row_len,), -1, dtype=torch.int64)
+def feature_rows_from_spans(media_spans: torch.Tensor, row_len: int) -> torch.Tensor:
+    """int64 [L] on the spans' device: for each row inside media span i (start, length) at offset
+    o, Σ_{j<i} len_j + o (its media feature in span order); -1 elsewhere. Shared by CP sharding and
+    the TP sequence-parallel hand-off."""
+    spans = media_spans.to(torch.long).reshape(-1, 2)
+    rows = torch.full((row_len,), -1, dtype=torch.int64, device=spans.device)
     first_feature = 0
     for start, length in spans.tolist():
         if start < 0 or length < 0 or start + length > row_len:
             raise ValueError(f"media span (start {start}, length {length}) falls outside the row of {row_len} tokens")
-        rows[start:start + length] = torch.arange(first_feature, first_feature + length)
+        rows[start:start + length] = torch.arange(first_feature, first_feature + length, device=spans.device)
         first_feature += length
     return rows
 
@@ -187,7 +190,7 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
         "labels": shard_rows(batch["labels"], plan, rank, fill=-100),
         "position_ids": _shard_positions(positions, plan, rank),
         "cu_seqlens": plan.local_cu_seqlens().to(ids.device),
-        "feature_rows": shard_rows(_feature_rows(spans.cpu(), plan.row_len), plan, rank, fill=-1).to(ids.device),
+        "feature_rows": shard_rows(feature_rows_from_spans(spans, plan.row_len), plan, rank, fill=-1).to(ids.device),
     }
     out.update({k: batch[k] for k in _WHOLE_ROW_KEYS if k in batch})
     return out
