@@ -57,6 +57,12 @@ class _AllGather(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.group), None
 
 
+def gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
+    """[n, *x.shape]: every rank's x (same shape everywhere) in rank order; differentiable, the
+    backward reduce-scatters (sums over ranks) the gradient of each rank's slot back to it."""
+    return _AllGather.apply(x, group)
+
+
 def _first_visible_chunk(j: int, c: int, window: int | None) -> int:
     """First chunk holding a key that some query of chunk ``j`` sees (``c`` rows per chunk)."""
     return 0 if window is None or c == 0 else max(0, (j * c - window + 1) // c)
@@ -85,7 +91,7 @@ def allgather_attention(q, k, v, cu_seqlens, group, window: int | None, scale: f
     outs = []
     for g in range(head_groups):
         kv = torch.stack([k[:, g * kv_per:(g + 1) * kv_per], v[:, g * kv_per:(g + 1) * kv_per]])
-        kv_all = _AllGather.apply(kv, group).transpose(0, 1).flatten(1, 2)  # [2, n·L, kv_per, D]
+        kv_all = gather_stacked(kv, group).transpose(0, 1).flatten(1, 2)  # [2, n·L, kv_per, D]
         out, _ = attn(q[:, g * q_per:(g + 1) * q_per], kv_all[0][key_rows], kv_all[1][key_rows], cu_q, cu_k,
                       True, window, backend=backend, scale=scale, need_lse=False)
         outs.append(out)

@@ -28,8 +28,8 @@ Forward on rank r (``VisionSplit``, usable as ``OmniModel.media_split``):
              runs the encoder once and FSDP collectives stay matched)
     gathered = all_gather_rows(local)                               [Σ n_r, D_out] rank order
     features = gathered rows put back in span order                 [N, D_out]
-Backward of ``all_gather_rows``: all_reduce(SUM) of the gathered gradient, keep own rows; the
-gradient every rank computed for rank r's features flows back into rank r's encoder.
+Backward of ``all_gather_rows``: a reduce-scatter (sum) of the gathered gradient; the gradient
+every rank computed for rank r's features flows back into rank r's encoder.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from omniweave.parallel.context.allgather import gather_stacked
 
 Slice = tuple[int, int, int]  # (item, t0, t1): frames [t0, t1) of media item `item`
 
@@ -97,39 +99,21 @@ def split_costs(grid_thw, plan: list[list[Slice]], hidden_size: int = 1280) -> l
             for own in plan]  # fmt: skip
 
 
-class _AllGatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, counts: list[int]) -> torch.Tensor:
-        ctx.group, ctx.counts, ctx.rank = group, counts, dist.get_rank(group)
-        padded = x.new_zeros((max(counts), *x.shape[1:]))
-        padded[: x.shape[0]] = x
-        received = [torch.empty_like(padded) for _ in counts]
-        dist.all_gather(received, padded, group=group)
-        return torch.cat([rows[:n] for rows, n in zip(received, counts)])
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        start = sum(ctx.counts[: ctx.rank])
-        return grad[start:start + ctx.counts[ctx.rank]], None, None
-
-
 def gather_counts(n: int, group, device) -> list[int]:
     """Every rank's ``n``, in rank order."""
-    mine = torch.tensor([n], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    return [int(c) for c in everyone]
+    return [int(c) for c in gather_stacked(torch.tensor([n], dtype=torch.int64, device=device), group).flatten()]
 
 
 def all_gather_rows(x: torch.Tensor, group, counts: list[int] | None = None) -> torch.Tensor:
     """x [n_r, …] on every rank -> [Σ n_r, …] in rank order (n_r may differ; ``counts`` = all
-    n_r if already known). Autograd-correct: the gradient of rank r's rows, summed over all
-    ranks, flows back to rank r. Every rank must run the backward (it is a collective)."""
+    n_r if already known): padded to the largest n_r for the (differentiable) all-gather of
+    ``allgather.gather_stacked``, whose backward reduce-scatters — the gradient of rank r's rows,
+    summed over all ranks, flows back to rank r. Every rank must run the backward (a collective)."""
     if counts is None:
         counts = gather_counts(x.shape[0], group, x.device)
-    return _AllGatherRows.apply(x, group, counts)
+    padded = torch.cat([x, x.new_zeros((max(counts) - x.shape[0], *x.shape[1:]))])
+    stacked = gather_stacked(padded, group)  # [ranks, max n_r, …]
+    return torch.cat([stacked[r, :n] for r, n in enumerate(counts)])
 
 
 class VisionSplit:
