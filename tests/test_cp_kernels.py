@@ -202,3 +202,15 @@ def test_cp_context_rejects_bad_settings():
         CPContext(group=None, mode="hybrid")
     with pytest.raises(ValueError, match="head_groups must be >= 1, got 0"):
         CPContext(group=None, mode="allgather", head_groups=0)
+
+
+def test_cp_context_builds_index_plans_once_per_micro_batch():
+    """Every decoder layer gets the same cu_seqlens tensor: its plans are built once, and again
+    only for the next micro-batch's (another tensor, even with equal values)."""
+    from omniweave.parallel.context.attention import CPContext
+
+    ctx, builds = CPContext(group=None, mode="ring"), []
+    first, second = torch.tensor([0, 8, 12]), torch.tensor([0, 8, 12])
+    got = [ctx.memo(first, "ring", lambda: builds.append("first") or len(builds)) for _ in range(4)]
+    got.append(ctx.memo(second, "ring", lambda: builds.append("second") or len(builds)))
+    assert builds == ["first", "second"] and got == [1, 1, 1, 1, 2]

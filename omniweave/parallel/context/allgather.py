@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from omniweave.models.components.attention import attn
-from omniweave.parallel.context.zigzag import chunk_lengths, chunk_rows, zigzag_chunks
+from omniweave.parallel.context.zigzag import chunk_lengths, chunk_rows, no_memo, zigzag_chunks
 
 
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -68,13 +68,8 @@ def _first_visible_chunk(j: int, c: int, window: int | None) -> int:
     return 0 if window is None or c == 0 else max(0, (j * c - window + 1) // c)
 
 
-def allgather_attention(q, k, v, cu_seqlens, group, window: int | None, scale: float, backend: str,
-                        head_groups: int = 1) -> torch.Tensor:
-    """Causal attention of this rank's zigzag rows over the gathered keys; differentiable."""
-    n, me, rows = dist.get_world_size(group), dist.get_rank(group), q.shape[0]
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if head_groups < 1 or kv_heads % head_groups:
-        raise ValueError(f"head_groups={head_groups} must divide the {kv_heads} key/value heads")
+def _plan(cu_seqlens, rows: int, n: int, me: int, window: int | None, device):
+    """(key rows into the gathered K/V, cu_q, cu_k) of the one kernel call (module docstring)."""
     chunk_lens = chunk_lengths(cu_seqlens, 2, rows)
     doc_chunks, seg_q, seg_k = [], [0], [0]
     for c in chunk_lens:
@@ -85,8 +80,20 @@ def allgather_attention(q, k, v, cu_seqlens, group, window: int | None, scale: f
         for span in spans:
             seg_q.append(seg_q[-1] + c)
             seg_k.append(seg_k[-1] + len(span) * c)
-    key_rows = chunk_rows(chunk_lens, rows, list(range(n)), n, doc_chunks, q.device)
-    cu_q, cu_k = (torch.tensor(s, dtype=torch.int32, device=q.device) for s in (seg_q, seg_k))
+    key_rows = chunk_rows(chunk_lens, rows, list(range(n)), n, doc_chunks, device)
+    cu_q, cu_k = (torch.tensor(s, dtype=torch.int32, device=device) for s in (seg_q, seg_k))
+    return key_rows, cu_q, cu_k
+
+
+def allgather_attention(q, k, v, cu_seqlens, group, window: int | None, scale: float, backend: str,
+                        head_groups: int = 1, memo=no_memo) -> torch.Tensor:
+    """Causal attention of this rank's zigzag rows over the gathered keys; differentiable.
+    ``memo(key, build)`` may reuse the index plan across layers (``CPContext.memo``)."""
+    n, me, rows = dist.get_world_size(group), dist.get_rank(group), q.shape[0]
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if head_groups < 1 or kv_heads % head_groups:
+        raise ValueError(f"head_groups={head_groups} must divide the {kv_heads} key/value heads")
+    key_rows, cu_q, cu_k = memo(("allgather", window), lambda: _plan(cu_seqlens, rows, n, me, window, q.device))
     kv_per, q_per = kv_heads // head_groups, heads // head_groups
     outs = []
     for g in range(head_groups):

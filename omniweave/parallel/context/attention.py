@@ -22,7 +22,9 @@ how ``parallel/`` swaps it into ``models.components.decoder.Attention`` from out
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,8 @@ class CPContext:
     ring_group: ProcessGroup | None = None  # hybrid: ranks with the same inner index across inner groups
     head_groups: int = 1  # allgather: gather K/V in this many KV-head groups to bound memory
     backend: str = "auto"  # local kernel (components.attention backends; ring/hybrid: auto | math | flash)
+    # index plans of the current micro-batch, keyed by its cu_seqlens tensor (see ``memo``)
+    _plans: tuple = field(default=(None, {}), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -59,6 +63,18 @@ class CPContext:
     def __call__(self, q, k, v, cu_seqlens, window: int | None = None) -> torch.Tensor:
         """The decoder's ``attn_fn`` hook."""
         return cp_attention(q, k, v, cu_seqlens, self, window)
+
+    def memo(self, cu_seqlens: torch.Tensor, key, build: Callable):
+        """``build()`` once per micro-batch: the row indices and kernel segments depend only on the
+        document boundaries, and every decoder layer gets the same ``cu_seqlens`` tensor, so the
+        plans (and the host sync of reading ``cu_seqlens``) are made once, not once per layer."""
+        tensor, plans = self._plans
+        if tensor is not cu_seqlens:  # a new micro-batch (holding the tensor keeps its id unique)
+            plans = {}
+            self._plans = (cu_seqlens, plans)
+        if key not in plans:
+            plans[key] = build()
+        return plans[key]
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, ctx: CPContext,
@@ -74,16 +90,17 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         raise ValueError(f"a sliding window ({window}) is not supported by {ctx.mode} context-parallel attention; "
                          f"choose mode 'allgather' or 'ulysses'")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    memo = partial(ctx.memo, cu_seqlens)
     if ctx.mode == "allgather":
-        return allgather_attention(q, k, v, cu_seqlens, ctx.group, window, scale, ctx.backend, ctx.head_groups)
+        return allgather_attention(q, k, v, cu_seqlens, ctx.group, window, scale, ctx.backend, ctx.head_groups, memo)
     if ctx.mode == "ulysses":
-        return ulysses_attention(q, k, v, cu_seqlens, ctx.group, window, scale, ctx.backend)
+        return ulysses_attention(q, k, v, cu_seqlens, ctx.group, window, scale, ctx.backend, memo)
     kernel = select_block_kernel(ctx.backend, q.device, q.dtype)
     if ctx.mode == "ring":
         cp = dist.get_world_size(ctx.group)
         chunks = [zigzag_chunks(cp, r) for r in range(cp)]
-        return ring_attention(q, k, v, cu_seqlens, ctx.group, chunks, scale, kernel)
-    return hybrid_attention(q, k, v, cu_seqlens, ctx.group, ctx.ulysses_group, ctx.ring_group, scale, kernel)
+        return ring_attention(q, k, v, cu_seqlens, ctx.group, chunks, scale, kernel, memo)
+    return hybrid_attention(q, k, v, cu_seqlens, ctx.group, ctx.ulysses_group, ctx.ring_group, scale, kernel, memo)
 
 
 def make_hybrid_groups(cp_ranks: list[int], ulysses_size: int) -> tuple[ProcessGroup | None, ProcessGroup | None]:

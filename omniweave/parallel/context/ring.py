@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from omniweave.parallel.context.kernels import BlockKernel, merge_partials
-from omniweave.parallel.context.zigzag import BlockCall, chunk_lengths, plan_block
+from omniweave.parallel.context.zigzag import BlockCall, chunk_lengths, no_memo, plan_block
 
 
 def _shift(tensor: torch.Tensor, group) -> tuple[list, torch.Tensor]:
@@ -126,14 +126,19 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, cu_seqlens, group, chunks_by_rank: list[tuple[int, ...]], scale: float,
-                   kernel: BlockKernel) -> torch.Tensor:
+                   kernel: BlockKernel, memo=no_memo) -> torch.Tensor:
     """Causal attention of this rank's queries over the keys of all ring ranks; differentiable.
 
     ``chunks_by_rank[j]``: chunk ids of every document ring rank ``j`` holds, in memory order (the
-    same count on every rank); ``cu_seqlens``: local document boundaries (identical everywhere)."""
+    same count on every rank); ``cu_seqlens``: local document boundaries (identical everywhere);
+    ``memo(key, build)`` may reuse the block plans across layers (``CPContext.memo``)."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
     if len(chunks_by_rank) != n:
         raise ValueError(f"chunks_by_rank lists {len(chunks_by_rank)} ranks but the ring has {n}")
-    chunk_lens = chunk_lengths(cu_seqlens, len(chunks_by_rank[me]), q.shape[0])
-    plans = [plan_block(chunk_lens, chunks_by_rank[me], chunks_by_rank[(me - i) % n], q.device) for i in range(n)]
+
+    def build() -> list[list[BlockCall]]:
+        chunk_lens = chunk_lengths(cu_seqlens, len(chunks_by_rank[me]), q.shape[0])
+        return [plan_block(chunk_lens, chunks_by_rank[me], chunks_by_rank[(me - i) % n], q.device) for i in range(n)]
+
+    plans = memo(("ring", tuple(chunks_by_rank)), build)
     return _RingAttention.apply(q, k, v, plans, group, scale, kernel)

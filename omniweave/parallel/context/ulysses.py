@@ -28,7 +28,7 @@ import torch.distributed as dist
 from omniweave.models.components.attention import attn
 from omniweave.parallel.context.kernels import BlockKernel
 from omniweave.parallel.context.ring import ring_attention
-from omniweave.parallel.context.zigzag import chunk_lengths, chunk_rows, zigzag_chunks
+from omniweave.parallel.context.zigzag import chunk_lengths, chunk_rows, no_memo, zigzag_chunks
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -86,20 +86,28 @@ def _split_heads(q, k, v, group):
     return seq_to_heads([q, k, v], group)
 
 
-def ulysses_attention(q, k, v, cu_seqlens, group, window: int | None, scale: float, backend: str) -> torch.Tensor:
-    """Causal attention of zigzag-sharded rows via one all-to-all each way (see module docstring)."""
-    n, rows = dist.get_world_size(group), q.shape[0]
+def _natural_order(cu_seqlens, rows: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows of the gathered zigzag chunks in each document's natural order, its inverse)."""
     chunk_lens = chunk_lengths(cu_seqlens, 2, rows)
+    natural = chunk_rows(chunk_lens, rows, list(range(n)), n, [list(range(2 * n))] * len(chunk_lens), device)
+    return natural, torch.argsort(natural)
+
+
+def ulysses_attention(q, k, v, cu_seqlens, group, window: int | None, scale: float, backend: str,
+                      memo=no_memo) -> torch.Tensor:
+    """Causal attention of zigzag-sharded rows via one all-to-all each way (see module docstring);
+    ``memo(key, build)`` may reuse the reordering across layers (``CPContext.memo``)."""
+    n, rows = dist.get_world_size(group), q.shape[0]
+    natural, back = memo("ulysses", lambda: _natural_order(cu_seqlens, rows, n, q.device))
     qh, kh, vh = _split_heads(q, k, v, group)
-    natural = chunk_rows(chunk_lens, rows, list(range(n)), n, [list(range(2 * n))] * len(chunk_lens), q.device)
     cu_full = cu_seqlens * n  # every document whole: 2n chunks
     out, _ = attn(qh[natural], kh[natural], vh[natural], cu_full, cu_full, True, window,
                   backend=backend, scale=scale, need_lse=False)
-    return heads_to_seq(out[torch.argsort(natural)], group)
+    return heads_to_seq(out[back], group)
 
 
 def hybrid_attention(q, k, v, cu_seqlens, cp_group, ulysses_group, ring_group, scale: float,
-                     kernel: BlockKernel) -> torch.Tensor:
+                     kernel: BlockKernel, memo=no_memo) -> torch.Tensor:
     """Ulysses inside groups of ``u`` consecutive CP ranks, ring attention across the groups."""
     cp, me = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     u, m = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
@@ -110,11 +118,17 @@ def hybrid_attention(q, k, v, cu_seqlens, cp_group, ulysses_group, ring_group, s
             f"in its ring group; expected Ulysses groups of {u} consecutive CP ranks and rings of equal inner index"
         )
     rows = q.shape[0]
-    chunk_lens = chunk_lengths(cu_seqlens, 2, rows)
-    qh, kh, vh = _split_heads(q, k, v, ulysses_group)  # [u·L, H/u, D]
     chunks_by_group = [tuple(sorted(c for r in range(g * u, (g + 1) * u) for c in zigzag_chunks(cp, r)))
                        for g in range(m)]
-    members = list(range((me // u) * u, (me // u + 1) * u))
-    order = chunk_rows(chunk_lens, rows, members, cp, [list(chunks_by_group[me // u])] * len(chunk_lens), q.device)
-    out = ring_attention(qh[order], kh[order], vh[order], cu_seqlens * u, ring_group, chunks_by_group, scale, kernel)
-    return heads_to_seq(out[torch.argsort(order)], ulysses_group)
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:  # the group's rows ordered by chunk id, and back
+        chunk_lens = chunk_lengths(cu_seqlens, 2, rows)
+        members = list(range((me // u) * u, (me // u + 1) * u))
+        order = chunk_rows(chunk_lens, rows, members, cp, [list(chunks_by_group[me // u])] * len(chunk_lens), q.device)
+        return order, torch.argsort(order)
+
+    order, back = memo("hybrid", build)
+    qh, kh, vh = _split_heads(q, k, v, ulysses_group)  # [u·L, H/u, D]
+    out = ring_attention(qh[order], kh[order], vh[order], cu_seqlens * u, ring_group, chunks_by_group, scale, kernel,
+                         memo)
+    return heads_to_seq(out[back], ulysses_group)

@@ -29,6 +29,11 @@ from dataclasses import dataclass
 import torch
 
 
+def no_memo(key, build):
+    """The ``memo(key, build)`` the attention modes take when nobody caches their plans."""
+    return build()
+
+
 def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
     """Chunk ids CP rank ``rank`` holds of every document, in local memory order."""
     return rank, 2 * cp - 1 - rank
