@@ -199,6 +199,18 @@ def test_loader_cost_balance_gives_every_pack_of_a_global_batch_to_exactly_one_r
     costs = ranks[0].pack_costs(ids)
     assert stats["cost"] == pytest.approx(imbalance(costs, [[ids.index(i) for i in x] for x in shares[0]]))
     assert stats["cost"] <= stats["round_robin"]
+    assert ranks[0].take_balance_stats(0) is None  # consumed batches' stats are not kept
+
+
+def test_loader_keeps_the_stats_of_the_batch_it_balanced_for_the_trainer_to_log(packed):
+    """take_balance_stats(position) hands over what assigning that batch computed, once."""
+    loader = PackedLoader(packed, 8, 1, 4, seed=3, balance="cost")
+    it = iter(loader)
+    start = loader.position(loader.epoch, loader.cursor)
+    ids, _, _ = loader.global_batch_ids(loader.epoch, loader.cursor)
+    next(it)
+    assert loader.take_balance_stats(start) == loader.balance_stats(ids)
+    assert loader.take_balance_stats(start) is None
 
 
 def test_loader_resume_makes_the_same_assignments_with_a_cost_model_switched_mid_run(packed):

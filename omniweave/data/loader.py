@@ -124,6 +124,7 @@ class PackedLoader:
             cost_model = CostModel.from_model_config(model_cfg) if model_cfg is not None else CostModel.default()
         self._cost_models: list[tuple[int, CostModel]] = [(0, cost_model)]  # (first stream position, model)
         self._assigned_to = 0  # stream position after the last global batch a share was computed for
+        self._stats: dict[int, dict] = {}  # stream position -> balance stats of the batch assigned there
 
     # ------------------------------------------------------------------ order and state
 
@@ -173,13 +174,23 @@ class PackedLoader:
         features = np.stack([pack_features(self.dataset.record(i)) for i in ids])
         return (cost_model or self.cost_model).cost(features)
 
+    def _balanced(self, ids: list[int], cost_model: CostModel) -> tuple[list[list[int]], dict]:
+        """(balanced groups of positions, predicted max/mean rank cost contiguous vs balanced)."""
+        costs = self.pack_costs(ids, cost_model)
+        groups = assign(costs, self.dp_size)
+        return groups, {"round_robin": imbalance(costs, round_robin(len(ids), self.dp_size)),
+                        "cost": imbalance(costs, groups)}
+
     def assignment(self, ids: list[int], position: int | None = None) -> list[list[int]]:
-        """Every rank's pack ids of one global batch (the same rule on every rank: they agree)."""
+        """Every rank's pack ids of one global batch (the same rule on every rank: they agree).
+        Balanced by cost, the batch's :meth:`balance_stats` are kept for :meth:`take_balance_stats`."""
         if self.balance != "cost":
             groups = round_robin(len(ids), self.dp_size)
         else:
-            model = self.cost_model if position is None else self._model_at(position)
-            groups = assign(self.pack_costs(ids, model), self.dp_size)
+            groups, stats = self._balanced(ids, self.cost_model if position is None else self._model_at(position))
+            if position is not None:
+                consumed = self.position(self.epoch, self.cursor)
+                self._stats = {p: st for p, st in self._stats.items() if p >= consumed} | {position: stats}
         return [[ids[j] for j in g] for g in groups]
 
     def rank_share(self, ids: list[int], position: int | None = None) -> list[int]:
@@ -187,10 +198,13 @@ class PackedLoader:
         return self.assignment(ids, position)[self.dp_rank]
 
     def balance_stats(self, ids: list[int]) -> dict:
-        """Predicted max/mean rank cost of one global batch, contiguous vs cost-balanced (for logging)."""
-        costs = self.pack_costs(ids)
-        return {"round_robin": imbalance(costs, round_robin(len(ids), self.dp_size)),
-                "cost": imbalance(costs, assign(costs, self.dp_size))}
+        """Predicted max/mean rank cost of one global batch, contiguous vs cost-balanced."""
+        return self._balanced(ids, self.cost_model)[1]
+
+    def take_balance_stats(self, position: int) -> dict | None:
+        """The :meth:`balance_stats` recorded when the global batch starting at stream ``position``
+        was assigned (for logging without balancing the batch a second time); None otherwise."""
+        return self._stats.pop(position, None)
 
     def state_dict(self) -> dict:
         here = self.position(self.epoch, self.cursor)

@@ -270,8 +270,11 @@ def _train(cfg, resume, fault_hook) -> dict:
     it = iter(loader)
     while step < total:
         t0 = time.perf_counter()
-        balance_log = _balance_stats(loader) if balance == "cost" else {}
+        start = loader.position(loader.epoch, loader.cursor)
         packs = apply_phase(next(it), phase, vision_pads)
+        stats = loader.take_balance_stats(start)  # recorded when the loader balanced this batch
+        balance_log = {} if stats is None else {"imbalance_before": round(stats["round_robin"], 4),
+                                                "imbalance_after": round(stats["cost"], 4)}
         local = torch.tensor([
             sum(p["num_loss_tokens"] for p in packs),
             sum(p["input_ids"].numel() for p in packs),
@@ -332,13 +335,6 @@ def _train(cfg, resume, fault_hook) -> dict:
     seconds = time.perf_counter() - t_start
     dist.barrier()
     return {"rank": rank, "steps": step, "seconds": seconds, "loss": last["loss"], "run_dir": str(run_dir)}
-
-
-def _balance_stats(loader) -> dict:
-    """Predicted max/mean rank cost of the coming global batch: contiguous split vs balanced."""
-    ids, _, _ = loader.global_batch_ids(loader.epoch, loader.cursor)
-    stats = loader.balance_stats(ids)
-    return {"imbalance_before": round(stats["round_robin"], 4), "imbalance_after": round(stats["cost"], 4)}
 
 
 def _refit(refitter, loader, packs: list[dict], seconds: float, dp_rank: int, dp: int, rank: int) -> None:
