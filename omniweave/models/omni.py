@@ -98,7 +98,16 @@ class OmniModel(LMHeadMixin, nn.Module):
             return embeds
         if batch.get("feature_rows") is not None:
             return self._scatter_rows(embeds, batch["feature_rows"], self.encode_media(batch["pixel_values"], grid_thw))
-        spans = batch.get("media_spans")
+        spans = self.check_media_spans(batch.get("media_spans"), grid_thw, ids.shape[0])
+        features = self.encode_media(batch["pixel_values"], grid_thw)  # [N, D]
+        if features.shape[0] != int(spans[:, 1].sum()):
+            raise ValueError(f"projector produced {features.shape[0]} features, spans need {int(spans[:, 1].sum())}")
+        index = torch.cat([torch.arange(s, s + n, device=ids.device) for s, n in spans.tolist()])
+        return embeds.index_put((index,), features.to(embeds.dtype))  # out of place: autograd-safe
+
+    def check_media_spans(self, spans: torch.Tensor | None, grid_thw: torch.Tensor, length: int) -> torch.Tensor:
+        """media_spans [M, 2] (int64) after checking them against the media: one span per item, each
+        as long as the item's feature count, all inside the row of ``length`` tokens."""
         if spans is None:
             raise ValueError("batch has grid_thw but no media_spans to place the features")
         spans = spans.to(torch.long).reshape(-1, 2)
@@ -108,13 +117,9 @@ class OmniModel(LMHeadMixin, nn.Module):
                 f"media features do not match placeholder spans: grid_thw {grid_thw.tolist()} gives "
                 f"{expected.tolist()} feature tokens per item, media_spans lengths are {spans[:, 1].tolist()}"
             )
-        if int((spans[:, 0] + spans[:, 1]).max()) > ids.shape[0] or int(spans[:, 0].min()) < 0:
-            raise ValueError(f"media_spans {spans.tolist()} fall outside the row of {ids.shape[0]} tokens")
-        features = self.encode_media(batch["pixel_values"], grid_thw)  # [N, D]
-        if features.shape[0] != int(expected.sum()):
-            raise ValueError(f"projector produced {features.shape[0]} features, spans need {int(expected.sum())}")
-        index = torch.cat([torch.arange(s, s + n, device=ids.device) for s, n in spans.tolist()])
-        return embeds.index_put((index,), features.to(embeds.dtype))  # out of place: autograd-safe
+        if int((spans[:, 0] + spans[:, 1]).max()) > length or int(spans[:, 0].min()) < 0:
+            raise ValueError(f"media_spans {spans.tolist()} fall outside the row of {length} tokens")
+        return spans
 
     @staticmethod
     def _scatter_rows(embeds: torch.Tensor, rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
