@@ -12,17 +12,13 @@ import torch
 from torch import nn
 
 
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks AC and FSDP wrap one by one: decoder layers, then ViT blocks."""
-    out = list(model.foundation.layers)
-    enc = getattr(model, "image_encoder", None)
-    if enc is not None and hasattr(enc, "blocks"):
-        out += list(enc.blocks)
-    return out
+def _block_lists(model: nn.Module) -> tuple[nn.ModuleList, nn.ModuleList | None]:
+    """The repeated blocks AC and FSDP wrap one by one: (decoder layers, ViT blocks or None)."""
+    return model.foundation.layers, getattr(getattr(model, "image_encoder", None), "blocks", None)
 
 
 def _replace_blocks(model: nn.Module, wrap) -> None:
-    for parent in (model.foundation.layers, getattr(getattr(model, "image_encoder", None), "blocks", None)):
+    for parent in _block_lists(model):
         if parent is None:
             continue
         for i, block in enumerate(list(parent)):
@@ -62,10 +58,11 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     extra = {} if mp is None else {"mp_policy": mp}
     encoder = getattr(model, "image_encoder", None)
-    vision = set(map(id, encoder.blocks)) if encoder is not None and hasattr(encoder, "blocks") else set()
-    enc_mesh = mesh if encoder_mesh is None else encoder_mesh
-    for block in blocks(model):
-        fully_shard(block, mesh=enc_mesh if id(block) in vision else mesh, **extra)
+    layers, vision_blocks = _block_lists(model)
+    for block in layers:
+        fully_shard(block, mesh=mesh, **extra)
+    for block in vision_blocks if vision_blocks is not None else []:
+        fully_shard(block, mesh=mesh if encoder_mesh is None else encoder_mesh, **extra)
     if encoder_mesh is not None and encoder is not None:
         fully_shard(encoder, mesh=encoder_mesh, **extra)
         fully_shard(model.projector, mesh=encoder_mesh, **extra)
