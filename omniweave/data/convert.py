@@ -31,8 +31,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omniweave.data import shards as sh
-from omniweave.data.formats import COLUMN_FIELDS, TAG_FIELDS, FormatError, Mapping, detect_format, mapping_from_yaml, parse_row
+from omniweave.data.formats import (
+    COLUMN_FIELDS, TAG_FIELDS, FormatError, Mapping, detect_format, mapping_from_yaml, parse_row,
+)
 
+# the fixed reasons; parameterised ones are "unsupported_modality:<kind>", "unknown_content_part:<type>",
+# "unknown_media_column:<column>" (docs/data.md, "Reject reasons")
 REJECT_REASONS = (
     "malformed_json", "bad_schema", "missing_media", "unreadable_media", "undecodable_media",
     "placeholder_mismatch", "empty_conversation", "no_assistant_turn", "unknown_role", "bad_turn_order",
@@ -212,7 +216,7 @@ def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: b
             media[name] = _load_media(path, media_dir, kind)
             names[kind].append(name)
     conv.meta = {"source": Path(row.file).name, "index": row.index,
-                 "source_images": conv.images, "source_videos": conv.videos}
+                 "source_images": conv.images, "source_videos": conv.videos, **conv.meta}
     conv.images, conv.videos = names["image"], names["video"]
     return conv, media
 
@@ -244,6 +248,8 @@ def run_job(job: Job) -> dict:
     records, rejects = [], []
     writer = None
     media_bytes = 0
+    media_items: Counter = Counter()  # stored items per modality
+    unused: dict[str, Counter] = {}  # file -> unmapped column -> rows holding it (written rows only)
 
     def close_writer():
         nonlocal writer
@@ -268,11 +274,15 @@ def run_job(job: Job) -> dict:
                 writer = sh.ShardWriter(work / f"job-{job.number:06d}-{len(records):03d}.tar.tmp")
             sh.write_conversation_sample(writer, sh.sample_key(g), conv, media)
             media_bytes += sum(len(b) for b in media.values())
+            media_items.update(image=len(conv.images), video=len(conv.videos))
+            if conv.meta.get("extra"):
+                unused.setdefault(row.file, Counter()).update(conv.meta["extra"].keys())
         _rows_done_in_process += 1
         if kill_after and _rows_done_in_process >= kill_after:
             os._exit(17)  # simulate a crash mid-shard (test hook)
     close_writer()
-    done = {"job": job.number, "rows": len(job.rows), "shards": records, "rejects": rejects, "media_bytes": media_bytes}
+    done = {"job": job.number, "rows": len(job.rows), "shards": records, "rejects": rejects, "media_bytes": media_bytes,
+            "media_items": dict(media_items), "unused_columns": {f: dict(c) for f, c in unused.items()}}
     tmp = work / f"job-{job.number:06d}.done.json.tmp"
     tmp.write_text(json.dumps(done))
     os.replace(tmp, work / f"job-{job.number:06d}.done.json")
@@ -376,9 +386,14 @@ def run(args) -> int:
 
 def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, n_rows: int, t0: float) -> int:
     shard_records, rejects, media_bytes = [], [], 0
+    media_items = Counter({"image": 0, "video": 0})
+    unused: dict[str, Counter] = {}
     for job in jobs:
         rec = done[job.number]
         media_bytes += rec["media_bytes"]
+        media_items.update(rec.get("media_items", {}))
+        for file, columns in rec.get("unused_columns", {}).items():
+            unused.setdefault(file, Counter()).update(columns)
         rejects.extend(rec["rejects"])
         for s in rec["shards"]:
             name = sh.shard_name(len(shard_records))
@@ -396,16 +411,25 @@ def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, n_rows: in
     seconds = time.perf_counter() - t0
     report = {
         "input": n_rows, "written": written, "rejected": len(rejects), "rejected_by_reason": by_reason,
-        "bytes": total_bytes, "media_bytes": media_bytes, "seconds": round(seconds, 3),
+        "bytes": total_bytes, "media_bytes": media_bytes, "media_items": dict(media_items),
+        "unused_columns": {f: dict(sorted(c.items())) for f, c in unused.items()}, "seconds": round(seconds, 3),
         "inputs": list(args.input), "workers": args.workers, "maxcount": args.maxcount, "maxsize": args.maxsize,
         "shards": [{"name": s["name"], "count": s["count"], "bytes": s["bytes"]} for s in shard_records],
     }
     assert n_rows == written + len(rejects), "row accounting is broken"
     (out / "convert_report.json").write_text(json.dumps(report, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
+    for file, columns in unused.items():
+        print(f"convert: warning: {file}: column(s) no mapping reads: "
+              + ", ".join(f"'{c}' ({n} rows)" for c, n in sorted(columns.items()))
+              + "; they are kept in each sample's meta.extra but not trained on. If one holds turns, a system "
+              "prompt or media, map it (--messages-key, --system-key, --images-key, --videos-key or --mapping)",
+              file=sys.stderr)
     reasons = ", ".join(f"{k}: {v}" for k, v in by_reason.items())
+    stored = ", ".join(f"{n} {kind}(s)" for kind, n in media_items.items())
     print(
         f"convert: {n_rows} rows -> {written} samples in {len(shard_records)} shard(s) ({total_bytes / 1e6:.1f} MB), "
+        f"media: {stored}, "
         f"{len(rejects)} rejected{f' ({reasons})' if reasons else ''} in {seconds:.1f}s -> {out}"
         + (f"; see {out / 'rejects.jsonl'}" if rejects else "")
     )

@@ -6,7 +6,8 @@ Two input formats (JSON array or JSONL, one conversation per row)::
                             {"role": "assistant", "content": "red"}],
                "images": ["a.png"], "videos": []}
               content may also be a list of parts: {"type": "text", "text": ...},
-              {"type": "image"[, "image": PATH]}, {"type": "video"[, "video": PATH]}
+              {"type": "image"[, "image": PATH]}, {"type": "image_url", "image_url": {"url": PATH}},
+              {"type": "video"[, "video": PATH]}, {"type": "video_url", "video_url": {"url": PATH}}
     sharegpt  {"conversations": [{"from": "human", "value": "<image>What colour?"},
                                  {"from": "gpt", "value": "red"}], "images": ["a.png"]}
 
@@ -19,10 +20,19 @@ style of LLaMA-Factory's ``dataset_info.json`` entries::
            system_tag: system, observation_tag: observation, function_tag: function_call}
 
 Validation errors raise ``FormatError`` whose ``reason`` is the reject reason ``convert`` records.
+
+Nothing a row carries is dropped silently. Media omniweave cannot store yet (audio, files: an
+``audios`` column, ``<audio>`` placeholders, ``input_audio`` / ``audio_url`` / ``file`` parts) reject
+the row as ``unsupported_modality:<kind>``; a content part of a type we do not know rejects it as
+``unknown_content_part:<type>``; a column nobody mapped whose values look like media (file names
+with a media extension, data URLs, objects with ``bytes`` / ``array`` or a media ``path`` / ``url``) rejects it as
+``unknown_media_column:<column>``. Any other unmapped column is kept in ``meta["extra"]`` and
+reported by ``unused_columns`` (``convert`` warns once per file).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass, fields, replace
@@ -33,9 +43,25 @@ from omniweave.data.sample import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversa
 
 FORMATS = ("openai", "sharegpt")
 # Mapping fields settable from flags / YAML (``--messages-key``, ``--role-tag`` ...)
-COLUMN_FIELDS = ("messages", "images", "videos", "system", "id")
+COLUMN_FIELDS = ("messages", "images", "videos", "audios", "system", "id")
 TAG_FIELDS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "system_tag", "observation_tag", "function_tag")
 PLACEHOLDER_RE = re.compile(r"<image>|<video>")
+# placeholders of modalities omniweave reads in the formats but cannot store yet
+UNSUPPORTED_PLACEHOLDERS = {"<audio>": "audio"}
+# content-part type -> what it is. Chat-Completions, HF processor and Responses-API spellings.
+PART_KINDS = {
+    "text": "text", "input_text": "text", "output_text": "text", "refusal": "text",
+    "image": "image", "image_url": "image", "input_image": "image",
+    "video": "video", "video_url": "video",
+    "audio": "audio", "input_audio": "audio", "audio_url": "audio",
+    "file": "file", "input_file": "file",
+}
+STORED_MODALITIES = ("image", "video")
+MEDIA_SUFFIX_RE = re.compile(
+    r"\.(png|jpe?g|gif|bmp|webp|tiff?|heic|mp4|avi|mov|mkv|webm|m4v|flv|mpe?g|wav|mp3|flac|ogg|oga|opus|m4a"
+    r"|aac|wma|pdf|npy|npz)$", re.IGNORECASE,
+)
+
 # turns that ask (user side) and turns that answer (model side); they must alternate
 PROMPT_ROLES = ("user", "observation")
 RESPONSE_ROLES = ("assistant", "function")
@@ -58,6 +84,7 @@ class Mapping:
     messages: str | None = None  # column holding the turns
     images: str = "images"
     videos: str = "videos"
+    audios: str = "audios"  # read so audio is never dropped silently; rows with audio are rejected for now
     system: str | None = None  # optional column holding a system prompt
     id: str = "id"
     role_tag: str | None = None
@@ -186,6 +213,17 @@ def _media_list(row: dict, key: str, kind: str) -> list[str]:
     return out
 
 
+def _part_ref(part: dict, kind: str) -> str | None:
+    """The path a media part names, in any of the common spellings (``image``, ``image_url.url`` ...)."""
+    for key in (part.get("type"), kind, f"{kind}_url", "url", "path"):
+        ref = part.get(key) if key else None
+        if isinstance(ref, dict):
+            ref = ref.get("url", ref.get("path"))
+        if isinstance(ref, str) and ref:
+            return ref
+    return None
+
+
 def _content_text(content: Any, part_images: list[str], part_videos: list[str]) -> str:
     """A message's content as text with placeholders; media paths named in parts are collected."""
     if content is None:
@@ -199,20 +237,66 @@ def _content_text(content: Any, part_images: list[str], part_videos: list[str]) 
         if isinstance(part, str):
             pieces.append(part)
             continue
-        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise FormatError("bad_schema", f"a content part must be a string or an object with a 'type', got {part!r}")
+        kind = PART_KINDS.get(part["type"])
+        if kind is None:
+            raise FormatError(f"unknown_content_part:{part['type']}",
+                              f"content part type {part['type']!r} is not one of {sorted(PART_KINDS)}")
+        if kind not in ("text", *STORED_MODALITIES):
+            raise FormatError(f"unsupported_modality:{kind}",
+                              f"a {part['type']!r} part holds {kind}, which omniweave cannot store yet")
         if kind == "text":
-            pieces.append(str(part.get("text", "")))
-        elif kind in ("image", "image_url", "video"):
-            is_video = kind == "video"
-            pieces.append(VIDEO_PLACEHOLDER if is_video else IMAGE_PLACEHOLDER)
-            ref = part.get(kind)
-            if isinstance(ref, dict):
-                ref = ref.get("url", ref.get("path"))
-            if isinstance(ref, str) and ref:
-                (part_videos if is_video else part_images).append(ref)
-        else:
-            raise FormatError("bad_schema", f"unknown content part {part!r}")
+            text = part.get("text", part.get(part["type"], ""))
+            pieces.append(text if isinstance(text, str) else "")
+            continue
+        pieces.append(VIDEO_PLACEHOLDER if kind == "video" else IMAGE_PLACEHOLDER)
+        ref = _part_ref(part, kind)
+        if ref:
+            (part_videos if kind == "video" else part_images).append(ref)
     return "".join(pieces)
+
+
+def _looks_like_media(value: Any) -> bool:
+    """A file name with a media extension, a data URL, or a media object ({path|bytes|url|array})."""
+    if isinstance(value, list):
+        return any(_looks_like_media(v) for v in value)
+    if isinstance(value, str):
+        value = value.strip()
+        return bool(MEDIA_SUFFIX_RE.search(value)) or value.startswith(("data:image/", "data:video/", "data:audio/"))
+    if isinstance(value, dict):  # HF datasets' Image / Audio features, {"path": "a.wav"}, {"url": "x.png"}
+        return "bytes" in value or "array" in value or any(_looks_like_media(value.get(k)) for k in ("path", "url"))
+    return False
+
+
+def known_columns(m: Mapping) -> set[str]:
+    return {c for c in (m.messages, m.images, m.videos, m.audios, m.system, m.id) if c}
+
+
+def _check_unmapped_media(row: dict, m: Mapping) -> None:
+    """Reject rows whose audio or unmapped media columns would otherwise be lost."""
+    audios = row.get(m.audios)
+    if audios not in (None, [], "", {}):
+        raise FormatError("unsupported_modality:audio",
+                          f"column '{m.audios}' holds audio, which omniweave cannot store yet")
+    known = known_columns(m)
+    for column, value in row.items():
+        if column not in known and _looks_like_media(value):
+            close = difflib.get_close_matches(column, [m.images, m.videos, m.audios], n=1)
+            hint = f"; did you mean '{close[0]}'? " if close else "; "
+            raise FormatError(
+                f"unknown_media_column:{column}",
+                f"column '{column}' holds media but is not mapped{hint}map it with --images-key/--videos-key "
+                "or --mapping, or drop it",
+            )
+
+
+def unused_columns(row: Any, m: Mapping) -> list[str]:
+    """Columns of ``row`` that no mapping field reads (kept in ``meta['extra']``, warned about once per file)."""
+    if not isinstance(row, dict):
+        return []
+    known = known_columns(m)
+    return [c for c in row if c not in known]
 
 
 def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: bool = False) -> Conversation:
@@ -225,6 +309,7 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
         raise FormatError("bad_schema", f"no '{m.messages}' column (keys: {sorted(row)})")
     if not isinstance(turns, list):
         raise FormatError("bad_schema", f"'{m.messages}' must be a list of turns")
+    _check_unmapped_media(row, m)
     roles = m.roles()
     part_images: list[str] = []
     part_videos: list[str] = []
@@ -252,7 +337,9 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
     if auto_placeholders:
         _insert_missing_placeholders(messages, images, videos)
     _check_placeholders(messages, images, videos)
-    return Conversation(id=str(row.get(m.id, row_id)), messages=messages, images=images, videos=videos)
+    extra = {c: row[c] for c in unused_columns(row, m)}
+    return Conversation(id=str(row.get(m.id, row_id)), messages=messages, images=images, videos=videos,
+                        meta={"extra": extra} if extra else {})
 
 
 def _check_turn_order(messages: list[Message]) -> None:
@@ -287,6 +374,10 @@ def _insert_missing_placeholders(messages: list[Message], images: list[str], vid
 def _check_placeholders(messages: list[Message], images: list[str], videos: list[str]) -> None:
     counts = {IMAGE_PLACEHOLDER: 0, VIDEO_PLACEHOLDER: 0}
     for i, msg in enumerate(messages):
+        for tag, kind in UNSUPPORTED_PLACEHOLDERS.items():
+            if tag in msg.content:
+                raise FormatError(f"unsupported_modality:{kind}",
+                                  f"turn {i} holds {tag}; omniweave cannot store {kind} yet")
         found = PLACEHOLDER_RE.findall(msg.content)
         if found and msg.role not in PROMPT_ROLES:
             raise FormatError("placeholder_mismatch", f"turn {i} ({msg.role}) holds {found[0]}; media belong in user turns")

@@ -130,8 +130,13 @@ def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -
         print(bold("  convert report"))
         print(f"    input {rep['input']:,} rows: written {rep['written']:,}, rejected {rep['rejected']:,}"
               f" in {rep.get('seconds', 0):.1f}s")
+        if rep.get("media_items"):
+            print("    media stored: " + ", ".join(f"{kind} {n:,}" for kind, n in rep["media_items"].items()))
         for reason, n in rep.get("rejected_by_reason", {}).items():
             print(_c(f"      {reason:<22} {n:,}", "31", color))
+        for file, columns in rep.get("unused_columns", {}).items():
+            print(_c(f"    warning: {Path(file).name}: unmapped column(s) kept in meta.extra, not trained on: "
+                     + ", ".join(f"{c} ({n:,} rows)" for c, n in columns.items()), "33", color))
         if rep["rejected"]:
             print(f"    details: {ds.root / 'rejects.jsonl'}")
 
