@@ -161,7 +161,7 @@ def measure(args) -> dict:
     for rep in range(args.repeats):
         for arm in loaders:
             run_dir = work / f"run-{rep}-{arm.split('=')[-1]}"
-            extra = ["+data.balance=cost"] if arm != "default" else []  # the recipes have no data.balance key
+            extra = ["data.balance=cost"] if arm != "default" else []
             t0 = time.perf_counter()
             om("train", "demo", f"output_dir={run_dir}", *overrides, *extra, "--nproc", "4")
             recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -3,13 +3,21 @@
 Each command lives in its own module, which defines ``add_arguments(parser)`` and
 ``run(args) -> int``. Only the chosen command's module is imported, so ``--help`` and the
 data tools start fast without importing torch.
+
+Options and ``key=value`` overrides may come in any order. A user's mistake (``UserError``, a
+missing file, a recipe key left unset) is one line on stderr and exit code 2; ``--debug``
+anywhere on the command line shows the traceback instead. Output piped into a pager or ``head``
+that closes early ends quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from omniweave.errors import UserError
 
 # (group, command) -> (module, one-line help). A command of ``None`` is a group-less command.
 COMMANDS: dict[tuple[str, str | None], tuple[str, str]] = {
@@ -34,6 +42,8 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
@@ -57,8 +67,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = argparse.ArgumentParser(prog=prog, description=help_)
     module.add_arguments(parser)
-    args = parser.parse_args(rest)
-    return int(module.run(args) or 0)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    args = parser.parse_intermixed_args(rest)  # key=value overrides may follow options
+    args.debug = debug
+    try:
+        return int(module.run(args) or 0)
+    except BrokenPipeError:  # `omniweave data inspect … | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as e:
+        message = user_error_message(e)
+        if message is None or debug:
+            raise
+        from omniweave.launch import report_from_rank
+
+        if not report_from_rank(message):  # under --nproc the launcher prints it, once
+            print(f"{prog}: error: {message}", file=sys.stderr)
+        return 2
+
+
+def user_error_message(e: BaseException) -> str | None:
+    """The one line to show for a user's mistake; None for a bug (which keeps its traceback)."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    if isinstance(e, UserError):
+        return str(e)
+    if isinstance(e, MissingMandatoryValue):
+        key = getattr(e, "full_key", None) or "a recipe key"
+        return f"{key} is not set; pass {key}=VALUE (docs/training.md lists every recipe key)"
+    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+        return f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
+    return None
 
 
 if __name__ == "__main__":

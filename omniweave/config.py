@@ -1,26 +1,149 @@
-"""Recipes: one YAML per run, composed with Hydra, overridable with ``key=value``.
+"""Recipes: one YAML per run, composed with Hydra over one shared schema, overridable with ``key=value``.
 
 A recipe names its components with a Hydra defaults list; the component groups live in
 ``configs/models/<kind>/`` and are on the search path, e.g.::
 
     defaults:
       - image_encoder@model.image_encoder: qwen2_5_vit_tiny
-      - projector@model.projector: patch_merger
+      - projector@model.projector: patch_merger_tiny
       - foundation@model.foundation: qwen2_5_tiny
       - _self_
+
+Every recipe is composed on top of :class:`RecipeSchema` (the typed dataclasses below): every key
+the code reads has its default there, so a recipe holds only what it changes (a recipe that just
+wires components is complete), any key can be overridden without Hydra's ``+``, a value of the
+wrong type is an error, and an unknown key — in a recipe file or on the command line — is a
+one-line :class:`RecipeError` naming the closest valid key. docs/training.md lists this schema
+(a test keeps the two equal). ``model.*`` holds the components' own configs, checked by the
+registry when the model is built.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
+import re
+import tempfile
 import warnings
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Dict, Iterable, List, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from omniweave.errors import UserError
 
 CONFIGS_DIR = Path(os.environ.get("OMNIWEAVE_CONFIGS", Path(__file__).resolve().parents[1] / "configs"))
+SCHEMA_NODE = "_omniweave_schema"  # the schema's name in Hydra's ConfigStore
+_ROOT = "_omniweave_root"  # the wrapper config: schema first, then the recipe, then the overrides
+
+
+class RecipeError(UserError):
+    """A recipe that cannot be composed: unknown recipe or key, a wrong type, a missing group option."""
+
+
+def _vision_schema():
+    """``data.vision``: every field of ``media.VisionConfig`` (null = its default, or the value in
+    ``preprocessor_config``) plus ``preprocessor_config``, a HF model dir / JSON to read them from."""
+    from omniweave.data.media import VisionConfig
+
+    def optional(f):
+        kind = List[float] if "mean" in f.name or "std" in f.name else {"int": int, "float": float}[str(f.type)]
+        return f.name, Optional[kind], field(default=None)
+
+    return make_dataclass("VisionSchema", [("preprocessor_config", Optional[str], field(default=None)),
+                                           *map(optional, fields(VisionConfig))])
+
+
+@dataclass
+class DataSchema:
+    path: str = MISSING  # packed dataset (omniweave data pack)
+    num_workers: int = 0
+    balance: Optional[str] = None
+    balance_refit: int = 20
+    tokenizer: str = "demo"
+    template: str = "chatml"
+    max_len: int = 4096
+    truncation: str = "drop"
+    rope: str = "mrope"
+    vision: Any = field(default_factory=lambda: _vision_schema()())
+
+
+@dataclass
+class TrainSchema:
+    phase: str = "sft"
+    steps: int = MISSING
+    global_batch: int = MISSING
+    lr: float = MISSING
+    min_lr_ratio: float = 0.0
+    warmup: int = 0
+    schedule: str = "cosine"
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 0.0
+    precision: str = "fp32"
+    cpu_threads: Optional[int] = None
+    ac: str = "none"
+    seed: int = 0
+    init_from: Optional[str] = None
+    save_interval: int = 0
+    keep_last: int = 0
+    log_interval: int = 1
+    max_bad_steps: int = 5
+    eval_interval: int = 0
+    save_hf: bool = False
+
+
+@dataclass
+class EvalSchema:
+    path: Optional[str] = None
+    media_dir: Optional[str] = None
+    max_samples: Optional[int] = None
+    max_new_tokens: int = 8
+
+
+@dataclass
+class ParallelSchema:
+    dp: int = -1
+    cp: int = 1
+    cp_attention: str = "ring"
+    cp_ulysses: int = 1
+    cp_head_groups: int = 1
+    vision_split: bool = True
+
+
+@dataclass
+class DemoSchema:
+    samples: int = 4000
+    eval_samples: int = 200
+
+
+@dataclass
+class RecipeSchema:
+    output_dir: Optional[str] = None  # null: runs/<recipe name>
+    model: Dict[str, Any] = field(default_factory=dict)
+    data: DataSchema = field(default_factory=DataSchema)
+    train: TrainSchema = field(default_factory=TrainSchema)
+    eval: EvalSchema = field(default_factory=EvalSchema)
+    parallel: ParallelSchema = field(default_factory=ParallelSchema)
+    demo: DemoSchema = field(default_factory=DemoSchema)
+
+
+def schema_defaults() -> dict[str, Any]:
+    """Every schema key (dotted, ``model`` excluded) -> its default (``'???'`` where required)."""
+    cfg = OmegaConf.structured(RecipeSchema)
+    return {k: v for k, v in _flatten(OmegaConf.to_container(cfg, resolve=False)).items() if not k.startswith("model")}
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict) or not d:
+        return {prefix.rstrip("."): d} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        out.update(_flatten(value, f"{prefix}{key}."))
+    return out
 
 
 def recipe_path(name_or_path: str | os.PathLike) -> Path:
@@ -31,33 +154,102 @@ def recipe_path(name_or_path: str | os.PathLike) -> Path:
     builtin = CONFIGS_DIR / "recipes" / f"{p.stem}.yaml"
     if builtin.exists():
         return builtin
-    raise FileNotFoundError(f"recipe {str(name_or_path)!r} not found (nor as {builtin})")
+    names = sorted(q.stem for q in (CONFIGS_DIR / "recipes").glob("*.yaml"))
+    close = difflib.get_close_matches(p.stem, names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise RecipeError(f"recipe {str(name_or_path)!r} not found: not a YAML file, nor a built-in recipe; {hint}"
+                      f"built-in: {', '.join(names)}")
 
 
-def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) -> DictConfig:
-    """Compose a recipe with Hydra and apply ``key=value`` overrides; returns a resolved config."""
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NODE, node=RecipeSchema)
+
+
+def _compose(path: Path, overrides: list[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    path = recipe_path(name_or_path)
-    search = [f"file://{CONFIGS_DIR / 'models'}", f"file://{CONFIGS_DIR}"]
+    _register_schema()
+    search = [f"file://{path.parent}", f"file://{CONFIGS_DIR / 'models'}", f"file://{CONFIGS_DIR}"]
     GlobalHydra.instance().clear()
     # megatron-energon installs a Hydra search-path plugin (multistorageclient) that logs a
     # traceback whenever it has no profile configured; it has nothing to do with recipes.
     logging.getLogger("multistorageclient").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory() as root:
+        Path(root, f"{_ROOT}.yaml").write_text(f"defaults:\n  - {SCHEMA_NODE}\n  - /{path.stem}\n  - _self_\n")
+        try:
+            with warnings.catch_warnings(), initialize_config_dir(config_dir=root, version_base=None):
+                warnings.filterwarnings("ignore", message=r"provider=msc")
+                return compose(config_name=_ROOT, overrides=[*overrides, f"hydra.searchpath=[{','.join(search)}]"])
+        finally:
+            GlobalHydra.instance().clear()
+
+
+def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) -> DictConfig:
+    """Compose a recipe over the schema and apply ``key=value`` overrides; returns a resolved config
+    (not in struct mode, so code may add run-time keys). Raises :class:`RecipeError` for user mistakes."""
+    path = recipe_path(name_or_path)
+    overrides = list(overrides)
     try:
-        with warnings.catch_warnings(), initialize_config_dir(config_dir=str(path.parent), version_base=None):
-            warnings.filterwarnings("ignore", message=r"provider=msc")
-            cfg = compose(
-                config_name=path.stem,
-                overrides=[*overrides, f"hydra.searchpath=[{','.join(search)}]"],
-            )
-    finally:
-        GlobalHydra.instance().clear()
-    OmegaConf.resolve(cfg)
+        cfg = _compose(path, overrides)
+        OmegaConf.resolve(cfg)
+    except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types; each becomes one line
+        if isinstance(e, UserError):
+            raise
+        raise RecipeError(_explain(e, path, overrides)) from e
     OmegaConf.set_struct(cfg, False)
     cfg.pop("hydra", None)
+    if cfg.output_dir is None:
+        cfg.output_dir = f"runs/{path.stem}"
     return cfg
+
+
+def require(cfg: DictConfig, *keys: str) -> None:
+    """One clear line for a required key the recipe left unset (``???``)."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    for key in keys:
+        try:
+            OmegaConf.select(cfg, key, throw_on_missing=True)
+        except MissingMandatoryValue:
+            raise RecipeError(f"{key} is not set; pass {key}=VALUE (docs/training.md lists every recipe key)") from None
+
+
+def _all_keys(path: Path) -> list[str]:
+    """Valid dotted keys for suggestions: the schema's plus the recipe's model section."""
+    keys = list(schema_defaults())
+    try:
+        keys += [f"model.{k}" for k in _flatten(OmegaConf.to_container(_compose(path, []).model))]
+    except Exception:  # noqa: BLE001 - the recipe itself is broken: schema keys only
+        pass
+    return keys
+
+
+def _explain(e: Exception, path: Path, overrides: list[str]) -> str:
+    """Hydra's multi-line errors (and their causes) as one line a user can act on."""
+    text = " ".join(str(x) for x in (e, e.__cause__) if x)
+    key = re.search(r"full_key: ([\w.\[\]]+)", text)
+    key = key.group(1) if key else None
+    if m := re.search(r"Could not override '([^']+)'", text):
+        wanted = m.group(1)
+        close = difflib.get_close_matches(wanted, _all_keys(path), n=1, cutoff=0.6)
+        return f"unknown recipe key {wanted!r}" + (f"; did you mean {close[0]!r}?" if close else
+                                                   "; docs/training.md lists every recipe key")
+    if m := re.search(r"An item is already at '([^']+)'", text):
+        return f"{m.group(1)} is in every recipe already: drop the '+' ({m.group(1)}=VALUE)"
+    if "not in" in text and key:  # a key in the recipe file the schema does not know
+        close = difflib.get_close_matches(key, _all_keys(path), n=1, cutoff=0.6)
+        return f"{path}: unknown recipe key {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+    if m := re.search(r"Value '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", text):
+        return f"{key or 'a recipe key'}: {m.group(1)!r} is not a valid {m.group(2).lower()}"
+    if m := re.search(r"Could not find '([^']+)'", text):
+        options = re.search(r"Available options[^:]*:(.*?)(?:Config search path|$)", text, re.S)
+        listed = ", ".join(options.group(1).split()) if options else ""
+        return f"no component config {m.group(1)!r}" + (f"; available: {listed}" if listed else "")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{path.name}: {first}"
 
 
 def to_dict(cfg: DictConfig | dict[str, Any] | None) -> dict[str, Any]:

@@ -1,10 +1,13 @@
-"""Recipe composition: defaults lists resolve component groups; key=value overrides apply."""
+"""Recipe composition: defaults lists resolve component groups, every recipe sits on one shared
+schema (so any documented key is overridable without ``+``), and user mistakes are one-line
+``RecipeError``s naming the closest valid key."""
 
 import textwrap
 
 import pytest
 
 from omniweave import config
+from omniweave.config import RecipeError
 
 
 def _write(path, text):
@@ -12,24 +15,65 @@ def _write(path, text):
     path.write_text(textwrap.dedent(text))
 
 
-def test_recipe_composes_components_and_overrides(tmp_path, monkeypatch):
+@pytest.fixture
+def configs(tmp_path, monkeypatch):
     _write(tmp_path / "models/foundation/tiny.yaml", "hidden: 8\nlayers: 2\n")
-    _write(
-        tmp_path / "recipes/r.yaml",
-        """\
+    _write(tmp_path / "recipes/r.yaml", """\
         defaults:
           - foundation@model.foundation: tiny
           - _self_
         train:
           steps: 3
-        """,
-    )
+        """)
     monkeypatch.setattr(config, "CONFIGS_DIR", tmp_path)
-    cfg = config.load_recipe("r", ["train.steps=5", "model.foundation.layers=4"])
-    assert config.to_dict(cfg) == {"model": {"foundation": {"hidden": 8, "layers": 4}}, "train": {"steps": 5}}
+    return tmp_path
 
 
-def test_missing_recipe_names_the_path(tmp_path, monkeypatch):
-    monkeypatch.setattr(config, "CONFIGS_DIR", tmp_path)
-    with pytest.raises(FileNotFoundError, match="nope"):
-        config.load_recipe("nope")
+def test_recipe_composes_components_and_overrides_on_the_schema(configs):
+    cfg = config.load_recipe("r", ["train.steps=5", "model.foundation.layers=4", "data.num_workers=2"])
+    d = config.to_dict(cfg)
+    assert d["model"] == {"foundation": {"hidden": 8, "layers": 4}}
+    assert d["train"]["steps"] == 5 and d["data"]["num_workers"] == 2
+    # everything else is the schema's default; output_dir defaults to runs/<recipe>
+    defaults = config.schema_defaults()
+    assert d["train"]["betas"] == defaults["train.betas"] == [0.9, 0.95]
+    assert d["parallel"]["cp"] == 1 and d["eval"]["max_new_tokens"] == defaults["eval.max_new_tokens"]
+    assert d["output_dir"] == "runs/r"
+
+
+def test_documented_keys_need_no_plus(configs):
+    cfg = config.load_recipe("r", ["data.num_workers=1", "train.betas=[0.8,0.99]", "train.eps=1e-6",
+                                   "train.max_bad_steps=2", "data.vision.max_pixels=12544"])
+    assert cfg.data.num_workers == 1 and list(cfg.train.betas) == [0.8, 0.99] and cfg.train.eps == 1e-6
+    assert cfg.train.max_bad_steps == 2 and cfg.data.vision.max_pixels == 12544
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.num_worker=1", "unknown recipe key 'data.num_worker'; did you mean 'data.num_workers'?"),
+    ("trian.steps=1", "unknown recipe key 'trian.steps'; did you mean 'train.steps'?"),
+    ("model.foundation.layer=3", "did you mean 'model.foundation.layers'?"),
+    ("train.steps=ten", "train.steps: 'ten' is not a valid integer"),
+    ("foundation@model.foundation=huge", "no component config 'foundation/huge'; available: tiny"),
+])
+def test_user_mistakes_are_one_line(configs, override, message):
+    with pytest.raises(RecipeError) as e:
+        config.load_recipe("r", [override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_key_in_a_recipe_file_is_named(configs):
+    _write(configs / "recipes/typo.yaml", "train:\n  global_bach: 4\n")
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'train.global_bach'; did you mean 'train.global_batch'"):
+        config.load_recipe("typo")
+
+
+def test_missing_recipe_names_the_closest_builtin(configs):
+    with pytest.raises(RecipeError, match=r"recipe 'rr' not found.*did you mean 'r'\?"):
+        config.load_recipe("rr")
+
+
+def test_required_keys_left_unset_are_one_line(configs):
+    cfg = config.load_recipe("r")
+    config.require(cfg, "train.steps")
+    with pytest.raises(RecipeError, match=r"^data.path is not set; pass data.path=VALUE"):
+        config.require(cfg, "data.path")

@@ -162,3 +162,26 @@ def test_both_formats_parse_to_the_same_conversation_property():
         assert a.images == images and a.videos == videos
 
     check()
+
+
+def test_a_mapping_without_formatting_is_detected_not_called_ambiguous(tmp_path):
+    """docs/data.md's mapping example with ``formatting`` omitted ("omit to auto-detect")."""
+    (tmp_path / "map.yaml").write_text(
+        "columns: {messages: dialog, images: pics, videos: clips, system: system_prompt}\n"
+        "tags: {role_tag: speaker, content_tag: text, user_tag: Q, assistant_tag: A}\n"
+    )
+    m = mapping_from_yaml(tmp_path / "map.yaml")
+    row = {"dialog": [{"speaker": "Q", "text": "<image>hi"}, {"speaker": "A", "text": "yo"}], "pics": ["p.png"],
+           "system_prompt": "Be brief."}
+    fmt = detect_format([row], m)
+    conv = parse_row(row, m.resolved(fmt), row_id="r")
+    assert [msg.role for msg in conv.messages] == ["system", "user", "assistant"] and conv.images == ["p.png"]
+    # role names only one format knows decide it
+    row2 = {"dialog": [{"speaker": "human", "text": "hi"}, {"speaker": "gpt", "text": "yo"}]}
+    m2 = Mapping(messages="dialog", role_tag="speaker", content_tag="text")
+    assert detect_format([row2], m2) == "sharegpt"
+    # when it really is ambiguous, the error does not ask for the mapping the user already gave
+    row3 = {"dialog": [{"speaker": "x", "text": "hi"}, {"speaker": "y", "text": "yo"}]}
+    with pytest.raises(ValueError, match="ambiguous") as e:
+        detect_format([row3], m2)
+    assert "--mapping" not in str(e.value) and "formatting:" in str(e.value)

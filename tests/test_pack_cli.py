@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from omniweave.data.packed import PackedDataset
+from omniweave.errors import UserError
 from tests.fakes_data import make_samples, pack_cli, write_raw
 
 
@@ -57,18 +58,20 @@ def test_worker_slices_plus_final_plan_equal_a_single_run(raw, tmp_path):
     assert {k: v for k, v in s1.items() if k != "plan_seconds"} == {k: v for k, v in s3.items() if k != "plan_seconds"}
 
 
-def test_plan_refuses_to_run_before_every_scan_slice_is_done(raw, tmp_path):
+def test_plan_refuses_to_run_before_every_scan_slice_is_done(raw, tmp_path, capsys):
     out = tmp_path / "p"
     assert pack_cli(raw, out, "--phase", "scan", "--worker-index", "0", "--num-workers", "2") == 0
-    with pytest.raises(SystemExit, match=r"scan slices \[1\] of 2"):
-        pack_cli(raw, out, "--phase", "plan", "--num-workers", "2")
+    assert pack_cli(raw, out, "--phase", "plan", "--num-workers", "2") == 2  # a user error: one line, exit 2
+    assert "scan slices [1] of 2" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"scan slices \[1\] of 2"):  # --debug: the exception itself
+        pack_cli(raw, out, "--phase", "plan", "--num-workers", "2", "--debug")
 
 
-def test_restart_with_other_settings_names_the_field(raw, tmp_path):
+def test_restart_with_other_settings_names_the_field(raw, tmp_path, capsys):
     out = tmp_path / "p"
     assert pack_cli(raw, out) == 0
-    with pytest.raises(SystemExit, match=r"build\.fingerprint\.max_len: packed with 512, now 400"):
-        pack_cli(raw, out, "--max-len", "400")
+    assert pack_cli(raw, out, "--max-len", "400") == 2
+    assert "build.fingerprint.max_len: packed with 512, now 400" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("algorithm", ["balanced", "sequential"])

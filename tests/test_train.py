@@ -205,7 +205,7 @@ def test_nan_step_is_skipped_weights_unchanged_and_training_continues(demo_packe
 def test_too_many_nan_steps_in_a_row_stop_the_run(demo_packed, tmp_path):
     with pytest.raises(RuntimeError, match=r"step 3: 2 steps in a row had a non-finite loss"):
         train_in_process(demo_packed, tmp_path / "run", fault_hook=_nan_at({1, 2, 3, 4}), steps=6,
-                         **{"+train__max_bad_steps": 2})
+                         train__max_bad_steps=2)
     assert [r["skipped"] for r in read_metrics(tmp_path / "run")] == [False, True, True]
 
 

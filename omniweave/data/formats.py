@@ -163,19 +163,25 @@ def _check_format(fmt: str) -> str:
 
 
 def detect_format(rows: list[dict], mapping: Mapping = Mapping()) -> str:
-    """``openai`` or ``sharegpt`` from the first rows; a clear error when both or neither fit."""
+    """``openai`` or ``sharegpt`` from the first rows; a clear error when both or neither fit.
+
+    A mapping that sets the messages column and the role/content tags can make a row fit both
+    formats; then what is left to tell them apart is how the roles are spelled, so the format whose
+    role names cover every turn wins (both covering every turn parse the row alike: openai)."""
     if mapping.format:
         return _check_format(mapping.format)
+    mapped = any(getattr(mapping, f) is not None for f in ("messages", "role_tag", "content_tag", "user_tag"))
     votes = set()
     for row in rows[:32]:
         if not isinstance(row, dict):
             continue
         fits = [fmt for fmt in FORMATS if _fits(row, mapping.resolved(fmt))]
         if len(fits) > 1:
-            raise ValueError(
-                f"ambiguous input: a row fits both formats {fits} (keys {sorted(row)}); "
-                "pass --format openai|sharegpt or a --mapping YAML"
-            )
+            fits = _by_roles(row, mapping, fits)
+        if len(fits) > 1:
+            how = ("set `formatting: openai|sharegpt` in the mapping YAML or pass --format" if mapped
+                   else "pass --format openai|sharegpt or a --mapping YAML")
+            raise ValueError(f"ambiguous input: a row fits both formats {fits} (keys {sorted(row)}); {how}")
         votes.update(fits)
     if len(votes) == 1:
         return votes.pop()
@@ -186,6 +192,18 @@ def detect_format(rows: list[dict], mapping: Mapping = Mapping()) -> str:
             f"(from/value); keys seen: {keys}. Pass --format and the column flags or --mapping"
         )
     raise ValueError(f"ambiguous input: rows of both formats {sorted(votes)}; pass --format")
+
+
+def _by_roles(row: dict, mapping: Mapping, fits: list[str]) -> list[str]:
+    """Of the formats a row fits, those whose role names cover all its turns; equivalent ones collapse."""
+    covering = []
+    for fmt in fits:
+        m = mapping.resolved(fmt)
+        if all(isinstance(t, dict) and t.get(m.role_tag) in m.roles() for t in row[m.messages]):
+            covering.append(fmt)
+    if len(covering) > 1 and len({mapping.resolved(f).messages for f in covering}) == 1:
+        return covering[:1]  # same column, same tags, every role known to both: they parse alike
+    return covering or fits
 
 
 def _fits(row: dict, m: Mapping) -> bool:

@@ -68,7 +68,7 @@ class VisionConfig:
     def from_mapping(cls, cfg: Mapping | None) -> "VisionConfig":
         """From a recipe's ``data.vision``; ``preprocessor_config: DIR_OR_JSON`` reads a model's
         Hugging Face image processor config first, and the other keys override it."""
-        cfg = dict(cfg or {})
+        cfg = {k: v for k, v in (cfg or {}).items() if v is not None}  # null: not set (the recipe schema's default)
         if "preprocessor_config" in cfg:
             cfg = {**vision_settings_from_hf(cfg.pop("preprocessor_config")), **cfg}
         known = {f.name for f in fields(cls)}

@@ -30,6 +30,8 @@ from tqdm import tqdm
 from omniweave.data import packing
 from omniweave.data.packed import FORMAT, MANIFEST, PackedShardWriter, atomic_write_json, fingerprint_diff, pack_shard_name
 from omniweave.data.pack_stats import build_stats, plot_lengths
+from omniweave.data.shards import META_DIR
+from omniweave.errors import UserError
 
 SCAN_FIELDS = ("index", "length", "media", "vision", "images", "videos", "truncated", "loss")
 
@@ -38,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", required=True, help="raw shard directory (omniweave data convert output)")
     p.add_argument("--output", required=True, help="packed dataset directory")
     p.add_argument("--recipe", required=True, help="recipe YAML (its data: section) or built-in recipe name")
+    p.add_argument("overrides", nargs="*", help="key=value recipe overrides, as for `omniweave train` (e.g. data.max_len=2048)")
     p.add_argument("--max-len", type=int, default=None, help="pack capacity and max sample length (default data.max_len)")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="processes on this machine")
     p.add_argument("--algorithm", choices=packing.ALGORITHMS, default="bfd")
@@ -49,11 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-vision-tokens-per-pack", type=int, default=None)
 
 
-def data_config(recipe: str, max_len: int | None) -> dict:
+def data_config(recipe: str, max_len: int | None, overrides: list[str] = ()) -> dict:
+    """The recipe's ``data:`` section (with ``key=value`` overrides) minus the loader-only keys."""
     from omniweave.config import load_recipe, to_dict
     from omniweave.data.loader import LOADER_ONLY_KEYS
 
-    data = to_dict(load_recipe(recipe)).get("data") or {}
+    data = to_dict(load_recipe(recipe, overrides)).get("data") or {}
     for key in LOADER_ONLY_KEYS:
         data.pop(key, None)
     if max_len is not None:
@@ -76,7 +80,7 @@ def _check_marker(path: Path, build: dict) -> bool:
         return False
     diffs = fingerprint_diff(json.loads(path.read_text())["build"], build, prefix="build")
     if diffs:
-        raise SystemExit(f"{path} was made with other settings (use a new --output):\n  " + "\n  ".join(diffs[:8]))
+        raise UserError(f"{path} was made with other settings (use a new --output): " + "; ".join(diffs[:8]))
     return True
 
 
@@ -194,7 +198,7 @@ def plan_phase(args, out: Path, build: dict, n_raw: int) -> dict:
     N = args.num_workers
     missing = [k for k in range(N) if not (out / "scan" / f"slice-{k:05d}-of-{N:05d}.json").is_file()]
     if missing:
-        raise SystemExit(f"plan: scan slices {missing} of {N} are not done yet (run --phase scan --worker-index K)")
+        raise UserError(f"plan: scan slices {missing} of {N} are not done yet (run --phase scan --worker-index K)")
     scan = {f: [] for f in SCAN_FIELDS}
     rejects: Counter = Counter()
     for k in range(N):
@@ -268,13 +272,16 @@ def run(args) -> int:
     from omniweave.data.tokenize import SampleProcessor
 
     if not 0 <= args.worker_index < args.num_workers:
-        raise SystemExit(f"--worker-index {args.worker_index} must be in [0, --num-workers {args.num_workers})")
+        raise UserError(f"--worker-index {args.worker_index} must be in [0, --num-workers {args.num_workers})")
     if args.phase == "all" and args.num_workers != 1:
-        raise SystemExit("--phase all runs on one machine; with --num-workers N run scan, plan, write separately")
+        raise UserError("--phase all runs on one machine; with --num-workers N run scan, plan, write separately")
     t0 = time.time()
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    data_cfg = data_config(args.recipe, args.max_len)
+    data_cfg = data_config(args.recipe, args.max_len, args.overrides)
+    if not (Path(args.input) / META_DIR).is_dir():
+        raise UserError(f"--input {args.input}: not a raw dataset (no {META_DIR}/); make one with "
+                        "`omniweave data convert --input F.jsonl --output RAW`")
     fingerprint = SampleProcessor(data_cfg).fingerprint()
     raw = RawDataset(args.input)
     source = [{"name": s.name, "count": s.count, "bytes": s.bytes} for s in raw.shards]
@@ -286,7 +293,7 @@ def run(args) -> int:
     if args.phase in ("write", "all"):
         marker = out / "plan" / "plan.json"
         if not _check_marker(marker, build):
-            raise SystemExit(f"write: {marker} missing; run --phase plan first")
+            raise UserError(f"write: {marker} missing; run --phase plan first")
         info = json.loads(marker.read_text())
         write_phase(args, out, data_cfg, build, info)
         if maybe_finish(out, data_cfg, build, info):

@@ -24,6 +24,7 @@ import numpy as np
 
 from omniweave.data.sample import TokenizedSample
 from omniweave.data.template import IGNORE_INDEX
+from omniweave.errors import UserError
 
 FORMAT = "omniweave-packed/1"
 MANIFEST = "manifest.json"
@@ -171,6 +172,10 @@ def fingerprint_diff(built: dict, wanted: dict, prefix: str = "data") -> list[st
     return diffs
 
 
+class PackMismatch(UserError, ValueError):
+    """The packs were built with other data settings than the recipe's."""
+
+
 def check_fingerprint(manifest: dict, data_cfg, where: str = "") -> None:
     """Raise ValueError naming every field where ``data_cfg`` disagrees with what built the packs."""
     from omniweave.data.tokenize import SampleProcessor
@@ -178,7 +183,5 @@ def check_fingerprint(manifest: dict, data_cfg, where: str = "") -> None:
     wanted = SampleProcessor(data_cfg).fingerprint()
     diffs = fingerprint_diff(manifest["fingerprint"], wanted)
     if diffs:
-        raise ValueError(
-            f"packed dataset {where} was built with different data settings; repack it or fix the recipe:\n  "
-            + "\n  ".join(diffs)
-        )
+        raise PackMismatch(f"packed dataset {where} was built with different data settings; repack it or fix the "
+                           "recipe: " + "; ".join(diffs))

@@ -18,6 +18,7 @@ from typing import Mapping
 
 import numpy as np
 
+from omniweave.config import DataSchema
 from omniweave.data import media as M
 from omniweave.data.rope_index import ROPE_KINDS, position_ids
 from omniweave.data.sample import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MediaSpan, Message, RawSample, TokenizedSample
@@ -25,7 +26,8 @@ from omniweave.data.template import IGNORE_INDEX, LOSS_ROLES, encode_conversatio
 from omniweave.data.tokenizer import load_tokenizer
 
 TRUNCATION_POLICIES = ("drop", "drop_turns")
-DATA_DEFAULTS = {"tokenizer": "demo", "template": "chatml", "max_len": 4096, "truncation": "drop", "rope": "mrope"}
+# what a partial data config (tests, tools) falls back to: the recipe schema's defaults, the one source
+DATA_DEFAULTS = {k: getattr(DataSchema, k) for k in ("tokenizer", "template", "max_len", "truncation", "rope")}
 
 
 class SampleRejected(Exception):

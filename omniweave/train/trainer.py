@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,11 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return launch(args)
     from omniweave.config import load_recipe
 
-    cfg = load_recipe(args.recipe, args.overrides)
+    cfg = load_recipe(args.recipe, args.overrides)  # user mistakes surface here, before any rank starts
+    check_ready(cfg, args.resume)
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return launch(args)
     result = train(cfg, resume=args.resume)
     if result["rank"] == 0:
         print(f"trained {result['steps']} steps in {result['seconds']:.1f} s, final loss {result['loss']:.4f}; "
@@ -54,13 +54,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_ready(cfg, resume: str | None) -> None:
+    """What can be checked without a process group: required keys, the packed data, the checkpoint."""
+    from omniweave.config import require
+    from omniweave.data.packed import MANIFEST
+    from omniweave.errors import UserError
+
+    require(cfg, "data.path", "train.steps", "train.global_batch", "train.lr")
+    if not (Path(cfg.data.path) / MANIFEST).is_file():
+        raise UserError(f"data.path={cfg.data.path}: no packed dataset there (no {MANIFEST}); build it with "
+                        f"`omniweave data pack --input RAW --output {cfg.data.path} --recipe RECIPE`")
+    if resume and resume != "auto":
+        try:
+            checkpoint.resolve_checkpoint(resume)
+        except FileNotFoundError as e:
+            raise UserError(f"--resume {resume}: {e}; pass a step_N directory, a checkpoints/ directory, a run "
+                            "directory, or 'auto'") from None
+
+
 def launch(args: argparse.Namespace) -> int:
-    """Re-run this command under ``torchrun --standalone --nproc-per-node N``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "omniweave", "train", args.recipe, *args.overrides]
-    if args.resume:
-        cmd += ["--resume", args.resume]
-    return subprocess.call(cmd)
+    """Re-run this command under torchrun on ``--nproc`` local ranks (omniweave/launch.py)."""
+    from omniweave.launch import torchrun
+
+    argv = ["train", args.recipe, *args.overrides, *(["--resume", args.resume] if args.resume else [])]
+    code, error = torchrun(argv, args.nproc)
+    if error:
+        print(f"omniweave train: error: {error}", file=sys.stderr)
+    return code
 
 
 # ---------------------------------------------------------------------------- setup

@@ -1,0 +1,11 @@
+"""User errors: mistakes in what a user asked for (a recipe name, a key, a path), as opposed to bugs.
+
+The CLI prints a ``UserError`` as one line and exits 2 (``--debug`` shows the traceback). Raise it
+(or a subclass) where the message alone tells the user what to change.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Something the user can fix from the message alone."""

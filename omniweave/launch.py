@@ -1,0 +1,63 @@
+"""``--nproc N``: re-run a command under ``torchrun --standalone --nproc-per-node N``, with one error line.
+
+Without care a user's mistake found inside the ranks (a dataset that does not match the recipe, a
+checkpoint of another model) prints N tracebacks and torchrun's ``ChildFailedError`` block. Here
+the ranks report a user error by writing it to a file named by ``ERROR_FILE_ENV`` (the first rank
+to fail wins) and exit 2 without printing; the launcher forwards the ranks' stderr live until that
+file appears — after it there is only the failure noise — and then prints the message once.
+Bugs keep their tracebacks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ERROR_FILE_ENV = "OMNIWEAVE_ERROR_FILE"
+
+
+def torchrun(argv: list[str], nproc: int) -> tuple[int, str | None]:
+    """Run ``python -m omniweave ARGV`` on ``nproc`` local ranks -> (exit code, user error or None)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "omniweave", *argv]
+    with tempfile.TemporaryDirectory(prefix="omniweave-launch-") as tmp:
+        error_file = Path(tmp) / "error"
+        # torchrun sets OMP_NUM_THREADS=1 per rank anyway; setting it ourselves spares its banner about it
+        env = {"OMP_NUM_THREADS": "1", **os.environ, ERROR_FILE_ENV: str(error_file)}
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+        forward = threading.Thread(target=_forward_until, args=(proc.stderr, error_file), daemon=True)
+        forward.start()
+        code = proc.wait()
+        forward.join()
+        if error_file.exists():
+            return 2, error_file.read_text().strip()
+        return code, None
+
+
+def _forward_until(stream, error_file: Path) -> None:
+    """Copy ``stream`` to our stderr as it comes (progress bars stay live), dropping what follows a
+    reported user error (the other ranks' teardown and torchrun's failure summary)."""
+    out = sys.stderr.buffer
+    while chunk := os.read(stream.fileno(), 65536):
+        if error_file.exists():
+            continue
+        out.write(chunk)
+        out.flush()
+
+
+def report_from_rank(message: str) -> bool:
+    """In a rank started by :func:`torchrun`: hand ``message`` to the launcher; False elsewhere."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path or "LOCAL_RANK" not in os.environ:
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:  # another rank reported first: one message per run
+        return True
+    with os.fdopen(fd, "w") as f:
+        f.write(message)
+    return True
