@@ -25,3 +25,77 @@ def test_no_args_prints_usage_and_fails(capsys):
 def test_module_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "omniweave", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "omniweave <command>" in r.stdout
+
+
+# ---------------------------------------------------------------------------- a user's first mistakes
+# Each is one line on stderr, exit 2, no traceback (issue 15): under --nproc too, and once per run.
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.train_factory import child_env  # noqa: E402
+
+
+def omniweave(*argv, cwd=None):
+    return subprocess.run([sys.executable, "-m", "omniweave", *map(str, argv)], capture_output=True, text=True,
+                          env=child_env(), cwd=cwd, timeout=240)
+
+
+def assert_one_line_error(r, *fragments):
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "error:" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_overrides_may_follow_options():
+    from omniweave.train import trainer
+
+    p = argparse.ArgumentParser()
+    trainer.add_arguments(p)
+    args = p.parse_intermixed_args(["demo", "--nproc", "4", "parallel.cp=2", "--resume", "auto", "model.foundation.tp=2"])
+    assert args.nproc == 4 and args.resume == "auto" and args.overrides == ["parallel.cp=2", "model.foundation.tp=2"]
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["train", "dmeo"], ["recipe 'dmeo' not found", "did you mean 'demo'?"]),
+    (["train", "demo", "train.step=3"], ["unknown recipe key 'train.step'; did you mean 'train.steps'?"]),
+    (["train", "demo", "data.path=nowhere"], ["data.path=nowhere: no packed dataset there"]),
+    (["train", "demo", "--nproc", "2", "data.path=nowhere"], ["data.path=nowhere: no packed dataset there"]),
+    (["data", "pack", "--input", "nowhere", "--output", "p", "--recipe", "demo"], ["not a raw dataset"]),
+    (["data", "pack", "--input", "nowhere", "--output", "p", "--recipe", "demo", "data.max_lne=9"],
+     ["did you mean 'data.max_len'?"]),
+    (["hf", "export", "nowhere", "--output", "hf"], ["nowhere"]),
+    (["hf", "verify", "nowhere"], ["no config.json"]),
+])
+def test_ordinary_mistakes_are_one_line_and_exit_2(tmp_path, argv, fragments):
+    assert_one_line_error(omniweave(*argv, cwd=tmp_path), *fragments)
+
+
+def test_bad_resume_path_is_one_line(demo_packed, tmp_path):
+    r = omniweave("train", "demo", f"data.path={demo_packed}", "data.max_len=512", "--resume", "nowhere", cwd=tmp_path)
+    assert_one_line_error(r, "--resume nowhere", "no complete checkpoint")
+
+
+def test_a_rank_side_user_error_under_nproc_is_printed_once(demo_packed, tmp_path):
+    """The packs were built at 512 tokens and the recipe says 1024: found inside the ranks."""
+    r = omniweave("train", "demo", "--nproc", "2", f"data.path={demo_packed}", f"output_dir={tmp_path / 'run'}",
+                  cwd=tmp_path)
+    assert_one_line_error(r, "built with different data settings", "data.max_len: packed with 512, now 1024")
+    assert "ChildFailedError" not in r.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = omniweave("train", "demo", "train.step=3", "--debug", cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" in r.stderr and "RecipeError" in r.stderr
+
+
+def test_inspect_piped_into_head_ends_quietly(demo_packed):
+    raw = demo_packed.parent / "raw"
+    r = subprocess.run(f"'{sys.executable}' -m omniweave data inspect '{raw}' --show 100 | head -n 1",
+                       shell=True, capture_output=True, text=True, env=child_env(), executable="/bin/bash")
+    assert r.stdout.startswith("raw dataset") and r.stderr == "", r.stderr
