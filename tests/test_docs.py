@@ -1,0 +1,198 @@
+"""The docs are tested like code (issue 15): a doc example that breaks fails CI.
+
+- every shell block of README.md and docs/*.md runs, scaled down (tests/docs_blocks.py says how
+  and how a block opts out with a reason), in a fresh workspace holding a small demo dataset
+  where `make demo` would have left it (runs/demo/{data,raw,packed});
+- every omniweave flag and recipe key the docs mention (in a shell block or inline) exists;
+- the recipe-key table of docs/training.md is exactly the recipe schema, defaults included.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from docs_blocks import DOCS, REPO, Block, logical_lines, omniweave_commands, python_scripts, scale, shell_blocks
+from omniweave.config import schema_defaults
+
+# ---------------------------------------------------------------------------- what exists
+
+EXTERNAL_FLAGS = {  # flags of other tools the docs show (torchrun, pip, pytest, make, sbatch)
+    "--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint", "--standalone", "--parsable",
+    "--dependency", "--cpus-per-task", "--wrap", "--export", "--job-name", "--array", "--logdir", "--help",
+}
+
+
+def omniweave_options() -> dict[str, set[str]]:
+    """'group cmd' -> the option strings of its parser."""
+    import argparse
+    import importlib
+
+    from omniweave.cli import COMMANDS
+
+    out = {}
+    for (group, cmd), (module, _) in COMMANDS.items():
+        p = argparse.ArgumentParser()
+        importlib.import_module(module).add_arguments(p)
+        out[group if cmd is None else f"{group} {cmd}"] = {o for a in p._actions for o in a.option_strings} | {"--debug"}
+    return out
+
+
+def script_options(path: Path) -> set[str]:
+    return set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", path.read_text())) | {"--help"}
+
+
+def model_keys() -> set[str]:
+    keys = set()
+    for f in (REPO / "configs/models").glob("*/*.yaml"):
+        keys |= {f"model.{f.parent.name}.{k}" for k in (yaml.safe_load(f.read_text()) or {})}
+    return keys
+
+
+def valid_key(key: str, schema: set[str], models: set[str]) -> bool:
+    if key in schema or key in models or any(k.startswith(key + ".") for k in schema | models):
+        return True
+    if "@" in key:  # a component swap: group@package=option
+        return (REPO / "configs/models" / key.split("@")[0]).is_dir()
+    return False
+
+
+def _placeholder(word: str) -> bool:
+    return bool(re.search(r"[A-Z]{2,}|…|\.\.\.", word)) or word.split("=")[0] in ("key", "k")
+
+
+# ---------------------------------------------------------------------------- flags and keys
+
+
+def test_every_omniweave_flag_and_recipe_key_in_the_docs_exists():
+    options = omniweave_options()
+    schema = set(schema_defaults())
+    models = model_keys()
+    problems = []
+    for doc in DOCS:
+        text = doc.read_text()
+        commands = [(b.where(), words) for b in shell_blocks(doc) for words in omniweave_commands(b)]
+        commands += [(f"{doc.relative_to(REPO)} (inline)", span.split())
+                     for span in re.findall(r"`(omniweave [^`]+)`", text)]
+        for where, words in commands:
+            name = " ".join(words[1:3]) if " ".join(words[1:3]) in options else words[1] if len(words) > 1 else ""
+            if name not in options:
+                problems.append(f"{where}: unknown command {' '.join(words[:3])!r}")
+                continue
+            for word in words[1:]:
+                word = word.strip("[]|,")
+                if word.startswith("--") and word.split("=")[0] not in options[name]:
+                    problems.append(f"{where}: `omniweave {name}` has no flag {word}")
+                elif "=" in word and not word.startswith("-") and not _placeholder(word):
+                    key = word.split("=")[0].lstrip("+")
+                    if not valid_key(key, schema, models):
+                        problems.append(f"{where}: unknown recipe key {key!r}")
+        # recipe keys named in prose: `data.x`, `train.x`, … and `model.<kind>.<key>`
+        # (``model.X`` alone is also Python / HF naming: only ``model.<component>.…`` is a recipe key)
+        pattern = r"`((?:data|train|eval|parallel|demo)\.[a-z_0-9.]+|model\.(?:image_encoder|projector|foundation)[a-z_0-9.]*)"
+        for key in re.findall(pattern, text):
+            key = key.rstrip(".")
+            if re.search(r"\.(py|md|yaml|json|jsonl)$", key):
+                continue
+            if not valid_key(key, schema, models):
+                problems.append(f"{doc.relative_to(REPO)}: unknown recipe key `{key}`")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_flag_in_the_docs_exists_somewhere():
+    """Backticked ``--flags`` in prose and the flags of ``python script.py`` commands in shell blocks."""
+    known = set().union(*omniweave_options().values()) | EXTERNAL_FLAGS
+    scripts = {p.relative_to(REPO).as_posix(): script_options(p) for p in (REPO / "bench").glob("*.py")}
+    scripts.update({p.relative_to(REPO).as_posix(): script_options(p)
+                    for p in (REPO / "omniweave/assets/tokenizers").glob("*.py")})
+    known |= set().union(*scripts.values())
+    problems = []
+    for doc in DOCS:
+        for flag in re.findall(r"`(--[a-z][\w-]*)", doc.read_text()):
+            if flag not in known:
+                problems.append(f"{doc.relative_to(REPO)}: `{flag}` is no flag of omniweave or bench/")
+        for block in shell_blocks(doc):
+            for words in python_scripts(block):
+                if words[0] == "-m":
+                    continue
+                if words[0] not in scripts:
+                    problems.append(f"{block.where()}: no script {words[0]}")
+                    continue
+                bad = [w for w in words[1:] if w.startswith("--") and w.split("=")[0] not in scripts[words[0]]]
+                problems += [f"{block.where()}: {words[0]} has no flag {w}" for w in bad]
+    assert not problems, "\n".join(problems)
+
+
+def test_training_md_lists_exactly_the_recipe_schema():
+    text = (REPO / "docs/training.md").read_text()
+    section = text[text.index("## Recipe keys"):text.index("## What it writes")]
+    documented = {}
+    for row in re.findall(r"^\| `([^`|]+)` \| ([^|]+) \|", section, re.M):
+        key, default = row[0], row[1].strip()
+        documented[key] = "???" if default == "—" else yaml.safe_load(default.strip("`"))
+    assert documented == schema_defaults()
+
+
+def test_every_shell_block_runs_or_says_why_not():
+    """A skip must give a reason; a file block must name its path."""
+    for doc in DOCS:
+        for b in shell_blocks(doc):
+            assert b.action == "run" or len(b.arg) > 8, f"{b.where()}: '{b.action}' needs a reason or path"
+
+
+# ---------------------------------------------------------------------------- running them
+
+
+@pytest.fixture(scope="session")
+def demo_workspace(tmp_path_factory) -> Path:
+    """runs/demo/{data,raw,packed} as `make demo` leaves them, small (160 samples)."""
+    from omniweave.cli import main
+
+    root = tmp_path_factory.mktemp("docs_demo")
+    demo = root / "runs/demo"
+    assert main(["data", "demo", str(demo / "data"), "--samples", "160", "--eval-samples", "20"]) == 0
+    assert main(["data", "convert", "--input", str(demo / "data/train.jsonl"), "--media-dir", str(demo / "data/media"),
+                 "--output", str(demo / "raw"), "--workers", "1", "--no-progress"]) == 0
+    assert main(["data", "pack", "--input", str(demo / "raw"), "--output", str(demo / "packed"), "--recipe", "demo",
+                 "--workers", "1"]) == 0
+    return root
+
+
+def _workspace(demo_workspace: Path, tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    shutil.copytree(demo_workspace, ws)
+    os.symlink(sys.prefix, ws / ".venv")  # `. .venv/bin/activate` as in a checkout
+    for name in ("omniweave", "bench", "tests", "configs", "Makefile", "pyproject.toml"):
+        os.symlink(REPO / name, ws / name)
+    return ws
+
+
+def run_doc(doc: Path, ws: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                           "MASTER_PORT", "PYTEST_XDIST_WORKER")}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO), MPLBACKEND="Agg")
+    for b in shell_blocks(doc):
+        if b.action == "file":
+            (ws / b.arg).parent.mkdir(parents=True, exist_ok=True)
+            (ws / b.arg).write_text(b.text)
+        elif b.action == "run":
+            script = "set -euo pipefail\nset -x\n" + "\n".join(scale(ln) for ln in logical_lines(b.text)) + "\n"
+            r = subprocess.run(["bash", "-c", script], cwd=ws, env=env, capture_output=True, text=True, timeout=900)
+            assert r.returncode == 0, f"{b.where()} failed (exit {r.returncode}):\n{r.stderr[-6000:]}\n{r.stdout[-2000:]}"
+
+
+RUNNABLE = [d for d in DOCS if any(b.action == "run" for b in shell_blocks(d))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", RUNNABLE, ids=[d.name for d in RUNNABLE])
+def test_doc_commands_run_as_written(doc, demo_workspace, tmp_path):
+    run_doc(doc, _workspace(demo_workspace, tmp_path))
