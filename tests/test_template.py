@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from omniweave.data.template import (
     BUILTIN_TEMPLATES,
     IGNORE_INDEX,
     encode_conversation,
+    hf_chat_template,
     load_template,
     render,
 )
@@ -156,3 +158,28 @@ def test_generation_prompt_matches_apply_chat_template(name, tok, hf_tokenizer):
     rendered = render(BUILTIN_TEMPLATES["chatml"], prompt, add_generation_prompt=True)
     assert rendered.text == expected
     assert rendered.text.endswith("<|im_start|>assistant\n")
+
+
+ODD_TEMPLATE = dataclasses.replace(  # Jinja-looking text, quotes, backslashes, non-ASCII, a BOS
+    BUILTIN_TEMPLATES["chatml"], name="odd #}", bos="<|begin_of_text|>", default_system='Tu es là ✓ "{{x}}" \\ %}',
+    user="«user» {% raw %} {content} -%}\t😀\n")  # fmt: skip
+
+
+@pytest.mark.parametrize("template", [*BUILTIN_TEMPLATES.values(), ODD_TEMPLATE], ids=lambda t: t.name)
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS) + ["tools"])
+def test_exported_jinja_template_renders_like_ours(template, name):
+    """hf_chat_template (an export's chat_template.jinja) = render, for string and content-part
+    messages, with and without the generation prompt; for chatml also = Qwen2-VL's own template."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = CONVERSATIONS.get(name) or [Message("user", "Weather?"), Message("function", "{}"), Message("observation", "sunny")]
+    jinja = hf_chat_template(template)
+    for gen in (False, True):
+        want = render(template, messages, add_generation_prompt=gen).text
+        for hf_messages in ([{"role": m.role, "content": m.content} for m in messages], to_hf_messages(messages)):
+            got, _ = render_jinja_template(conversations=[hf_messages], chat_template=jinja, add_generation_prompt=gen)
+            assert got[0] == want
+        if template.name == "chatml" and name != "tools":
+            qwen, _ = render_jinja_template(conversations=[to_hf_messages(messages)], add_generation_prompt=gen,
+                                            chat_template=(ASSETS / "qwen2_vl_chat_template.jinja").read_text())  # fmt: skip
+            assert qwen[0] == want

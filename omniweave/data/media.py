@@ -104,6 +104,28 @@ def vision_settings_from_hf(path: str | Path) -> dict:
     return out
 
 
+def video_settings_from_hf(path: str | Path) -> dict:
+    """Pixel limits, fps sampling and frame limits of a Qwen2-VL-style
+    ``video_preprocessor_config.json`` (a file, or the model directory holding it); the
+    whole-video pixel budget is transformers' ``max_video_tokens`` × factor² × 0.9."""
+    path = Path(path)
+    hf = json.loads((path / "video_preprocessor_config.json" if path.is_dir() else path).read_text())
+    size = hf.get("size") or {}
+    out = {}
+    for ours, legacy, size_key in (("video_min_pixels", "min_pixels", "shortest_edge"),
+                                   ("video_max_pixels", "max_pixels", "longest_edge")):  # fmt: skip
+        value = hf.get(legacy, size.get(size_key))
+        if value is not None:
+            out[ours] = int(value)
+    for key, kind in (("fps", float), ("min_frames", int), ("max_frames", int)):
+        if hf.get(key) is not None:
+            out[key] = kind(hf[key])
+    if hf.get("cap_pixels_per_frame") and hf.get("max_video_tokens") is not None:
+        factor = hf.get("patch_size", VisionConfig.patch_size) * hf.get("merge_size", VisionConfig.merge_size)
+        out["video_total_pixels"] = int(hf["max_video_tokens"] * factor * factor * 0.9)
+    return out
+
+
 @dataclass(frozen=True)
 class ImageInfo:
     height: int

@@ -22,11 +22,15 @@ vision token. Custom templates: a YAML file with any of the ChatTemplate fields,
     assistant: "<|im_start|>assistant\\n{content}<|im_end|>\\n"
     default_system: null
     stop_tokens: ["<|im_end|>"]
+
+``hf_chat_template(template)`` writes any template as a Hugging Face Jinja chat template (an
+export's ``chat_template.jinja``) that renders the same text.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +43,7 @@ from omniweave.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
 LOSS_ROLES = ("assistant", "function")
+ROLE_FORMATS = ("system", "user", "assistant", "observation", "function")
 _PLACEHOLDER_RE = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
@@ -59,7 +64,7 @@ class ChatTemplate:
     stop_tokens: tuple[str, ...] = ()
 
     def __post_init__(self):
-        for role in ("system", "user", "assistant", "observation", "function"):
+        for role in ROLE_FORMATS:
             fmt = getattr(self, role)
             if fmt.count("{content}") != 1:
                 raise ValueError(f"template {self.name!r}: {role} format must hold '{{content}}' once: {fmt!r}")
@@ -151,7 +156,7 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
         out.text += template.system.format(content=template.default_system)
     for msg in messages:
         fmt = getattr(template, msg.role, None)
-        if fmt is None or msg.role not in ("system", "user", "assistant", "observation", "function"):
+        if fmt is None or msg.role not in ROLE_FORMATS:
             raise ValueError(f"unknown role {msg.role!r}")
         prefix, suffix = fmt.split("{content}")
         out.text += prefix
@@ -195,3 +200,46 @@ def encode_conversation(
     input_ids = np.asarray(ids, dtype=np.int32)
     labels = np.where(loss_mask_from_offsets(offsets, rendered.loss_spans), input_ids, IGNORE_INDEX)
     return input_ids, labels.astype(np.int32), rendered, offsets
+
+
+def hf_chat_template(template: ChatTemplate) -> str:
+    """The template as a Hugging Face Jinja chat template (``chat_template.jinja`` of an export)
+    that renders the same text as :func:`render` for the same messages, so ``apply_chat_template``
+    on an exported model reproduces what it was trained on.
+
+    Messages are HF-style: ``content`` is a string (``<image>`` / ``<video>`` placeholders expand
+    as here) or a list of ``{"type": "text" | "image" | "video"}`` parts; the role ``tool`` is
+    accepted as ``observation``. Unknown roles and part types raise, as they do here.
+    """
+    roles = {role: getattr(template, role).split("{content}") for role in ROLE_FORMATS}
+    roles["tool"] = roles["observation"]
+    default_system = None
+    if template.default_system is not None:
+        default_system = template.system.format(content=template.default_system)
+    constants = {"name": template.name, "bos": template.bos, "roles": roles, "default_system": default_system,
+                 "image": template.image, "video": template.video}  # fmt: skip
+    # JSON string escapes are Jinja string escapes; non-ASCII stays literal (Jinja re-escapes it)
+    literal = json.dumps(constants, ensure_ascii=False)
+    return (
+        "{#- omniweave chat template t.name (omniweave/data/template.py): the text the model was trained on -#}\n"
+        f"{{%- set t = {literal} -%}}\n"
+        "{{- t.bos -}}\n"
+        "{%- if t.default_system is not none and (messages | length == 0 or messages[0]['role'] != 'system') -%}\n"
+        "{{- t.default_system -}}\n"
+        "{%- endif -%}\n"
+        "{%- for message in messages -%}\n"
+        "{%- if message['role'] not in t.roles -%}{{- raise_exception('unknown role ' ~ message['role']) -}}{%- endif -%}\n"
+        "{{- t.roles[message['role']][0] -}}\n"
+        "{%- if message['content'] is string -%}\n"
+        "{{- message['content'] | replace('<image>', t.image) | replace('<video>', t.video) -}}\n"
+        "{%- else -%}{%- for part in message['content'] -%}\n"
+        "{%- if part['type'] == 'image' -%}{{- t.image -}}\n"
+        "{%- elif part['type'] == 'video' -%}{{- t.video -}}\n"
+        "{%- elif part['type'] == 'text' -%}{{- part['text'] | replace('<image>', t.image) | replace('<video>', t.video) -}}\n"
+        "{%- else -%}{{- raise_exception('unsupported content part ' ~ part['type']) -}}\n"
+        "{%- endif -%}\n"
+        "{%- endfor -%}{%- endif -%}\n"
+        "{{- t.roles[message['role']][1] -}}\n"
+        "{%- endfor -%}\n"
+        "{%- if add_generation_prompt -%}{{- t.roles['assistant'][0] -}}{%- endif -%}\n"
+    )

@@ -1,4 +1,6 @@
-"""Write a directory ``transformers`` loads with ``from_pretrained``: config.json + model.safetensors.
+"""Write a directory ``transformers`` loads with ``from_pretrained``: config.json + model.safetensors,
+and, from the recipe the checkpoint was trained with, its tokenizer, chat template and (VL models)
+image / video processor configs, so ``AutoProcessor`` loads it too (processor_files.py).
 
 CLI: ``omniweave hf export CKPT --output HF_DIR`` where CKPT is a training checkpoint (a DCP
 ``step_N`` directory, a run's ``checkpoints/latest``, or the run directory itself: its latest
@@ -16,7 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from omniweave.data.media import VisionConfig
 from omniweave.models.hf.loading import adapter_for, assign_state_dict
+from omniweave.models.hf.processor_files import write_processor_files
 from omniweave.models.registry import build_model
 
 
@@ -49,7 +53,9 @@ def tokenizer_hf_fields(data_cfg: dict | None) -> tuple[dict, Path | None]:
 def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dtype: torch.dtype | None = None,
               data_cfg: dict | None = None) -> Path:
     """Write ``out_dir/config.json`` + ``out_dir/model.safetensors``; returns out_dir. With the
-    recipe's ``data_cfg``, the token ids come from its tokenizer, whose files are copied too."""
+    recipe's ``data_cfg`` the directory is whole: token ids from its tokenizer, whose files are
+    copied, its chat template, and for VL models the image / video processor configs of its
+    ``data.vision`` (see processor_files.py). Without, only config + weights are written."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -74,14 +80,11 @@ def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dty
             cfg[key] = value
         if isinstance(cfg.get("text_config"), dict) and key in ("eos_token_id", "bos_token_id", "pad_token_id"):
             cfg["text_config"][key] = value
-    if tok_dir is not None:
-        import shutil
-
-        from omniweave.data.tokenizer import TOKENIZER_FILES
-
-        for name in TOKENIZER_FILES:
-            if (tok_dir / name).is_file():
-                shutil.copyfile(tok_dir / name, out_dir / name)
+    if data_cfg:
+        if cfg.get("model_type") == "qwen2_5_vl":  # training built video positions with the recipe's scale
+            tps = VisionConfig.from_mapping(data_cfg.get("vision")).tokens_per_second
+            cfg["vision_config"]["tokens_per_second"] = int(tps) if float(tps).is_integer() else tps
+        write_processor_files(out_dir, data_cfg, cfg, tok_dir)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out_dir
@@ -156,7 +159,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     model, model_cfg = load_checkpoint_dir(args.checkpoint)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    out = export_hf(model, model_cfg, args.output, dtype, data_cfg=recipe_data_cfg(args.checkpoint))
+    data_cfg = recipe_data_cfg(args.checkpoint)
+    out = export_hf(model, model_cfg, args.output, dtype, data_cfg=data_cfg)
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    print(f"exported {hf_model_type(model)} model ({n / 1e6:.1f}M parameters) to {out}")
+    print(f"exported {hf_model_type(model)} model ({n / 1e6:.1f}M parameters) to {out}: "
+          + ", ".join(sorted(p.name for p in out.iterdir())))  # fmt: skip
+    if not data_cfg:
+        print("note: no recipe data section next to the checkpoint, so no tokenizer, chat template or processor "
+              "configs: AutoProcessor cannot load this directory")  # fmt: skip
     return 0

@@ -3,8 +3,10 @@
 Builds the model twice from one Hugging Face directory — in transformers and in omniweave — and
 runs the same conversation through both, printing max|Δ| for every stage:
 
-    input_ids     ours (SampleProcessor) vs the HF recipe: the same rendered text, each pad
-                  token expanded by the grid HF's image processor reports
+    input_ids     ours (SampleProcessor, ``--template``) vs transformers' tokenizer rendering
+                  the directory's chat template, each pad token repeated as Qwen2VLProcessor
+                  does (grid / merge², grids from HF's image processor); without a chat
+                  template in the directory, our rendered text with HF's pad counts
     grid_thw      per media item
     pixel_values  images: ours (omniweave.data.media) vs transformers' Qwen2VLImageProcessorPil,
                   when the directory has a preprocessor_config.json
@@ -16,8 +18,10 @@ It exits 1 when any difference exceeds ``--atol`` (ids and grids must be equal),
 Media: the given files, or a random image and a random video when none are given. Videos: HF's
 video processor needs torchvision, which omniweave does not depend on, so HF receives the pixel
 values our pipeline made for videos; for videos only positions and logits are compared. Without
-a preprocessor_config.json, HF receives our pixel values for images too. The tokenizer is the
-directory's (tokenizer.json) or, for tiny test models without one, omniweave's demo tokenizer;
+a preprocessor_config.json, HF receives our pixel values for images too. Our side takes its
+image and video settings from the directory's preprocessor_config.json and
+video_preprocessor_config.json (an omniweave export writes both from its recipe). The tokenizer is
+the directory's (tokenizer.json) or, for tiny test models without one, omniweave's demo tokenizer;
 its pad-token ids must equal the config's ``image_token_id`` / ``video_token_id``.
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -41,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--atol", type=float, default=1e-4, help="tolerance on max|Δ| (default 1e-4)")
     parser.add_argument("--prompt", default="Describe what you see.", help="user text after the media")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random media")
+    parser.add_argument("--template", default="chatml", help="our chat template (default chatml)")
 
 
 def random_media(seed: int) -> tuple[bytes, bytes]:
@@ -67,6 +73,7 @@ def random_media(seed: int) -> tuple[bytes, bytes]:
 
 
 def _sample(args, hf_dir: Path, hf_cfg: dict):
+    from omniweave.data.media import video_settings_from_hf
     from omniweave.data.sample import Conversation, Message, RawSample
     from omniweave.data.tokenize import SampleProcessor
 
@@ -87,10 +94,12 @@ def _sample(args, hf_dir: Path, hf_cfg: dict):
     vision: dict = {}
     if (hf_dir / "preprocessor_config.json").exists():
         vision["preprocessor_config"] = str(hf_dir)
+    if (hf_dir / "video_preprocessor_config.json").exists():
+        vision |= video_settings_from_hf(hf_dir)
     if qwen25:
         vision["tokens_per_second"] = float(hf_cfg.get("vision_config", {}).get("tokens_per_second", 2))
     tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else "demo"
-    proc = SampleProcessor({"tokenizer": tokenizer, "template": "chatml", "max_len": 1 << 20,
+    proc = SampleProcessor({"tokenizer": tokenizer, "template": args.template, "max_len": 1 << 20,
                             "rope": "mrope_qwen25" if qwen25 else "mrope", "vision": vision})  # fmt: skip
     raw = RawSample(key="verify", conversation=conv, media=media)
     return proc, raw, proc.tokenize(raw)
@@ -109,6 +118,30 @@ def _hf_image_inputs(hf_dir: Path, raw, sample):
     processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf_dir))
     out = processor(images=[Image.open(io.BytesIO(raw.media[s.part])) for s in spans], return_tensors="pt")
     return torch.as_tensor(np.asarray(out["pixel_values"])), torch.as_tensor(np.asarray(out["image_grid_thw"]))
+
+
+def _hf_rendered_ids(hf_dir: Path, raw, proc, counts: list[int]) -> torch.Tensor | None:
+    """[1, L] ids from transformers' tokenizer and the directory's chat template (content-part
+    messages, as Qwen's own template expects), each pad token repeated ``counts[i]`` times for
+    the i-th media item, as Qwen2VLProcessor does; None when the directory has no chat template."""
+    if not (hf_dir / "tokenizer.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    if not tokenizer.chat_template:
+        return None
+    messages = []
+    for m in raw.conversation.messages:
+        parts = re.split(r"(<image>|<video>)", m.content)
+        messages.append({"role": m.role, "content": [{"type": p[1:-1]} if p in ("<image>", "<video>")
+                                                     else {"type": "text", "text": p} for p in parts if p]})  # fmt: skip
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    pads = {proc.template.image_pad, proc.template.video_pad}
+    pieces = re.split("(" + "|".join(map(re.escape, sorted(pads))) + ")", text)
+    counts = iter(counts)
+    text = "".join(p * next(counts, 1) if p in pads else p for p in pieces)  # extra pads show as DIFFER
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
 
 
 def verify(args) -> int:
@@ -137,22 +170,25 @@ def verify(args) -> int:
         hf_kw["pixel_values_videos"], hf_kw["video_grid_thw"] = torch.cat([ours_pv[i] for i in vid]), ours_grid[vid]
         if hf_cfg["model_type"] == "qwen2_5_vl":
             hf_kw["second_per_grid_ts"] = torch.tensor([sample.media[i].second_per_grid for i in vid])
-    # HF ids: our rendered ids with each pad run replaced by HF's count for that item
     hf_grids = {i: g for i, g in zip(img, hf_kw["image_grid_thw"].tolist())} if img else {}
     hf_grids |= {i: ours_grid[i].tolist() for i in vid}
-    ids, pieces, cursor = torch.from_numpy(sample.input_ids.astype(np.int64)), [], 0
-    for i, s in enumerate(sample.media):
-        t, h, w = hf_grids[i]
-        pieces += [ids[cursor : s.start], ids[s.start : s.start + 1].repeat(t * h * w // merge**2)]
-        cursor = s.start + s.length
-    hf_ids = torch.cat(pieces + [ids[cursor:]])[None]
+    counts = [t * h * w // merge**2 for t, h, w in (hf_grids[i] for i in range(len(sample.media)))]
+    ids = torch.from_numpy(sample.input_ids.astype(np.int64))
+    hf_ids = _hf_rendered_ids(hf_dir, raw, proc, counts)
+    how = "HF renders the directory's chat template" if hf_ids is not None else "HF given our text"
+    if hf_ids is None:  # our rendered ids with each pad run replaced by HF's count for that item
+        pieces, cursor = [], 0
+        for s, n in zip(sample.media, counts):
+            pieces += [ids[cursor : s.start], ids[s.start : s.start + 1].repeat(n)]
+            cursor = s.start + s.length
+        hf_ids = torch.cat(pieces + [ids[cursor:]])[None]
     tt = torch.zeros_like(hf_ids)
     tt[hf_ids == proc.image_pad_id], tt[hf_ids == proc.video_pad_id] = 1, 2
     hf_kw["mm_token_type_ids"] = tt
 
     rows: list[tuple[str, float | None, str]] = []  # (what, max|Δ| or None for exact mismatch, note)
     same_ids = hf_ids.shape[1] == ids.numel() and torch.equal(hf_ids[0], ids)
-    rows.append(("input_ids", 0.0 if same_ids else None, f"L={ids.numel()} (HF {hf_ids.shape[1]})"))
+    rows.append(("input_ids", 0.0 if same_ids else None, f"L={ids.numel()} (HF {hf_ids.shape[1]}); {how}"))
     if img:
         same_grid = torch.equal(hf_kw["image_grid_thw"], ours_grid[img])
         rows.append(("grid_thw", 0.0 if same_grid else None, f"images {ours_grid[img].tolist()}"))

@@ -1,0 +1,133 @@
+"""The files that make an export a whole Hugging Face model directory, besides config + weights:
+the tokenizer, the chat template, and (VL models) the image / video processor configs.
+
+Everything comes from the recipe's ``data:`` section, because that is what the model was
+trained on: the tokenizer files are copied, ``chat_template.jinja`` renders ``data.template``
+(:func:`omniweave.data.template.hf_chat_template`), and the processor configs carry the resize
+rules of ``data.vision`` (:class:`omniweave.data.media.VisionConfig`), so that
+``AutoProcessor.from_pretrained(export)`` gives the grids and pixels training saw.
+
+    tokenizer.json, tokenizer_config.json, …  the recipe's tokenizer (its own chat_template key dropped)
+    chat_template.jinja                         data.template as Jinja
+    preprocessor_config.json                    Qwen2VLImageProcessor: min/max_pixels, patch, merge, mean/std
+    video_preprocessor_config.json              Qwen2VLVideoProcessor: video_min/max_pixels, fps, min/max_frames
+    processor_config.json                       processor_class (Qwen2VLProcessor / Qwen2_5_VLProcessor)
+
+The image and video configs are written as separate files with both the ``size`` dict
+(transformers 5) and the ``min_pixels`` / ``max_pixels`` keys (transformers 4, serving engines);
+``processor_config.json`` holds no nested copies, so each setting lives in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from omniweave.data.media import VisionConfig
+
+PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+
+
+def _normalisation(vision: VisionConfig, processor_class: str) -> dict:
+    """What images and video frames share: RGB, PIL bicubic (resample 3), /255, mean/std, patches."""
+    return {
+        "processor_class": processor_class,
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": list(vision.image_mean),
+        "image_std": list(vision.image_std),
+        "patch_size": vision.patch_size,
+        "temporal_patch_size": vision.temporal_patch_size,
+        "merge_size": vision.merge_size,
+    }
+
+
+def image_processor_config(vision: VisionConfig, processor_class: str) -> dict:
+    """``preprocessor_config.json``: smart_resize into [min_pixels, max_pixels], as ours."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        **_normalisation(vision, processor_class),
+        "size": {"shortest_edge": vision.min_pixels, "longest_edge": vision.max_pixels},
+        "min_pixels": vision.min_pixels,
+        "max_pixels": vision.max_pixels,
+    }
+
+
+def video_processor_config(vision: VisionConfig, processor_class: str) -> dict:
+    """``video_preprocessor_config.json``: ``fps`` sampling clamped to [min_frames, max_frames],
+    frames resized into [video_min_pixels, video_max_pixels] with the whole-video pixel budget
+    (``cap_pixels_per_frame``; transformers counts it in tokens of ``factor``² pixels × 0.9).
+
+    Grids (so token counts) follow ours; pixel values do not exactly: transformers picks frames
+    with ``arange(0, n, n / k)`` where qwen-vl-utils and we round a ``linspace``, and resizes
+    frames with torchvision rather than PIL.
+    """
+    budget_tokens = vision.video_total_pixels / (vision.factor**2 * 0.9)
+    return {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        **_normalisation(vision, processor_class),
+        "size": {"shortest_edge": vision.video_min_pixels, "longest_edge": vision.video_max_pixels},
+        "min_pixels": vision.video_min_pixels,
+        "max_pixels": vision.video_max_pixels,
+        "do_sample_frames": True,
+        "fps": vision.fps,
+        "min_frames": vision.min_frames,
+        "max_frames": vision.max_frames,
+        "cap_pixels_per_frame": True,
+        "max_video_tokens": round(budget_tokens) if abs(budget_tokens - round(budget_tokens)) < 1e-6 else budget_tokens,
+    }
+
+
+def check_vision_matches_model(vision: VisionConfig, hf_cfg: dict) -> None:
+    """The recipe's patch / merge sizes must be the model's (training would have failed otherwise)."""
+    v = hf_cfg.get("vision_config") or {}
+    for ours, theirs in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                         ("merge_size", "spatial_merge_size")):  # fmt: skip
+        if theirs in v and v[theirs] != getattr(vision, ours):
+            raise ValueError(f"data.vision.{ours}={getattr(vision, ours)} but the model's vision_config.{theirs}={v[theirs]}")
+
+
+def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str) -> list[str]:
+    """Copy the tokenizer and write ``chat_template.jinja`` for the recipe's template. A chat
+    template the tokenizer brought along (tokenizer_config.json's ``chat_template``, or files
+    next to it) is not copied: the exported one is what the model was trained with."""
+    from omniweave.data.template import hf_chat_template, load_template
+    from omniweave.data.tokenizer import TOKENIZER_FILES
+
+    written = []
+    for name in TOKENIZER_FILES:
+        if not (tok_dir / name).is_file():
+            continue
+        if name == "tokenizer_config.json":
+            tok_cfg = json.loads((tok_dir / name).read_text())
+            tok_cfg.pop("chat_template", None)
+            (out_dir / name).write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+        else:
+            shutil.copyfile(tok_dir / name, out_dir / name)
+        written.append(name)
+    (out_dir / "chat_template.jinja").write_text(hf_chat_template(load_template(template_name)))
+    return written + ["chat_template.jinja"]
+
+
+def write_processor_files(out_dir: Path, data_cfg: dict, hf_cfg: dict, tok_dir: Path | None) -> list[str]:
+    """Write the tokenizer, chat template and (VL model types) processor configs; returns the
+    names written. ``hf_cfg`` is the exported config.json (its model_type picks the processor)."""
+    written = []
+    if tok_dir is not None:
+        written += write_tokenizer_files(tok_dir, out_dir, str(data_cfg.get("template", "chatml")))
+    processor_class = PROCESSOR_CLASSES.get(hf_cfg.get("model_type"))
+    if processor_class is None:  # a text-only model: the tokenizer is its processor
+        return written
+    vision = VisionConfig.from_mapping(data_cfg.get("vision"))
+    check_vision_matches_model(vision, hf_cfg)
+    files = {"preprocessor_config.json": image_processor_config(vision, processor_class),
+             "video_preprocessor_config.json": video_processor_config(vision, processor_class),
+             "processor_config.json": {"processor_class": processor_class}}  # fmt: skip
+    for name, content in files.items():
+        (out_dir / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    return written + list(files)
