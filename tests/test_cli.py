@@ -31,7 +31,6 @@ def test_module_entry_point_runs():
 # Each is one line on stderr, exit 2, no traceback (issue 15): under --nproc too, and once per run.
 
 import argparse  # noqa: E402
-import os  # noqa: E402
 
 import pytest  # noqa: E402
 

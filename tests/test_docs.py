@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from docs_blocks import DOCS, REPO, Block, logical_lines, omniweave_commands, python_scripts, scale, shell_blocks
+from docs_blocks import DOCS, REPO, logical_lines, omniweave_commands, python_scripts, scale, shell_blocks
 from omniweave.config import schema_defaults
 
 # ---------------------------------------------------------------------------- what exists

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from omniweave.data.pack_stats import text_histogram
-from omniweave.data.packed import MANIFEST, PackedDataset
+from omniweave.data.packed import PackedDataset
 from omniweave.data.template import IGNORE_INDEX
 
 GREEN, CYAN, DIM, RESET = "\x1b[32m", "\x1b[36m", "\x1b[2m", "\x1b[0m"

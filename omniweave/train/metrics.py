@@ -61,6 +61,21 @@ def step_flops(counts: tuple[int, int, int], tokens: int, sum_len2: int) -> floa
     return 6.0 * n_params * tokens + 6.0 * layers * hidden * sum_len2
 
 
+# The console line: (label, metrics key, format); "%" shows a fraction as a percentage, "GB" adds the unit.
+SFT_LINE = (("loss", "loss", ".4f"), ("lr", "lr", ".3e"), ("grad_norm", "grad_norm", ".3f"),
+            ("tokens/s", "tokens_per_s", ".0f"), ("MFU", "mfu", "%"), ("mem", "memory_gb", "GB"))
+
+
+def _fmt_field(value: Any, fmt: str) -> str:
+    if not isinstance(value, (int, float)):
+        return str(value)
+    if fmt == "%":
+        return f"{100 * value:.1f}%"
+    if fmt == "GB":
+        return f"{value:.2f} GB"
+    return format(value, fmt)
+
+
 def _fmt_eta(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
@@ -73,8 +88,9 @@ class MetricsLogger:
     """Rank 0 only writes; other ranks get a logger whose methods do nothing."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool, log_interval: int = 1,
-                 tensorboard: bool = True):
+                 tensorboard: bool = True, line=SFT_LINE):
         self.enabled, self.run_dir, self.total, self.log_interval = enabled, Path(run_dir), total_steps, log_interval
+        self.line = line
         self.start_step, self.t0 = start_step, time.perf_counter()
         self.history: list[dict[str, Any]] = []
         self._jsonl = self._tb = self._bar = None
@@ -115,12 +131,11 @@ class MetricsLogger:
                     self._tb.add_scalar(f"train/{k}", v, step)
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                  tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            self._bar.set_postfix({label: _fmt_field(record.get(key), fmt) for label, key, fmt in self.line[:3]},
+                                  refresh=False)
         if step % self.log_interval == 0 or step == self.total:
-            line = (f"step {step}/{self.total} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-                    f"grad_norm {record['grad_norm']:.3f} | tokens/s {record['tokens_per_s']:.0f} | "
-                    f"MFU {100 * record['mfu']:.1f}% | mem {record['memory_gb']:.2f} GB | ETA {_fmt_eta(record['eta_s'])}")
+            fields = [f"{label} {_fmt_field(record[key], fmt)}" for label, key, fmt in self.line if key in record]
+            line = " | ".join([f"step {step}/{self.total}", *fields, f"ETA {_fmt_eta(record['eta_s'])}"])
             if record.get("skipped"):
                 line += " | SKIPPED (non-finite)"
             (self._bar.write if self._bar is not None else print)(line)

@@ -1,4 +1,4 @@
-"""Parallel layouts end to end through the model as the trainer builds it (``trainer.build``:
+"""Parallel layouts end to end through the model as the trainer builds it (``engine.build``:
 vision split -> TP -> CP -> AC -> FSDP), gloo, CPU, fp32, against the single-process run of the
 same packed rows (DESIGN.md §4):
 
@@ -80,7 +80,7 @@ def _cfg(layout: Layout):
 def _body(rank: int, world: int, packed: str) -> list[dict]:
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.train.trainer import build
+    from omniweave.train.engine import build
 
     base = _model()
     rows = _rows(packed, 2)

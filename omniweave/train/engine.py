@@ -1,0 +1,326 @@
+"""The training engine: what every training mode (SFT / pretraining, GRPO, …) shares.
+
+A mode's loop owns its data (packs, rollouts) and its loss; the engine owns the rest:
+
+    engine = Engine(cfg)                       device, process group, meshes, the model parallelised
+                                               (vision split -> TP -> CP -> AC -> FSDP2), optimizer,
+                                               schedule, run dir with config.yaml
+    state = engine.resume(resume)              model / optimizer / schedule back; the mode's own
+                                               state (loader, RNG, …) is returned to it
+    engine.start_logging(line)                 metrics.jsonl, TensorBoard, console line, ETA
+    out = engine.optimizer_step(micro_batches, loss_fn, normaliser)
+                                               each micro-batch CP-sharded, forward, its loss sum
+                                               scaled by 1 / normaliser (a global count: loss
+                                               tokens, response tokens or sequences over all ranks
+                                               and micro-batches) and backpropagated; FSDP sums
+                                               gradients, so every layout gives the same update;
+                                               clip, non-finite skip, step, schedule
+    engine.finish_step(record, state_fn)       log, stop after too many bad steps, checkpoint at
+                                               the interval (DCP, atomic), evaluate at the interval
+    engine.finish()                            close the logs, HF export (train.save_hf)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from omniweave.train import checkpoint
+from omniweave.train.metrics import SFT_LINE, MetricsLogger, device_peak_flops, model_flop_counts
+
+META_INIT_PARAMS = 2_000_000_000  # above this, initialise on the meta device and shard before materialising
+
+LossFn = Callable[[nn.Module, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+
+def init_distributed(info) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank). A plain process gets a 1-rank group, so the code path
+    (collectives, DCP) is the same with or without torchrun."""
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group(info.backend)
+        else:
+            dist.init_process_group(info.backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def with_process_group(fn: Callable[[], Any]) -> Any:
+    """Run ``fn``; a process group created meanwhile (plain process, no torchrun) is destroyed after."""
+    created = not dist.is_initialized()
+    try:
+        return fn()
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build(cfg, device: torch.device, dims, meshes) -> nn.Module:
+    """The model, parallelised from outside in DESIGN's order: (vision split) -> TP -> CP -> AC ->
+    FSDP2 (foundation over dp x cp, a smaller-tp encoder over dp x cp x tp_rep; see parallel/dims.py)."""
+    from omniweave.config import to_dict
+    from omniweave.models.registry import build_model
+    from omniweave.parallel.context import apply_cp, apply_vision_split
+    from omniweave.parallel.fsdp import apply_ac, apply_fsdp
+    from omniweave.parallel.tp import apply_tp
+
+    model_cfg = to_dict(cfg.model)
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    meta_init = n_params > META_INIT_PARAMS and dims.world_size > 1
+    if not meta_init:  # identical weights on every rank from the seed: sharding then keeps each rank's slice
+        torch.manual_seed(int(cfg.train.seed))
+        model = build_model(model_cfg)
+        if hasattr(model, "init_weights"):
+            model.init_weights()
+        model.to(device)
+    apply_vision_split(model, meshes.vision_split)  # before TP, which passes the split features on
+    if dims.tp > 1:  # features' gradient partials: over the encoder's tp group, the split sums the rest
+        apply_tp(model, meshes.tp, meshes.tp_encoder, features_mesh=meshes.tp_encoder if dims.tp_encoder < dims.tp
+                 else meshes.tp)
+    apply_cp(model, dims, meshes, head_groups=int(cfg.get("parallel", {}).get("cp_head_groups", 1) or 1))
+    apply_ac(model, str(cfg.train.get("ac", "none")))
+    if dims.world_size > 1:
+        apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")),
+                   encoder_mesh=meshes.encoder_fsdp if dims.tp_encoder < dims.tp else None)
+    if meta_init:  # materialise each rank's shards only, then initialise them
+        model.to_empty(device=device)
+        model.init_weights()
+    if cfg.train.get("init_from"):  # each rank reads only its own slices of the HF safetensors
+        from omniweave.models.hf.loading import load_hf_into
+
+        load_hf_into(model, cfg.train.init_from)
+    return model
+
+
+def tc_threads(cfg) -> int:
+    """``train.cpu_threads``: intra-op threads per process on CPU (0/null: torch's default)."""
+    return int(cfg.train.get("cpu_threads") or 0)
+
+
+def to_device(mb: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
+
+
+def autocast(device: torch.device, precision: str, fsdp: bool):
+    if precision == "bf16" and not fsdp:  # FSDP2 casts through its MixedPrecisionPolicy instead
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"train.precision={precision!r}; choose fp32 or bf16")
+    return contextlib.nullcontext()
+
+
+def all_finite(model: nn.Module) -> bool:
+    ok = torch.tensor(1.0)
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not torch.isfinite(local).all():
+            ok.zero_()
+            break
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def full_model_on_rank0(model: nn.Module, cfg) -> nn.Module | None:
+    """Collective: an unsharded CPU copy of the model on rank 0 (None elsewhere), for eval/export."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from omniweave.config import to_dict
+    from omniweave.models.hf.loading import assign_state_dict
+    from omniweave.models.registry import build_model
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    with torch.device("meta"):
+        plain = build_model(to_dict(cfg.model))
+    assign_state_dict(plain, sd, "training state")
+    return plain.eval()
+
+
+class Engine:
+    """Set-up and the optimizer step shared by the training modes (see the module docstring)."""
+
+    def __init__(self, cfg):
+        from omegaconf import OmegaConf
+
+        from omniweave.device import detect
+        from omniweave.parallel.dims import ParallelDims
+        from omniweave.train.optim import build_optimizer
+        from omniweave.train.schedule import build_scheduler
+
+        self.cfg, self.info = cfg, detect()
+        self.rank, self.world, local_rank = init_distributed(self.info)
+        self.device = self.info.device(local_rank)
+        if self.info.module is not None and hasattr(self.info.module, "set_device"):
+            self.info.module.set_device(self.device)
+        self.dims = ParallelDims.from_config(cfg.get("parallel"), self.world, model=cfg.model)
+        self.meshes = self.dims.build_meshes(self.device.type)
+        if self.device.type == "cpu" and tc_threads(cfg):
+            torch.set_num_threads(tc_threads(cfg))
+        tc = cfg.train
+        self.total = int(tc.steps)
+        self.precision, self.fsdp = str(tc.get("precision", "fp32")), self.world > 1
+        self.run_dir = Path(cfg.output_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.config_yaml = OmegaConf.to_yaml(cfg)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(self.config_yaml)
+        self.model = build(cfg, self.device, self.dims, self.meshes)
+        self.optimizer = build_optimizer(self.model, tc)
+        self.scheduler = build_scheduler(self.optimizer, tc)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.step, self.skipped, self.bad_in_row = 0, 0, 0
+        self.max_bad = int(tc.get("max_bad_steps", 5))
+        self.clip = float(tc.get("grad_clip", 0.0) or 0.0)
+        self.save_interval, self.keep_last = int(tc.get("save_interval", 0) or 0), int(tc.get("keep_last", 0) or 0)
+        self.eval_interval = int(tc.get("eval_interval", 0) or 0)
+        self.log: MetricsLogger | None = None
+
+    # ------------------------------------------------------------------ resume and logs
+
+    def resume(self, resume: str | None) -> dict | None:
+        """``--resume auto|PATH``: model, optimizer and schedule restored; the checkpoint's trainer
+        state (the mode's loader / RNG / … entries included) returned, None when starting fresh."""
+        ckpt = checkpoint.find_latest(self.ckpt_root) if resume == "auto" else (
+            checkpoint.resolve_checkpoint(resume) if resume else None)
+        if ckpt is None:
+            return None
+        state = checkpoint.load(ckpt, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.skipped = int(state["step"]), int(state.get("skipped", 0))
+        if self.rank == 0:
+            print(f"resumed from {ckpt} at step {self.step}", flush=True)
+        return state
+
+    def start_logging(self, line=SFT_LINE) -> None:
+        """Metrics from the current step on; ``line``: the console fields (metrics.SFT_LINE format)."""
+        self.t_start = time.perf_counter()
+        self.flop_counts = model_flop_counts(self.model)
+        self.peak_flops = device_peak_flops(self.device, self.precision) * self.world
+        self.log = MetricsLogger(self.run_dir, self.total, self.step, enabled=self.rank == 0,
+                                 log_interval=int(self.cfg.train.get("log_interval", 1)), line=line)
+
+    def describe(self) -> str:
+        d = self.dims
+        n = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return (f"{self.info.type} x{self.world} (dp={d.dp}, cp={d.cp} {d.cp_attention}, tp={d.tp}, "
+                f"encoder tp={d.tp_encoder}), {n / 1e6:.2f}M trainable parameters")
+
+    # ------------------------------------------------------------------ one step
+
+    def global_sum(self, values: list[float]) -> list[float]:
+        """Per-dp-group counts summed over all ranks: the cp x tp ranks of a dp group hold the same
+        micro-batches, so each count is taken once per dp group."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return [x / (self.dims.cp * self.dims.tp) for x in t.tolist()]
+
+    def optimizer_step(self, micro_batches: list[dict], loss_fn: LossFn, normaliser: float) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches (see the module docstring).
+
+        ``loss_fn(model, mb) -> (loss_sum, stats)``: the SUM of the micro-batch's weighted token
+        losses and extra sums (e.g. clipped tokens) to report. Returned: ``loss`` (global,
+        divided by ``normaliser``), ``grad_norm``, ``lr``, ``skipped``, ``skipped_total``,
+        ``compute_s`` (forward + backward of the micro-batches) and each stat summed over the
+        micro-batches and ranks (a tp group's replicated values counted once)."""
+        from omniweave.parallel.context import shard_micro_batch
+        from omniweave.train.optim import clip_grad_norm
+
+        scale = 1.0 / max(normaliser, 1)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        stats: dict[str, torch.Tensor] = {}
+        t0 = time.perf_counter()
+        for i, mb in enumerate(micro_batches):
+            mb = to_device(shard_micro_batch(mb, self.dims.cp, self.meshes.cp_rank, self.dims.tp), self.device)
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            with autocast(self.device, self.precision, self.fsdp):
+                loss, extra = loss_fn(self.model, mb)
+            (loss.float() * scale).backward()
+            loss_sum += loss.detach().double()
+            for k, v in extra.items():
+                stats[k] = stats.get(k, 0.0) + v.detach().double()
+        compute_s = time.perf_counter() - t0
+        totals = torch.stack([loss_sum, *(torch.as_tensor(v, dtype=torch.float64, device=self.device)
+                                          for v in stats.values())])
+        dist.all_reduce(totals)  # a tp foundation's values are replicated on its tp ranks
+        totals = (totals / self.dims.tp).tolist()
+        loss = totals[0] / max(normaliser, 1)
+        grad_norm = clip_grad_norm(self.params, self.clip)
+        lr = self.scheduler.get_last_lr()[0]
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.bad_in_row = 0
+        else:
+            self.skipped, self.bad_in_row = self.skipped + 1, self.bad_in_row + 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        if self.info.module is not None and hasattr(self.info.module, "synchronize"):
+            self.info.module.synchronize()
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not finite, "skipped_total": self.skipped,
+                "compute_s": compute_s, **dict(zip(stats, totals[1:]))}
+
+    def finish_step(self, record: dict[str, Any], state_fn: Callable[[], dict]) -> None:
+        """Log ``record``; stop after ``train.max_bad_steps`` non-finite steps in a row; checkpoint
+        (with the mode's ``state_fn()`` entries) and evaluate at their intervals and at the end."""
+        self.log.log(record)
+        if self.bad_in_row >= self.max_bad:  # after logging, so metrics.jsonl shows the step that stopped the run
+            self.log.close()
+            raise RuntimeError(f"step {self.step}: {self.bad_in_row} steps in a row had a non-finite loss or gradient "
+                               f"(loss {record['loss']}, grad_norm {record['grad_norm']}); stopping. Lower train.lr "
+                               "or check the data.")
+        if (self.save_interval and self.step % self.save_interval == 0) or self.step == self.total:
+            self.save(state_fn())
+        eval_path = self.cfg.get("eval", {}).get("path")
+        if self.eval_interval and eval_path and (self.step % self.eval_interval == 0 or self.step == self.total):
+            self.evaluate()
+
+    def save(self, extra: dict) -> None:
+        if not all_finite(self.model):
+            raise RuntimeError(f"step {self.step}: weights are not finite; refusing to save a checkpoint")
+        state = {"step": self.step, "skipped": self.skipped, "scheduler": self.scheduler.state_dict(), **extra}
+        checkpoint.save(self.ckpt_root, self.step, self.model, self.optimizer, state, self.config_yaml, self.keep_last)
+
+    def evaluate(self) -> None:
+        """Greedy-generation accuracy on ``cfg.eval`` (rank 0, on an unsharded copy under FSDP)."""
+        from omniweave.train.evaluate import eval_fn
+
+        target = full_model_on_rank0(self.model, self.cfg) if self.fsdp else self.model
+        if target is not None:
+            was_training = target.training
+            target.eval()
+            self.log.log_eval(self.step, eval_fn(target, self.cfg, self.step))
+            target.train(was_training)
+        dist.barrier()
+
+    def finish(self) -> float:
+        """Close the logs, export (``train.save_hf``); returns the seconds since logging started."""
+        self.log.close()
+        if self.cfg.train.get("save_hf") and self.total > 0:
+            self.export_hf(self.run_dir / "hf")
+        seconds = time.perf_counter() - self.t_start
+        dist.barrier()
+        return seconds
+
+    def export_hf(self, out: Path) -> None:
+        """The current weights as a HF directory (rank 0 writes)."""
+        from omniweave.config import to_dict
+        from omniweave.models.hf.export import export_hf
+
+        plain = full_model_on_rank0(self.model, self.cfg)
+        if plain is not None:
+            export_hf(plain, to_dict(self.cfg.model), out, data_cfg=to_dict(self.cfg.data))
+            print(f"exported the final model to {out}", flush=True)
+        dist.barrier()
