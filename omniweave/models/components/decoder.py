@@ -56,7 +56,11 @@ class DecoderConfig:
 
 
 class KVCache:
-    """Per-layer keys/values of one sequence, grown as tokens are generated."""
+    """Per-layer keys/values of one sequence, grown as tokens are generated.
+
+    A cache owns the attention over what it holds: ``Attention`` hands it the new tokens' q, k, v
+    (``attend``), so other caches (e.g. ``omniweave.rl.rollout.GroupKVCache``: many sequences,
+    a prompt prefix shared by a group of samples) plug in without the model knowing."""
 
     def __init__(self, num_layers: int):
         self.k: list[torch.Tensor | None] = [None] * num_layers
@@ -67,6 +71,15 @@ class KVCache:
             k, v = torch.cat([self.k[layer], k]), torch.cat([self.v[layer], v])
         self.k[layer], self.v[layer] = k, v
         return k, v
+
+    def attend(self, layer: int, q, k, v, cu_seqlens, window: int | None, backend: str, attn_fn=None) -> torch.Tensor:
+        """out [L, H, Dh] of the new queries over every cached key (they precede the queries)."""
+        if cu_seqlens.numel() != 2:
+            raise ValueError("generation with a KVCache takes a single sequence (cu_seqlens of 2 entries)")
+        k, v = self.update(layer, k, v)
+        cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
+        out, _ = attn(q, k, v, cu_seqlens, cu_k, True, window, backend=backend, need_lse=False)
+        return out
 
     @property
     def length(self) -> int:
@@ -102,14 +115,14 @@ class Attention(nn.Module):
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cu_k = cu_seqlens
-        if kv_cache is not None:  # one sequence: all cached keys precede the new queries
-            k, v = kv_cache.update(self.layer, k, v)
-            cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=x.device)
-        if self.attn_fn is not None and kv_cache is None:
-            return self.o_proj(self.attn_fn(q, k, v, cu_seqlens, self.cfg.sliding_window).reshape(L, -1))
         backend = select_backend(self.cfg.attn_backend, x.device)
-        out, _ = attn(q, k, v, cu_seqlens, cu_k, True, self.cfg.sliding_window, backend=backend, need_lse=False)
+        if kv_cache is not None:  # generation: the cache attends over what it holds (see KVCache)
+            out = kv_cache.attend(self.layer, q, k, v, cu_seqlens, self.cfg.sliding_window, backend, self.attn_fn)
+        elif self.attn_fn is not None:
+            out = self.attn_fn(q, k, v, cu_seqlens, self.cfg.sliding_window)
+        else:
+            out, _ = attn(q, k, v, cu_seqlens, cu_seqlens, True, self.cfg.sliding_window, backend=backend,
+                          need_lse=False)
         return self.o_proj(out.reshape(L, -1))
 
 
@@ -173,14 +186,12 @@ class Decoder(nn.Module):
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         L = x.shape[0]
         if position_ids is None:
-            start = 0 if kv_cache is None else kv_cache.length
+            start = 0 if kv_cache is None else getattr(kv_cache, "length", 0)
             position_ids = torch.arange(start, start + L, device=x.device)[None]
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, L], dtype=torch.int32, device=x.device)
-        if kv_cache is not None and cu_seqlens.numel() != 2:
-            raise ValueError("generation with a KV cache takes a single sequence (cu_seqlens of 2 entries)")
         cos, sin = self.rope(position_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, cu_seqlens, kv_cache)
