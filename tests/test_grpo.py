@@ -232,29 +232,19 @@ def test_grpo_token_loss_adds_k3_kl():
 # ---- TRL: the same numbers from TRL's GRPOTrainer._compute_loss (see tests/trl_reference.py) ----
 
 
-def _padded_batch(seed, lengths, vocab=11):
-    """Logits [B, T, V], sampled ids, mask, old / ref log-probs near the current ones, advantages."""
-    g = torch.Generator().manual_seed(seed)
-    batch, width = len(lengths), max(lengths)
-    logits = torch.randn(batch, width, vocab, generator=g) * 2
-    ids = torch.randint(0, vocab, (batch, width), generator=g)
-    mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
-    old_logp = logp + (torch.rand(logp.shape, generator=g) - 0.5)  # ratios in [0.61, 1.65]
-    ref_logp = logp + (torch.rand(logp.shape, generator=g) * 2 - 1)
-    return logits, ids, mask, old_logp, ref_logp, torch.randn(batch, generator=g)
-
-
-def _ours(logits, ids, mask, old_logp, ref_logp, adv, mode, beta):
-    """omniweave's (numerator, denominator, stats, entropy) on the response tokens; grads in logits."""
-    keep = mask.bool()
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0][keep]
-    seq_ids = torch.arange(len(adv))[:, None].expand(keep.shape)[keep]
+def _ours(logits, b, mode, beta):
+    """omniweave's (numerator, denominator, stats, entropy) on b's response tokens."""
+    keep = b.mask.bool()
+    logp = torch.log_softmax(logits, -1).gather(-1, b.ids[..., None])[..., 0][keep]
+    seq_ids = torch.arange(len(b.advantages))[:, None].expand(keep.shape)[keep]
     cfg = GRPOConfig(clip_low=0.2, clip_high=0.28, dual_clip=None, kl_coef=beta)
-    ref = ref_logp[keep] if beta else None
-    loss, stats = grpo_token_loss(logp, old_logp[keep], ref, adv[seq_ids], cfg)
+    ref = b.ref_logp[keep] if beta else None
+    loss, stats = grpo_token_loss(logp, b.old_logp[keep], ref, b.advantages[seq_ids], cfg)
     num, den = aggregate(loss, seq_ids, mode)
     return num, den, stats, token_entropy(logits.detach()[keep])
+
+
+TRL_CLIP_METRICS = {"clipped_low": "low_mean", "clipped_high": "high_mean", "clipped": "region_mean"}
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
@@ -263,23 +253,20 @@ def _ours(logits, ids, mask, old_logp, ref_logp, adv, mode, beta):
 )
 def test_loss_gradients_and_metrics_match_trl(loss_type, mode, beta):
     pytest.importorskip("trl")
-    from tests.trl_reference import trl_grpo_loss
+    from tests.trl_reference import random_batch, trl_grpo_loss
 
-    logits, ids, mask, old_logp, ref_logp, adv = _padded_batch(0, [7, 2, 5, 9])
-    trl_logits = logits.clone().requires_grad_(True)
-    trl_loss, metrics = trl_grpo_loss(
-        trl_logits, ids, mask, adv, old_logp, ref_logp if beta else None, loss_type, 0.2, 0.28, beta
-    )
+    b = random_batch(0, [7, 2, 5, 9])
+    trl_logits, our_logits = (b.logits.clone().requires_grad_(True) for _ in range(2))
+    trl_loss, metrics = trl_grpo_loss(trl_logits, b, loss_type, beta)
     trl_loss.backward()
-    our_logits = logits.clone().requires_grad_(True)
-    num, den, stats, entropy = _ours(our_logits, ids, mask, old_logp, ref_logp, adv, mode, beta)
+    num, den, stats, entropy = _ours(our_logits, b, mode, beta)
     (num / den).backward()
     assert (num / den).item() == pytest.approx(trl_loss.item(), abs=1e-6)
     assert (our_logits.grad - trl_logits.grad).abs().max() < 1e-7
-    tokens = mask.sum().item()
     assert stats["clipped_low"].sum() > 0 and stats["clipped_high"].sum() > 0  # both sides exercised
-    for ours, theirs in [("clipped_low", "low_mean"), ("clipped_high", "high_mean"), ("clipped", "region_mean")]:
-        assert stats[ours].sum().item() / tokens == pytest.approx(metrics[f"clip_ratio/{theirs}"][0], abs=1e-6)
+    for ours, theirs in TRL_CLIP_METRICS.items():
+        fraction = stats[ours].sum().item() / b.mask.sum().item()
+        assert fraction == pytest.approx(metrics[f"clip_ratio/{theirs}"][0], abs=1e-6)
     if beta:
         assert stats["kl"].mean().item() == pytest.approx(metrics["kl"][0], abs=1e-6)
     assert entropy.mean().item() == pytest.approx(metrics["entropy"][0], abs=1e-5)
@@ -288,21 +275,19 @@ def test_loss_gradients_and_metrics_match_trl(loss_type, mode, beta):
 def test_token_mean_over_two_micro_batches_matches_trl_dapo_accumulation():
     """TRL dapo divides each micro-batch by the whole window's token count; we sum num and den."""
     pytest.importorskip("trl")
-    from tests.trl_reference import trl_grpo_loss
+    from tests.trl_reference import random_batch, trl_grpo_loss
 
-    logits, ids, mask, old_logp, ref_logp, adv = _padded_batch(3, [7, 2, 5, 9])
-    halves = [slice(0, 2), slice(2, 4)]  # micro-batches of 9 and 14 tokens
-    trl_logits = logits.clone().requires_grad_(True)
-    trl_total = 0.0
-    for part in halves:
+    b = random_batch(3, [7, 2, 5, 9])
+    micro_batches = [slice(0, 2), slice(2, 4)]  # 9 and 14 tokens
+    trl_logits, our_logits = (b.logits.clone().requires_grad_(True) for _ in range(2))
+    trl_total, parts = 0.0, []
+    for rows in micro_batches:
         loss, _ = trl_grpo_loss(
-            trl_logits[part], ids[part], mask[part], adv[part], old_logp[part], ref_logp[part],
-            "dapo", 0.2, 0.28, 0.04, grad_accum_steps=2, num_items_in_batch=float(mask.sum()),
+            trl_logits[rows], b.rows(rows), "dapo", 0.04, 0.2, 0.28, 2, float(b.mask.sum())
         )
         loss.backward()
         trl_total += loss.item()
-    our_logits = logits.clone().requires_grad_(True)
-    parts = [_ours(our_logits[p], ids[p], mask[p], old_logp[p], ref_logp[p], adv[p], "token-mean", 0.04) for p in halves]
+        parts.append(_ours(our_logits[rows], b.rows(rows), "token-mean", 0.04))
     total = sum(p[0] for p in parts) / sum(p[1] for p in parts)
     total.backward()
     assert total.item() == pytest.approx(trl_total, abs=1e-6)

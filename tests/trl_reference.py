@@ -17,11 +17,11 @@ Import this module only after ``pytest.importorskip("trl")``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
-
 from trl.trainer import grpo_trainer as trl_grpo
 from trl.trainer import utils as trl_utils
 
@@ -41,24 +41,48 @@ class _OneProcess:
     gather_for_metrics = gather
 
 
+@dataclasses.dataclass
+class RolloutBatch:
+    """A padded batch as TRL holds it: [B, T] ids / mask / log-probs, [B] advantages."""
+
+    logits: torch.Tensor  # [B, T, V]
+    ids: torch.Tensor
+    mask: torch.Tensor  # 1 for response tokens, 0 for padding
+    old_logp: torch.Tensor
+    ref_logp: torch.Tensor
+    advantages: torch.Tensor
+
+    def rows(self, part: slice) -> RolloutBatch:
+        return RolloutBatch(*(getattr(self, f.name)[part] for f in dataclasses.fields(self)))
+
+
+def random_batch(seed: int, lengths: list[int], vocab: int = 11) -> RolloutBatch:
+    """Random logits and ids; old / ref log-probs near the current ones (ratios in [0.61, 1.65])."""
+    g = torch.Generator().manual_seed(seed)
+    batch, width = len(lengths), max(lengths)
+    logits = torch.randn(batch, width, vocab, generator=g) * 2
+    ids = torch.randint(0, vocab, (batch, width), generator=g)
+    mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    old_logp = logp + (torch.rand(logp.shape, generator=g) - 0.5)
+    ref_logp = logp + (torch.rand(logp.shape, generator=g) * 2 - 1)
+    return RolloutBatch(logits, ids, mask, old_logp, ref_logp, torch.randn(batch, generator=g))
+
+
 def trl_grpo_loss(
-    logits: torch.Tensor,  # [B, T, V] leaf; gradients land in logits.grad
-    completion_ids: torch.Tensor,  # [B, T]
-    completion_mask: torch.Tensor,  # [B, T] 1 for response tokens, 0 for padding
-    advantages: torch.Tensor,  # [B]
-    old_logp: torch.Tensor,  # [B, T]
-    ref_logp: torch.Tensor | None,
+    logits: torch.Tensor,  # [B, T, V] leaf standing for the model output; gradients land in .grad
+    b: RolloutBatch,
     loss_type: str,
-    epsilon: float,
-    epsilon_high: float,
     beta: float,
+    epsilon: float = 0.2,
+    epsilon_high: float = 0.28,
     grad_accum_steps: int = 1,
     num_items_in_batch: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, list[float]]]:
-    """(loss TRL backpropagates for this micro-batch, TRL's logged metrics)."""
+    """(the loss TRL backpropagates for this micro-batch, TRL's logged metrics)."""
 
     def forward(model, input_ids, attention_mask, logits_to_keep, **kwargs):
-        logps = trl_utils.selective_log_softmax(logits, completion_ids)
+        logps = trl_utils.selective_log_softmax(logits, b.ids)
         return logps, trl_utils.entropy_from_logits(logits), None
 
     metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
@@ -79,24 +103,21 @@ def trl_grpo_loss(
         _entropy_bonus_enabled=False,
         aux_loss_enabled=False,
         _metrics=metrics,
-        args=SimpleNamespace(
-            use_bias_correction_kl=False, delta=None, steps_per_generation=grad_accum_steps
-        ),
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=grad_accum_steps),
     )
-    batch = completion_ids.shape[0]
+    rows = b.ids.shape[0]
+    num_items = float(b.mask.sum()) if num_items_in_batch is None else num_items_in_batch
     inputs = {
-        "prompt_ids": torch.zeros(batch, 1, dtype=torch.long),
-        "prompt_mask": torch.ones(batch, 1, dtype=torch.long),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": advantages,
-        "old_per_token_logps": old_logp,
-        "num_items_in_batch": torch.tensor(
-            float(completion_mask.sum()) if num_items_in_batch is None else num_items_in_batch
-        ),
+        "prompt_ids": torch.zeros(rows, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(rows, 1, dtype=torch.long),
+        "completion_ids": b.ids,
+        "completion_mask": b.mask,
+        "advantages": b.advantages,
+        "old_per_token_logps": b.old_logp,
+        "num_items_in_batch": torch.tensor(num_items),
     }
-    if ref_logp is not None:
-        inputs["ref_per_token_logps"] = ref_logp
+    if beta:
+        inputs["ref_per_token_logps"] = b.ref_logp
     loss = trl_grpo.GRPOTrainer._compute_loss(stand_in, None, inputs)
     return loss, dict(metrics["train"])
 

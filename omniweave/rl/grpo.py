@@ -41,18 +41,14 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
         if r.shape[1] != group_size:
             raise ValueError(f"rewards have shape {tuple(r.shape)}, expected [N, {group_size}]")
     elif r.dim() != 1 or r.numel() % group_size:
-        raise ValueError(
-            f"rewards must be [N*G] or [N, G] with G={group_size}; got shape {tuple(r.shape)}"
-        )
+        raise ValueError(f"rewards must be [N*G] or [N, G] with G={group_size}; got shape {tuple(r.shape)}")
     if not torch.isfinite(r).all():
         # A NaN here would turn its whole group's advantages (and the loss) into NaN.
         raise ValueError("rewards contain NaN/inf: drop the groups of failed samples first")
     return r.reshape(-1, group_size)
 
 
-def group_advantages(
-    rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-6
-) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-6) -> Tensor:
     """Per-sample advantage [N*G]: reward minus its group's mean, over the group's std if ``scale``.
 
     The std is the unbiased one (``torch.std``), as verl, EasyR1 and TRL ``scale_rewards="group"``
