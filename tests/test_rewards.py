@@ -130,7 +130,9 @@ def test_format():
 
 def test_registry_names_and_decorator(monkeypatch):
     assert {"exact_match", "multiple_choice", "numeric", "format"} <= set(registered_rewards())
-    monkeypatch.setattr(rewards, "_REGISTRY", dict(rewards._REGISTRY))
+    from omniweave.models import registry
+
+    monkeypatch.setitem(registry._REGISTRY, "reward", dict(registry._REGISTRY["reward"]))  # rewards are a kind
 
     @rewards.reward("always_half")
     def always_half(response, reference):

@@ -1,4 +1,4 @@
-"""The one registry of model components.
+"""The one registry: model components, and the reward functions of RL.
 
 A component is a class plus a config dataclass, registered under ``(kind, name)``::
 
@@ -6,8 +6,10 @@ A component is a class plus a config dataclass, registered under ``(kind, name)`
     class Decoder(nn.Module):
         def __init__(self, config: DecoderConfig): ...
 
-Kinds: ``foundation``, ``image_encoder``, ``projector`` (built from YAML by name), and ``hf``
-(Hugging Face family adapters keyed by the HF ``model_type``; ``config_cls`` may be None).
+Kinds: ``foundation``, ``image_encoder``, ``projector`` (built from YAML by name), ``hf``
+(Hugging Face family adapters keyed by the HF ``model_type``; ``config_cls`` may be None), and
+``reward`` (functions ``fn(response, reference, **params) -> float``, registered through
+``omniweave.rl.rewards.reward``).
 
 A component's YAML holds ``name:`` (the registered name), optional ``freeze: bool`` and ``tp:``
 (read by the trainer), and the fields of its config dataclass; any other key is an error that
@@ -23,7 +25,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-KINDS = ("foundation", "image_encoder", "projector", "hf")
+KINDS = ("foundation", "image_encoder", "projector", "hf", "reward")
 # Keys every component config may carry that are not fields of its dataclass.
 COMMON_KEYS = ("name", "freeze", "tp")
 # Modules whose import registers components (add yours here).
@@ -36,6 +38,7 @@ COMPONENT_MODULES = [
     "omniweave.models.components.projector",
     "omniweave.models.hf.qwen2_vl",
     "omniweave.models.hf.qwen2_5_vl",
+    "omniweave.rl.rewards",
 ]
 
 _REGISTRY: dict[str, dict[str, tuple[type, type | None]]] = {k: {} for k in KINDS}
@@ -43,7 +46,8 @@ _imported = False
 
 
 def register(kind: str, name: str, config_cls: type | None = None) -> Callable[[type], type]:
-    """Class decorator: register ``cls`` (built as ``cls(config_cls(**fields))``) as kind/name."""
+    """Decorator: register ``cls`` (built as ``cls(config_cls(**fields))``; a function for
+    ``reward``) as kind/name."""
     if kind not in KINDS:
         raise ValueError(f"unknown component kind {kind!r}; kinds: {', '.join(KINDS)}")
 

@@ -45,8 +45,6 @@ from omniweave.rl.answers import (
 )
 
 RewardFn = Callable[..., float]
-_REGISTRY: dict[str, RewardFn] = {}
-_PARAM_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {}
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -55,30 +53,36 @@ class RewardSpecError(UserError, ValueError):
 
 
 def reward(name: str, check_params: Callable[[dict[str, Any]], None] | None = None):
-    """Register ``fn`` as reward ``name``; ``check_params`` validates its params at build time."""
+    """Register ``fn`` as reward ``name`` in the one registry (kind ``reward``); ``check_params``
+    validates its params at build time."""
+    from omniweave.models.registry import register
+
     if ":" in name:
         raise ValueError(f"reward name {name!r} may not contain ':' (that form imports a function)")
 
     def deco(fn: RewardFn) -> RewardFn:
-        old = _REGISTRY.get(name)
-        if old is not None and old.__qualname__ != fn.__qualname__:
-            raise ValueError(f"reward {name!r} is already registered to {old.__qualname__}")
-        _REGISTRY[name] = fn
-        if check_params is not None:
-            _PARAM_CHECKS[name] = check_params
-        return fn
+        fn.check_params = check_params
+        return register("reward", name)(fn)
 
     return deco
 
 
 def registered_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    from omniweave.models.registry import names
+
+    return names("reward")
+
+
+def _registered(name: str) -> RewardFn | None:
+    from omniweave.models.registry import lookup
+
+    return lookup("reward", name)[0] if name in registered_rewards() else None
 
 
 def resolve_reward(name: str) -> RewardFn:
     """The registered reward ``name``, or the callable that ``"module.path:function"`` names."""
-    if name in _REGISTRY:
-        return _REGISTRY[name]
+    if (fn := _registered(name)) is not None:
+        return fn
     module_name, _, attr_path = name.partition(":")
     if not module_name or not attr_path:
         raise RewardSpecError(
@@ -271,7 +275,7 @@ def _check_spec(spec: RewardSpec, fn: RewardFn) -> None:
         raise RewardSpecError(f"reward {spec.name!r} {spec.params}: {e}") from None
     except ValueError:  # no signature (a builtin): let the call decide
         pass
-    check = _PARAM_CHECKS.get(spec.name)
+    check = getattr(fn, "check_params", None) if _registered(spec.name) is fn else None
     if check is not None:
         try:
             check(spec.params)
