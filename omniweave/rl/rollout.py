@@ -130,7 +130,7 @@ class GroupKVCache:
         self.cp_group = cp_group
         counts = torch.tensor([0, *prefix_counts], dtype=torch.int64)
         self.prefix_cu = counts.cumsum(0).to(torch.int32)  # per prompt: its keys held here
-        n = len(prefix_counts) * group_size
+        self.num_samples = n = len(prefix_counts) * group_size
         self.prefix_k: list[torch.Tensor | None] = [None] * num_layers
         self.prefix_v: list[torch.Tensor | None] = [None] * num_layers
         self.own_k: list[torch.Tensor | None] = [None] * num_layers
@@ -157,7 +157,7 @@ class GroupKVCache:
 
     def _decode(self, layer, q, k, v, backend):
         if self.own_k[layer] is None:
-            shape = (self.active.numel(), self.max_new, *k.shape[1:])
+            shape = (self.num_samples, self.max_new, *k.shape[1:])
             self.own_k[layer], self.own_v[layer] = k.new_zeros(shape), v.new_zeros(shape)
         active = self.active.to(k.device)
         self.own_k[layer][active, self.t] = k

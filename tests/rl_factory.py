@@ -1,0 +1,40 @@
+"""Shared pieces of the RL tests: the tiny demo model and real demo prompts (images, a video,
+text only) as rollout ``Prompt``s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from omniweave.config import load_recipe, to_dict
+from omniweave.data.demo import generate
+from omniweave.data.tokenize import SampleProcessor
+from omniweave.models.registry import build_model
+from omniweave.rl.rollout import Prompt
+from omniweave.train.evaluate import prompt_batch, read_eval_rows, row_to_raw
+
+
+def demo_model(seed: int = 0):
+    """The demo recipe's tiny Qwen2.5-VL, random weights with non-trivial norms (fp32, eval mode)."""
+    cfg = load_recipe("demo")
+    torch.manual_seed(seed)
+    model = build_model(to_dict(cfg.model))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval(), SampleProcessor(cfg.data)
+
+
+def demo_prompts(root: Path, processor: SampleProcessor, n: int = 7) -> list[Prompt]:
+    """The first ``n`` held-out demo questions (every task: images, videos, text) as prompts."""
+    if not (root / "eval.jsonl").exists():
+        generate(root, samples=8, eval_samples=max(n, 14), seed=0)
+    rows = read_eval_rows(root / "eval.jsonl")[:n]
+    return [Prompt(uid=100 + i, batch=prompt_batch(processor, row_to_raw(r, root / "media", i)))
+            for i, r in enumerate(rows)]
+
+
+def stop_ids(processor: SampleProcessor) -> tuple[int, ...]:
+    return tuple(processor.tokenizer.token_id(t) for t in processor.template.stop_tokens)
