@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from omniweave.rl.rollout import NaiveRollout, SamplingParams, TorchRollout, pack_prompts
-from tests.rl_factory import demo_model, demo_prompts, stop_ids
+from tests.rl_factory import demo_model, demo_prompts, raise_stop_logits, stop_ids
 
 LOGP_ATOL = 1e-5  # |Δ log-prob| (fp32; measured ≤ 1e-6)
 
@@ -26,10 +26,7 @@ def setup(tmp_path_factory):
     (which exercises the shrinking active set and groups with only some samples left)."""
     model, processor = demo_model()
     prompts = demo_prompts(tmp_path_factory.mktemp("rl_demo"), processor)
-    bias = torch.zeros(model.foundation.config.vocab_size)
-    bias[list(stop_ids(processor))] = 5.0  # P(stop) ~ 13 % per step at T = 1
-    logits = model.foundation.logits
-    model.foundation.logits = lambda hidden: logits(hidden) + bias.to(hidden.dtype)
+    raise_stop_logits(model, processor)
     return model, processor, prompts
 
 

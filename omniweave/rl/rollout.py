@@ -330,3 +330,31 @@ class NaiveRollout:
                     hidden = foundation(input_ids=tok.to(device), position_ids=step_pos, kv_cache=cache)
                 out.append(r)
         return out
+
+
+# ---------------------------------------------------------------------------- the policy's copy
+
+
+def build_rollout_model(cfg, dims, meshes, device) -> torch.nn.Module:
+    """The model that rolls out: the policy's architecture with full weights on this rank (see
+    :func:`sync_weights`), the vision split and the CP attention applied as in training; no TP or
+    FSDP, so decoding needs no collective except the CP merges (the tp ranks of a group decode
+    the same prompts side by side)."""
+    from omniweave.config import to_dict
+    from omniweave.models.registry import build_model
+    from omniweave.parallel.context import apply_cp, apply_vision_split
+
+    model = build_model(to_dict(cfg.model)).to(device).eval()
+    model.requires_grad_(False)
+    apply_vision_split(model, meshes.vision_split)
+    apply_cp(model, dims, meshes, head_groups=int(cfg.get("parallel", {}).get("cp_head_groups", 1) or 1))
+    return model
+
+
+def sync_weights(policy: torch.nn.Module, rollout_model: torch.nn.Module) -> None:
+    """Collective over the policy's ranks: its current weights (FSDP / TP shards gathered) into
+    ``rollout_model`` on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+    rollout_model.load_state_dict(state)
