@@ -115,6 +115,26 @@ class ParallelSchema:
 
 
 @dataclass
+class RLSchema:  # GRPO (omniweave rl; docs/rl.md)
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    rewards: List[Any] = field(default_factory=lambda: [{"name": "exact_match", "weight": 1.0}])
+    scale_rewards: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: Optional[float] = 3.0
+    kl_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    filter_zero_std: bool = True
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    update_max_len: Optional[int] = None
+
+
+@dataclass
 class DemoSchema:
     samples: int = 4000
     eval_samples: int = 200
@@ -128,6 +148,7 @@ class RecipeSchema:
     train: TrainSchema = field(default_factory=TrainSchema)
     eval: EvalSchema = field(default_factory=EvalSchema)
     parallel: ParallelSchema = field(default_factory=ParallelSchema)
+    rl: RLSchema = field(default_factory=RLSchema)
     demo: DemoSchema = field(default_factory=DemoSchema)
 
 

@@ -48,7 +48,7 @@ OPENAI_ROWS = [
     ("unsupported_modality:audio", openai([{"type": "audio_url", "audio_url": {"url": "s.mp3"}}])),
     ("unsupported_modality:file", openai([{"type": "file", "file": {"file_id": "file-1"}}, {"type": "text", "text": "sum"}])),
     ("unknown_content_part:point_cloud", openai([{"type": "point_cloud", "point_cloud": "scan.ply"}])),
-    (None, openai("Repeat: apple", "apple", solution="apple", source="web")),  # extra non-media columns: warned
+    (None, openai("Repeat: apple", "apple", difficulty="easy", source="web")),  # extra non-media columns: warned
     ("unknown_media_column:thumbnail", openai("<image>hi", images=["a.png"], thumbnail={"bytes": "..."})),
 ]
 
@@ -116,19 +116,19 @@ def test_media_items_stored_per_modality_in_report_and_summary(run, capsys):
 def test_unmapped_column_is_warned_once_per_file_and_kept(run, tmp_path, capsys):
     root, rows = run["openai"]
     twice = tmp_path / "twice.jsonl"  # the same extra columns on many rows: still one warning
-    twice.write_text("".join(json.dumps(openai("Repeat: x", "x", solution="x", source="web")) + "\n" for _ in range(5)))
+    twice.write_text("".join(json.dumps(openai("Repeat: x", "x", difficulty="easy", source="web")) + "\n" for _ in range(5)))
     rc = run_convert("--input", str(twice), str(root / "openai.jsonl"), "--output", str(tmp_path / "raw"),
                      "--workers", "1")
     err = capsys.readouterr().err
     assert rc == 0
     warnings = [line for line in err.splitlines() if "warning" in line]
     assert len(warnings) == 2  # one per input file
-    assert "'solution' (5 rows)" in warnings[0] and "'source' (5 rows)" in warnings[0]
-    assert "'solution' (1 rows)" in warnings[1]
+    assert "'difficulty' (5 rows)" in warnings[0] and "'source' (5 rows)" in warnings[0]
+    assert "'difficulty' (1 rows)" in warnings[1]
     report = json.loads((tmp_path / "raw/convert_report.json").read_text())
-    assert report["unused_columns"][str(twice)] == {"solution": 5, "source": 5}
+    assert report["unused_columns"][str(twice)] == {"difficulty": 5, "source": 5}
     sample = RawDataset(tmp_path / "raw")[0]
-    assert sample.conversation.meta["extra"] == {"solution": "x", "source": "web"}
+    assert sample.conversation.meta["extra"] == {"difficulty": "easy", "source": "web"}
 
 
 def test_mapped_columns_are_not_warned(tmp_path, capsys):
@@ -158,7 +158,7 @@ def test_inspect_lists_reasons_media_and_unmapped_columns(run, capsys):
     out = capsys.readouterr().out
     assert "media stored: image 1, video 1" in out
     assert "unsupported_modality:audio" in out and "unknown_media_column:thumbnail" in out
-    assert "solution (1 rows)" in out
+    assert "difficulty (1 rows)" in out
 
 
 @pytest.mark.parametrize("value, rejected", [

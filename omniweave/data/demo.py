@@ -2,6 +2,8 @@
 
     OUT/train.jsonl   OpenAI-messages rows (user question, assistant one-word answer)
     OUT/eval.jsonl    held-out rows: the user turn only, plus ``answer`` and ``task``
+    OUT/rl.jsonl      RL prompts of the visual tasks (user question + the answer as the assistant
+                      turn): convert, pack with an RL recipe, reward by exact match
     OUT/media/        small PNG images and 4-frame MPEG-4 videos; rows name them relative to it
     OUT/demo.json     what was generated (seed, counts per task, answer classes)
 
@@ -51,6 +53,7 @@ CLASSES = {
 }
 TRAIN_TASKS = ("color", "shape", "position", "count", "motion", "which_red", "two_turns", "add", "copy")
 EVAL_TASKS = ("color", "shape", "position", "count", "motion", "which_red", "add")
+RL_TASKS = ("color", "shape", "position", "count", "motion", "which_red")  # only solvable by looking
 
 QUESTIONS = {
     "color": ("What colour is the shape?", "Name the colour of the shape.", "Which colour does the shape have?"),
@@ -204,11 +207,16 @@ def _balanced(tasks: tuple[str, ...], n: int, rng: np.random.Generator) -> list[
     return [pairs[i] for i in order]
 
 
-def generate(out_dir: str | Path, samples: int = 1000, eval_samples: int = 200, seed: int = 0, size: int = 56) -> dict:
+def generate(out_dir: str | Path, samples: int = 1000, eval_samples: int = 200, seed: int = 0, size: int = 56,
+             rl_samples: int = 0) -> dict:
     """Write the demo dataset to ``out_dir``; returns a summary (also saved as ``demo.json``)."""
     out = Path(out_dir)
-    summary = {"seed": seed, "size": size, "train": samples, "eval": eval_samples, "classes": CLASSES}
-    for split, n, tasks, sub_seed in (("train", samples, TRAIN_TASKS, 0), ("eval", eval_samples, EVAL_TASKS, 1)):
+    summary = {"seed": seed, "size": size, "train": samples, "eval": eval_samples, "rl": rl_samples,
+               "classes": CLASSES}
+    splits = [("train", samples, TRAIN_TASKS, 0), ("eval", eval_samples, EVAL_TASKS, 1)]
+    if rl_samples:
+        splits.append(("rl", rl_samples, RL_TASKS, 2))
+    for split, n, tasks, sub_seed in splits:
         rng = np.random.default_rng([seed, sub_seed])
         (out / "media" / split).mkdir(parents=True, exist_ok=True)
         maker = Maker(rng, out / "media", split, size)
@@ -230,15 +238,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument("--samples", type=int, default=1000, help="training rows")
     p.add_argument("--eval-samples", type=int, default=200, help="held-out rows (with answer and task)")
+    p.add_argument("--rl-samples", type=int, default=1000, help="RL prompt rows (rl.jsonl; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", type=int, default=56, help="image / video side in pixels")
 
 
 def run(args) -> int:
     t0 = time.perf_counter()
-    s = generate(args.out, samples=args.samples, eval_samples=args.eval_samples, seed=args.seed, size=args.size)
+    s = generate(args.out, samples=args.samples, eval_samples=args.eval_samples, seed=args.seed, size=args.size,
+                 rl_samples=args.rl_samples)
     print(
-        f"demo: {s['train']} train + {s['eval']} eval rows, {len(s['train_tasks'])} tasks, "
+        f"demo: {s['train']} train + {s['eval']} eval + {s['rl']} RL rows, {len(s['train_tasks'])} tasks, "
         f"{args.size}px media in {time.perf_counter() - t0:.1f}s -> {args.out}"
     )
     return 0

@@ -43,7 +43,7 @@ from omniweave.data.sample import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversa
 
 FORMATS = ("openai", "sharegpt")
 # Mapping fields settable from flags / YAML (``--messages-key``, ``--role-tag`` ...)
-COLUMN_FIELDS = ("messages", "images", "videos", "audios", "system", "id")
+COLUMN_FIELDS = ("messages", "images", "videos", "audios", "system", "id", "solution")
 TAG_FIELDS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "system_tag", "observation_tag", "function_tag")
 PLACEHOLDER_RE = re.compile(r"<image>|<video>")
 # placeholders of modalities omniweave reads in the formats but cannot store yet
@@ -87,6 +87,7 @@ class Mapping:
     audios: str = "audios"  # read so audio is never dropped silently; rows with audio are rejected for now
     system: str | None = None  # optional column holding a system prompt
     id: str = "id"
+    solution: str = "solution"  # RL: the reference answer (then the row may end with the user's turn)
     role_tag: str | None = None
     content_tag: str | None = None
     user_tag: str | None = None
@@ -288,7 +289,7 @@ def _looks_like_media(value: Any) -> bool:
 
 
 def known_columns(m: Mapping) -> set[str]:
-    return {c for c in (m.messages, m.images, m.videos, m.audios, m.system, m.id) if c}
+    return {c for c in (m.messages, m.images, m.videos, m.audios, m.system, m.id, m.solution) if c}
 
 
 def _check_unmapped_media(row: dict, m: Mapping) -> None:
@@ -351,19 +352,27 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
         raise FormatError("empty_conversation", "no turn has any content")
     images = _media_list(row, m.images, "image") or part_images
     videos = _media_list(row, m.videos, "video") or part_videos
-    _check_turn_order(messages)
+    solution = row.get(m.solution)
+    if solution is not None and not isinstance(solution, (str, int, float)):
+        raise FormatError("bad_schema", f"'{m.solution}' must be a string or a number, got {type(solution).__name__}")
+    solution = None if solution is None or not str(solution).strip() else str(solution).strip()
+    _check_turn_order(messages, prompt_only=solution is not None)
     if auto_placeholders:
         _insert_missing_placeholders(messages, images, videos)
     _check_placeholders(messages, images, videos)
     extra = {c: row[c] for c in unused_columns(row, m)}
-    return Conversation(id=str(row.get(m.id, row_id)), messages=messages, images=images, videos=videos,
-                        meta={"extra": extra} if extra else {})
+    meta = {**({"extra": extra} if extra else {}), **({"solution": solution} if solution is not None else {})}
+    return Conversation(id=str(row.get(m.id, row_id)), messages=messages, images=images, videos=videos, meta=meta)
 
 
-def _check_turn_order(messages: list[Message]) -> None:
-    if not any(msg.role in RESPONSE_ROLES for msg in messages):
+def _check_turn_order(messages: list[Message], prompt_only: bool = False) -> None:
+    """After an optional system turn, prompt and response turns alternate, starting with a prompt
+    and ending with a response — or, for an RL prompt carrying its ``solution``, with a prompt."""
+    if not prompt_only and not any(msg.role in RESPONSE_ROLES for msg in messages):
         raise FormatError("no_assistant_turn", "the conversation has no assistant turn to learn from")
     body = messages[1:] if messages[0].role == "system" else messages
+    if not body:
+        raise FormatError("empty_conversation", "only a system turn")
     for i, msg in enumerate(body):
         expected = PROMPT_ROLES if i % 2 == 0 else RESPONSE_ROLES
         if msg.role not in expected:
@@ -372,7 +381,7 @@ def _check_turn_order(messages: list[Message]) -> None:
                 f"turn {i + len(messages) - len(body)} is {msg.role!r} but a {'/'.join(expected)} turn was expected "
                 "(optional system first, then user/observation and assistant/function alternate)",
             )
-    if body[-1].role not in RESPONSE_ROLES:
+    if body[-1].role not in RESPONSE_ROLES and not prompt_only:
         raise FormatError("bad_turn_order", f"the conversation ends with a {body[-1].role!r} turn")
 
 

@@ -33,6 +33,7 @@ import torch
 
 from omniweave.data.packed import PackedDataset, check_fingerprint
 from omniweave.data.sample import MediaSpan
+from omniweave.errors import UserError
 from omniweave.parallel.balance import CostModel, assign, imbalance, pack_features, round_robin
 
 # data keys that only steer the loader: left out of the packed dataset's fingerprint
@@ -62,7 +63,11 @@ def collate_pack(pack: dict, data_cfg: dict) -> dict:
                          frame_indices=m["frame_indices"], second_per_grid=m["second_per_grid"])
         pixels.append(proc.process_media(span, m["bytes"]))
     media = pack["media"]
-    return {
+    extra = {}
+    if pack["docs"] and "answer" in pack["docs"][0]:  # an RL prompt (data/prompts.py): who it is, what it expects
+        extra["prompt"] = {"uid": int(pack["docs"][0]["index"]), "id": pack["docs"][0]["id"],
+                           "answer": pack["docs"][0]["answer"]}
+    return {**extra,
         "input_ids": torch.from_numpy(pack["input_ids"].astype(np.int64)),  # [L]
         "labels": torch.from_numpy(pack["labels"].astype(np.int64)),  # [L] shifted
         "position_ids": torch.from_numpy(pack["position_ids"].astype(np.int64)),  # [3 or 1, L]
@@ -94,13 +99,23 @@ def _as_list(batch: list) -> list:
     return batch
 
 
+def check_kind(manifest: dict, kind: str, where: str) -> None:
+    """SFT packs and RL prompts (``data/prompts.py``) are not interchangeable."""
+    have = manifest.get("kind", "sft")
+    if have != kind:
+        what = {"sft": "training packs (train.phase sft / pretrain)", "prompts": "RL prompts (train.phase grpo)"}
+        raise UserError(f"data.path={where} holds {what.get(have, have)}, but this run needs {what.get(kind, kind)}; "
+                        "pack the data with the recipe of this run (`omniweave data pack … --recipe R`)")
+
+
 class PackedLoader:
     def __init__(self, path, global_batch: int, dp_rank: int, dp_size: int, seed: int = 0, data_cfg=None,
                  num_workers: int = 0, balance: str | None = None, prefetch_factor: int = 2,
-                 cost_model: CostModel | None = None, model_cfg: dict | None = None):
+                 cost_model: CostModel | None = None, model_cfg: dict | None = None, kind: str = "sft"):
         self.path = str(path)
         self.dataset = PackedDataset(self.path)
         manifest = self.dataset.manifest
+        check_kind(manifest, kind, self.path)
         if data_cfg is not None:
             from omniweave.data.tokenize import _plain
 

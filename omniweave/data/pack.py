@@ -52,23 +52,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-vision-tokens-per-pack", type=int, default=None)
 
 
-def data_config(recipe: str, max_len: int | None, overrides: list[str] = ()) -> dict:
-    """The recipe's ``data:`` section (with ``key=value`` overrides) minus the loader-only keys."""
+def data_config(recipe: str, max_len: int | None, overrides: list[str] = ()) -> tuple[dict, str]:
+    """(the recipe's ``data:`` section with ``key=value`` overrides, minus the loader-only keys;
+    what to write: ``sft`` packs or RL ``prompts``, from its ``train.phase``)."""
     from omniweave.config import load_recipe, to_dict
     from omniweave.data.loader import LOADER_ONLY_KEYS
+    from omniweave.data.prompts import dataset_kind
 
-    data = to_dict(load_recipe(recipe, overrides)).get("data") or {}
+    cfg = to_dict(load_recipe(recipe, overrides))
+    data = cfg.get("data") or {}
     for key in LOADER_ONLY_KEYS:
         data.pop(key, None)
     if max_len is not None:
         data["max_len"] = int(max_len)
-    return data
+    return data, dataset_kind((cfg.get("train") or {}).get("phase"))
 
 
-def _build_id(args, data_cfg: dict, fingerprint: dict, raw_shards: list[dict]) -> dict:
+def _build_id(args, data_cfg: dict, fingerprint: dict, raw_shards: list[dict], kind: str) -> dict:
     """What decides the output; every done marker stores it and a restart must match it."""
     return {
-        "fingerprint": fingerprint, "algorithm": args.algorithm, "packs_per_shard": args.packs_per_shard,
+        "kind": kind, "fingerprint": fingerprint, "algorithm": args.algorithm, "packs_per_shard": args.packs_per_shard,
         "max_media_per_pack": args.max_media_per_pack, "max_vision_tokens_per_pack": args.max_vision_tokens_per_pack,
         "num_workers": args.num_workers, "source": raw_shards,
     }
@@ -89,25 +92,36 @@ def _check_marker(path: Path, build: dict) -> bool:
 _W: dict = {}
 
 
-def _init_worker(raw_root: str, data_cfg: dict, plan_file: str | None = None) -> None:
+def _init_worker(raw_root: str, data_cfg: dict, kind: str, plan_file: str | None = None) -> None:
     from omniweave.data.shards import RawDataset
     from omniweave.data.tokenize import SampleProcessor
 
     _W["ds"] = RawDataset(raw_root)
     _W["proc"] = SampleProcessor(data_cfg)
+    _W["kind"] = kind
     if plan_file:
         with np.load(plan_file, allow_pickle=False) as z:
             _W["plan"] = {k: z[k] for k in z.files}
 
 
+def _tokenize(raw) -> tuple:
+    """(tokenized sample, extra doc info): an SFT sample, or an RL prompt with its answer."""
+    from omniweave.data.prompts import KIND_PROMPTS, tokenize_rl_prompt
+
+    if _W["kind"] == KIND_PROMPTS:
+        sample, answer = tokenize_rl_prompt(_W["proc"], raw)
+        return sample, {"answer": answer}
+    return _W["proc"].tokenize(raw), {}
+
+
 def _scan_range(bounds: tuple[int, int]) -> tuple[dict, dict]:
     from omniweave.data.tokenize import SampleRejected
 
-    ds, proc = _W["ds"], _W["proc"]
+    ds = _W["ds"]
     rows, rejects = [], {}
     for i in range(*bounds):
         try:
-            s = proc.tokenize(ds[i])
+            s, _ = _tokenize(ds[i])
         except SampleRejected as e:
             rejects.setdefault(e.reason, []).append(i)
             continue
@@ -122,7 +136,7 @@ def _scan_range(bounds: tuple[int, int]) -> tuple[dict, dict]:
 
 
 def _write_shard(shard: int) -> dict:
-    ds, proc, plan = _W["ds"], _W["proc"], _W["plan"]
+    ds, plan = _W["ds"], _W["plan"]
     out = Path(_W["out"])
     first, last = plan["shard_first"][shard], plan["shard_first"][shard + 1]
     writer = PackedShardWriter(out, shard)
@@ -130,10 +144,10 @@ def _write_shard(shard: int) -> dict:
         docs = []
         for i in plan["items"][plan["offsets"][k] : plan["offsets"][k + 1]].tolist():
             raw = ds[i]
-            sample = proc.tokenize(raw)
+            sample, extra = _tokenize(raw)
             if len(sample) != plan["length_of"][i]:
                 raise RuntimeError(f"sample {i} tokenized to {len(sample)} tokens, scanned as {plan['length_of'][i]}")
-            docs.append((sample, raw.media, {"index": i, "key": raw.key}))
+            docs.append((sample, raw.media, {"index": i, "key": raw.key, **extra}))
         writer.add(docs)
     return writer.close()
 
@@ -173,7 +187,7 @@ def scan_phase(args, out: Path, data_cfg: dict, build: dict, n_raw: int) -> Path
     lo, hi = i * n_raw // N, (i + 1) * n_raw // N
     step = max(1, min(256, (hi - lo) // max(1, 4 * args.workers) or 1))
     chunks = [(a, min(a + step, hi)) for a in range(lo, hi, step)]
-    results = _pool_map(_scan_range, chunks, args.workers, (args.input, data_cfg), f"scan {i}/{N}",
+    results = _pool_map(_scan_range, chunks, args.workers, (args.input, data_cfg, build["kind"]), f"scan {i}/{N}",
                         weights=[b - a for a, b in chunks])
     arrays = {f: np.concatenate([r[0][f] for r in results]) if results else np.zeros(0, np.int64) for f in SCAN_FIELDS}
     rejects: dict[str, list[int]] = {}
@@ -244,7 +258,7 @@ def write_phase(args, out: Path, data_cfg: dict, build: dict, info: dict) -> lis
         print(f"write: {len(mine) - len(todo)} of {len(mine)} shards already done", file=sys.stderr)
     if todo:
         _W["out"] = str(out)
-        _pool_map(_write_shard, todo, args.workers, (args.input, data_cfg, str(out / "plan" / "plan.npz")),
+        _pool_map(_write_shard, todo, args.workers, (args.input, data_cfg, build["kind"], str(out / "plan" / "plan.npz")),
                   f"write {i}/{N}")
     return todo
 
@@ -259,7 +273,7 @@ def maybe_finish(out: Path, data_cfg: dict, build: dict, info: dict) -> bool:
         idx = json.loads((out / f"{n}.json").read_text())
         shards.append({"name": n, "packs": len(idx["packs"]), "bytes": idx["bytes"]})
     atomic_write_json(out / MANIFEST, {
-        "format": FORMAT, "fingerprint": build["fingerprint"], "data_cfg": data_cfg,
+        "format": FORMAT, "kind": build["kind"], "fingerprint": build["fingerprint"], "data_cfg": data_cfg,
         "algorithm": build["algorithm"], "capacity": int(build["fingerprint"]["max_len"]),
         "caps": {"max_media": build["max_media_per_pack"], "max_vision_tokens": build["max_vision_tokens_per_pack"]},
         "num_packs": sum(s["packs"] for s in shards), "source": build["source"], "packed_shards": shards,
@@ -278,14 +292,16 @@ def run(args) -> int:
     t0 = time.time()
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    data_cfg = data_config(args.recipe, args.max_len, args.overrides)
+    data_cfg, kind = data_config(args.recipe, args.max_len, args.overrides)
+    if kind == "prompts":  # RL prompts: each is its own pack, handed out one by one
+        args.algorithm = "single"
     if not (Path(args.input) / META_DIR).is_dir():
         raise UserError(f"--input {args.input}: not a raw dataset (no {META_DIR}/); make one with "
                         "`omniweave data convert --input F.jsonl --output RAW`")
     fingerprint = SampleProcessor(data_cfg).fingerprint()
     raw = RawDataset(args.input)
     source = [{"name": s.name, "count": s.count, "bytes": s.bytes} for s in raw.shards]
-    build = _build_id(args, data_cfg, fingerprint, source)
+    build = _build_id(args, data_cfg, fingerprint, source, kind)
     if args.phase in ("scan", "all"):
         scan_phase(args, out, data_cfg, build, len(raw))
     if args.phase in ("plan", "all"):

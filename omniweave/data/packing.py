@@ -16,6 +16,7 @@ reason ``longer_than_capacity`` — the tokenizer's truncation policy normally g
 - ``balanced``: the ``bfd`` packs (same number, same capacity), then pairwise re-partitioning of
   the most and least expensive packs so that attention cost (sum of len**2 per pack) evens out.
 - ``sequential``: order-preserving next-fit.
+- ``single``: one sample per pack, in order (RL prompts: each is a unit the loader hands out).
 
 Optional caps per pack: ``max_media`` items and ``max_vision`` tokens (needs ``media`` /
 ``vision`` per sample). With caps, ``bfd`` places items one by one (still best fit via the tree,
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ALGORITHMS = ("bfd", "balanced", "sequential")
+ALGORITHMS = ("bfd", "balanced", "sequential", "single")
 
 
 @dataclass
@@ -356,6 +357,10 @@ def pack(lengths, capacity: int, algorithm: str = "bfd", media=None, vision=None
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown packing algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     caps = dict(media=media, vision=vision, max_media=max_media, max_vision=max_vision)
+    if algorithm == "single":
+        lengths = np.asarray(lengths, dtype=np.int64)
+        return _from_assignment(np.where(lengths <= capacity, np.cumsum(lengths <= capacity) - 1, -1),
+                                int((lengths <= capacity).sum()), np.flatnonzero(lengths > capacity), capacity)
     if algorithm == "sequential":
         return sequential(lengths, capacity, **caps)
     if algorithm == "balanced":

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from omniweave.models.components.decoder import KVCache
-from omniweave.models.components.loss import chunked_ce_sum
+from omniweave.models.components.loss import chunked_ce_sum, chunked_ce_tokens
 
 
 @dataclass
 class ModelOutput:
     loss_sum: torch.Tensor  # fp32 0-d: SUM of token losses of this micro-batch
     num_tokens: torch.Tensor  # int 0-d: how many tokens carried a label
+    token_logp: torch.Tensor | None = None  # fp32 [L]: log-prob of each label (0 where -100), if asked
 
 
 def _positions(batch: dict, length: int, device) -> torch.Tensor:
@@ -65,14 +66,22 @@ def greedy_generate(
 class LMHeadMixin:
     """The model contract on top of ``hidden(batch) -> [L, D]``: chunked loss and logits.
 
-    ``ce_sum`` is the hook through which ``parallel/`` swaps the loss for a vocab-parallel one
-    (same signature as :func:`chunked_ce_sum`); the model itself never sets it."""
+    ``ce_sum`` / ``ce_tokens`` are the hooks through which ``parallel/`` swaps the loss for a
+    vocab-parallel one (same signatures as :func:`chunked_ce_sum` / :func:`chunked_ce_tokens`);
+    the model itself never sets them."""
 
     ce_sum = staticmethod(chunked_ce_sum)
+    ce_tokens = staticmethod(chunked_ce_tokens)
 
-    def forward(self, batch: dict) -> ModelOutput:
+    def forward(self, batch: dict, token_logprobs: bool = False, temperature: float = 1.0) -> ModelOutput:
+        """The loss sum; with ``token_logprobs`` also each label's log-prob under
+        ``log_softmax(logits / temperature)`` (RL: the policy's log-probs of sampled tokens)."""
         h = self.hidden(batch)
-        loss_sum, n = self.ce_sum(h, self.foundation.lm_head.weight, batch["labels"], self.loss_chunk)
+        weight, labels = self.foundation.lm_head.weight, batch["labels"]
+        if token_logprobs:
+            losses = self.ce_tokens(h / temperature if temperature != 1.0 else h, weight, labels, self.loss_chunk)
+            return ModelOutput(losses.sum(), (labels != -100).sum(), token_logp=-losses)
+        loss_sum, n = self.ce_sum(h, weight, labels, self.loss_chunk)
         return ModelOutput(loss_sum, n)
 
     def logits(self, batch: dict) -> torch.Tensor:

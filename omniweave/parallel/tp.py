@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from omniweave.parallel.context.sharding import feature_rows_from_spans
-from omniweave.parallel.tp_loss import vocab_parallel_ce_sum
+from omniweave.parallel.tp_loss import vocab_parallel_ce_sum, vocab_parallel_ce_tokens
 from omniweave.parallel.tp_styles import FusedHeadsParallel, ReplicatedKVHeads
 
 # ----------------------------------------------------------------------------- layouts (pure)
@@ -221,6 +221,7 @@ def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None, features
     if foundation_mesh is not None:
         parallelize_decoder(model.foundation, foundation_mesh)
         model.ce_sum = partial(vocab_parallel_ce_sum, mesh=foundation_mesh)
+        model.ce_tokens = partial(vocab_parallel_ce_tokens, mesh=foundation_mesh)
         model.register_forward_pre_hook(partial(_sequence_parallel_hook, foundation_mesh))
         features_mesh = foundation_mesh if features_mesh == "foundation" else _mesh_or_none(features_mesh, "features")
         if encoder is not None and features_mesh is not None:

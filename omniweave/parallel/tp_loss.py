@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from omniweave.models.components.loss import sum_over_chunks
+from omniweave.models.components.loss import sum_over_chunks, tokens_over_chunks
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -55,9 +55,27 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad * grad_loss[:, None], None, None, None
 
 
-def _chunk_loss(hidden, weight_local, labels, vocab_start: int, group) -> torch.Tensor:
+def _chunk_losses(hidden, weight_local, labels, vocab_start: int, group) -> torch.Tensor:
     logits = (hidden @ weight_local.t()).float()  # [c, V/tp]
-    return _VocabParallelCE.apply(logits, labels, vocab_start, group).sum()
+    return _VocabParallelCE.apply(logits, labels, vocab_start, group)
+
+
+def _chunk_loss(hidden, weight_local, labels, vocab_start: int, group) -> torch.Tensor:
+    return _chunk_losses(hidden, weight_local, labels, vocab_start, group).sum()
+
+
+def _local_operands(hidden, lm_head_weight, mesh):
+    """(full hidden [L, D] with a Partial gradient, local weight [V/tp, D], vocab start, group)."""
+    if not isinstance(lm_head_weight, DTensor) or not lm_head_weight.placements[0].is_shard(0):
+        raise ValueError("the vocab-parallel loss needs the LM head weight sharded over the vocabulary (Shard(0))")
+    if not isinstance(hidden, DTensor):  # a plain tensor here is this rank's sequence shard
+        raise ValueError("the vocab-parallel loss needs the final hidden states as a DTensor on the tp mesh")
+    vocab, tp = lm_head_weight.shape[0], mesh.size()
+    if vocab % tp:
+        raise ValueError(f"vocab_size={vocab} is not divisible by tp={tp}")
+    # every rank needs every position; each rank's gradient covers only its vocab shard (Partial)
+    full = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])  # [L, D]
+    return full, lm_head_weight.to_local(), mesh.get_local_rank() * (vocab // tp), mesh.get_group()
 
 
 def vocab_parallel_ce_sum(
@@ -65,15 +83,12 @@ def vocab_parallel_ce_sum(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss_sum fp32 0-d, num_tokens int64 0-d), replicated on every rank of the 1-D ``mesh``:
     the same values as ``chunked_ce_sum`` of the unsharded hidden [L, D] and weight [V, D]."""
-    if not isinstance(lm_head_weight, DTensor) or not lm_head_weight.placements[0].is_shard(0):
-        raise ValueError("vocab_parallel_ce_sum needs the LM head weight sharded over the vocabulary (Shard(0))")
-    if not isinstance(hidden, DTensor):  # a plain tensor here is this rank's sequence shard
-        raise ValueError("vocab_parallel_ce_sum needs the final hidden states as a DTensor on the tp mesh")
-    vocab, tp = lm_head_weight.shape[0], mesh.size()
-    if vocab % tp:
-        raise ValueError(f"vocab_size={vocab} is not divisible by tp={tp}")
-    group, vocab_start = mesh.get_group(), mesh.get_local_rank() * (vocab // tp)
-    # every rank needs every position; each rank's gradient covers only its vocab shard (Partial)
-    full = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])  # [L, D]
-    weight = lm_head_weight.to_local()  # [V/tp, D]; its gradient stays Shard(0)
+    full, weight, vocab_start, group = _local_operands(hidden, lm_head_weight, mesh)
     return sum_over_chunks(_chunk_loss, full, weight, labels, chunk, vocab_start, group)
+
+
+def vocab_parallel_ce_tokens(hidden: DTensor, lm_head_weight: DTensor, labels: torch.Tensor, chunk: int = 1024, *,
+                             mesh) -> torch.Tensor:
+    """Per-token losses [L], replicated on every tp rank: ``chunked_ce_tokens`` of the unsharded row."""
+    full, weight, vocab_start, group = _local_operands(hidden, lm_head_weight, mesh)
+    return tokens_over_chunks(_chunk_losses, full, weight, labels, chunk, vocab_start, group)

@@ -107,7 +107,8 @@ def tc_threads(cfg) -> int:
 
 
 def to_device(mb: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in mb.items()}
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else to_device(v, device) if isinstance(v, dict)
+            else v for k, v in mb.items()}
 
 
 def autocast(device: torch.device, precision: str, fsdp: bool):
@@ -225,8 +226,12 @@ class Engine:
         dist.all_reduce(t)
         return [x / (self.dims.cp * self.dims.tp) for x in t.tolist()]
 
-    def optimizer_step(self, micro_batches: list[dict], loss_fn: LossFn, normaliser: float) -> dict[str, Any]:
-        """One optimizer step over this rank's micro-batches (see the module docstring).
+    def optimizer_step(self, micro_batches: list[dict], loss_fn: LossFn, normaliser: float,
+                       count_step: bool = True) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches (see the module docstring). Every
+        rank must pass the same number of micro-batches (FSDP's collectives run per micro-batch).
+        ``count_step=False``: one of several updates of a training step (RL's PPO epochs and
+        mini-batches); the step counter and the schedule then advance with :meth:`advance`.
 
         ``loss_fn(model, mb) -> (loss_sum, stats)``: the SUM of the micro-batch's weighted token
         losses and extra sums (e.g. clipped tokens) to report. Returned: ``loss`` (global,
@@ -265,12 +270,17 @@ class Engine:
         else:
             self.skipped, self.bad_in_row = self.skipped + 1, self.bad_in_row + 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.step += 1
+        if count_step:
+            self.advance()
         if self.info.module is not None and hasattr(self.info.module, "synchronize"):
             self.info.module.synchronize()
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not finite, "skipped_total": self.skipped,
                 "compute_s": compute_s, **dict(zip(stats, totals[1:]))}
+
+    def advance(self) -> None:
+        """The training step is done: schedule and step counter move on."""
+        self.scheduler.step()
+        self.step += 1
 
     def finish_step(self, record: dict[str, Any], state_fn: Callable[[], dict]) -> None:
         """Log ``record``; stop after ``train.max_bad_steps`` non-finite steps in a row; checkpoint

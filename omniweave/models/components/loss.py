@@ -27,6 +27,36 @@ def chunked_ce_sum(
     return sum_over_chunks(_chunk_loss, hidden, lm_head_weight, labels, chunk)
 
 
+def _chunk_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy((hidden @ weight.t()).float(), labels, reduction="none")
+
+
+def chunked_ce_tokens(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                      chunk: int = 1024) -> torch.Tensor:
+    """Per-token losses fp32 [L] of hidden [L, D] against labels [L] (0 where the label is -100):
+    what RL needs (log-probs of given tokens); same chunking and checkpointing as the sum."""
+    return tokens_over_chunks(_chunk_token_losses, hidden, lm_head_weight, labels, chunk)
+
+
+def tokens_over_chunks(chunk_losses, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
+                       *extra) -> torch.Tensor:
+    """``chunk_losses(h [c, D], weight, y [c], *extra) -> [c]`` over the labelled rows, scattered
+    back to [L] (0 elsewhere); each chunk under activation checkpointing."""
+    keep = labels != IGNORE_INDEX
+    out = hidden.new_zeros(labels.shape[0], dtype=torch.float32)
+    h, y = hidden[keep], labels[keep]
+    if h.shape[0] == 0:  # keep the graph connected so every rank runs the same backward
+        return out + 0.0 * hidden.sum() + 0.0 * weight.sum()
+    parts = []
+    for s in range(0, h.shape[0], chunk):
+        hc, yc = h[s : s + chunk], y[s : s + chunk]
+        if torch.is_grad_enabled() and (hc.requires_grad or weight.requires_grad):
+            parts.append(checkpoint(chunk_losses, hc, weight, yc, *extra, use_reentrant=False))
+        else:
+            parts.append(chunk_losses(hc, weight, yc, *extra))
+    return out.index_put((keep.nonzero()[:, 0],), torch.cat(parts))
+
+
 def sum_over_chunks(chunk_loss, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
                     *extra) -> tuple[torch.Tensor, torch.Tensor]:
     """``chunk_loss(h [c, D], weight, y [c], *extra) -> loss sum`` over the labelled rows, ``chunk``

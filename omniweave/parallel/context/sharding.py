@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 # keys of a micro-batch (loader.collate_pack) that shard_batch rewrites / passes through
-_REWRITTEN_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "media_spans")
+_REWRITTEN_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "media_spans", "feature_rows", "token_data")
 _WHOLE_ROW_KEYS = ("pixel_values", "grid_thw", "num_loss_tokens")  # passed through unchanged
 
 
@@ -165,8 +165,11 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
     input_ids [local_len] (``pad_id`` at pads), labels [local_len] (-100 at pads), position_ids
     with the same leading axes (computed on the whole row: arange(L) if the batch has none),
     cu_seqlens = the local boundaries, feature_rows int64 [local_len] (index into the span-order
-    media features, -1 for text and pads) in place of media_spans; pixel_values, grid_thw and
-    num_loss_tokens (the pack's global count) unchanged, so the vision split decides who encodes.
+    media features, -1 for text and pads) in place of media_spans (or sharded from the batch's own
+    ``feature_rows``: rows that share media, as RL's G samples of a prompt do); each tensor of
+    ``token_data`` (per-token values [L], e.g. RL's advantages) sharded like the labels (0 at
+    pads); pixel_values, grid_thw and num_loss_tokens (the pack's global count) unchanged, so the
+    vision split decides who encodes.
     """
     unknown = sorted(set(batch) - set(_REWRITTEN_KEYS) - set(_WHOLE_ROW_KEYS))
     if unknown:
@@ -185,13 +188,17 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
     if spans is None and grid_thw is not None and grid_thw.shape[0] > 0:
         raise ValueError("batch has grid_thw but no media_spans to place the features")
     spans = torch.zeros(0, 2, dtype=torch.int64) if spans is None else spans.reshape(-1, 2)
+    rows = batch.get("feature_rows")
+    rows = feature_rows_from_spans(spans, plan.row_len) if rows is None else rows
     out = {
         "input_ids": shard_rows(ids, plan, rank, fill=pad_id),
         "labels": shard_rows(batch["labels"], plan, rank, fill=-100),
         "position_ids": _shard_positions(positions, plan, rank),
         "cu_seqlens": plan.local_cu_seqlens().to(ids.device),
-        "feature_rows": shard_rows(feature_rows_from_spans(spans, plan.row_len), plan, rank, fill=-1).to(ids.device),
+        "feature_rows": shard_rows(rows, plan, rank, fill=-1).to(ids.device),
     }
+    if "token_data" in batch:
+        out["token_data"] = {k: shard_rows(v, plan, rank, fill=0) for k, v in batch["token_data"].items()}
     out.update({k: batch[k] for k in _WHOLE_ROW_KEYS if k in batch})
     return out
 
@@ -227,4 +234,8 @@ def append_pad_document(batch: dict, length: int, pad_id: int = 0) -> dict:
     cu = batch.get("cu_seqlens")
     cu = torch.tensor([0, ids.shape[0]], dtype=torch.int32) if cu is None else cu
     out["cu_seqlens"] = torch.cat([cu, cu.new_tensor([int(cu[-1]) + length])])
+    if batch.get("feature_rows") is not None:
+        out["feature_rows"] = torch.cat([batch["feature_rows"], batch["feature_rows"].new_full((length,), -1)])
+    if "token_data" in batch:
+        out["token_data"] = {k: torch.cat([v, v.new_zeros(length)]) for k, v in batch["token_data"].items()}
     return out

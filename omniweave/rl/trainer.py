@@ -1,0 +1,157 @@
+"""``omniweave rl RECIPE [key=value …] [--nproc N] [--resume auto|CKPT]``: GRPO on packed RL prompts.
+
+A step (``train.global_batch`` prompts over all data-parallel ranks, each rank its share):
+
+    rollout   the policy's weights synced into the rollout copy; G samples per prompt with one
+              vision encoding and one prefill per prompt (rl/rollout.py; sequence-parallel under CP)
+    reward    responses decoded and scored (rl/rewards.py); a group whose reward failed is dropped
+              and counted, a group whose rewards are all equal is filtered (``rl.filter_zero_std``)
+    advantage group-normalised (rl/grpo.py), per sample
+    update    prompt + response rows packed (rl/batch.py), the reference's log-probs once
+              (``rl.kl_coef`` > 0), then ``rl.ppo_epochs`` × ``rl.mini_batches`` optimizer steps of
+              the engine, each normalised by the global token or sequence count of its mini-batch
+
+It reuses the training engine (train/engine.py): the same set-up, FSDP / TP / CP, optimizer step,
+checkpoints and exact resume (the loader position; sampling is seeded by step, prompt and sample,
+so nothing else needs saving), metrics and evaluation. docs/rl.md has every ``rl.*`` key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from omniweave.errors import UserError
+from omniweave.train.engine import Engine, autocast, to_device, with_process_group
+
+RL_LINE = (("reward", "reward_mean", ".3f"), ("acc", "accuracy", ".3f"), ("loss", "loss", ".4f"), ("kl", "kl", ".4f"),
+           ("len", "response_len_mean", ".1f"), ("rollout", "rollout_s", ".1f"), ("update", "update_s", ".1f"))
+ANSWER_REWARDS = ("exact_match", "multiple_choice", "numeric")  # the first of these is "accuracy"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from omniweave.train.trainer import add_arguments as train_arguments
+
+    train_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from omniweave.config import load_recipe
+    from omniweave.train.trainer import check_ready
+
+    cfg = load_recipe(args.recipe, args.overrides)
+    check_ready(cfg, args.resume, kind="prompts")
+    settings(cfg)  # bad rl.* values and unknown rewards fail here, before any rank starts
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        from omniweave.launch import torchrun
+
+        argv = ["rl", args.recipe, *args.overrides, *(["--resume", args.resume] if args.resume else [])]
+        code, error = torchrun(argv, args.nproc)
+        if error:
+            print(f"omniweave rl: error: {error}", file=sys.stderr)
+        return code
+    result = train_rl(cfg, resume=args.resume)
+    if result["rank"] == 0:
+        print(f"trained {result['steps']} GRPO steps in {result['seconds']:.1f} s, final reward "
+              f"{result['reward']:.3f}; run dir {result['run_dir']}")
+    return 0
+
+
+@dataclass
+class Settings:
+    grpo: object  # GRPOConfig
+    sampling: object  # SamplingParams (stop ids filled in by the loop)
+    group_size: int
+    ppo_epochs: int
+    mini_batches: int
+    update_max_len: int
+    rewards: object  # Rewards
+
+
+def settings(cfg, stop_ids: tuple[int, ...] = ()) -> Settings:
+    from omniweave.config import to_dict
+    from omniweave.rl.grpo import GRPOConfig
+    from omniweave.rl.rewards import build_rewards
+    from omniweave.rl.rollout import SamplingParams
+
+    rl = to_dict(cfg.rl)
+    if str(cfg.train.phase) != "grpo":
+        raise UserError(f"omniweave rl needs train.phase=grpo (the recipe has {cfg.train.phase!r})")
+    grpo = GRPOConfig(scale_rewards=rl["scale_rewards"], clip_low=rl["clip_low"], clip_high=rl["clip_high"],
+                      dual_clip=rl["dual_clip"], kl_coef=rl["kl_coef"], loss_agg=rl["loss_agg"],
+                      filter_zero_std=rl["filter_zero_std"])
+    grpo.validate()
+    sampling = SamplingParams(rl["temperature"], rl["top_p"], rl["top_k"], rl["max_new_tokens"], tuple(stop_ids))
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise UserError(f"rl.temperature / top_p / top_k / max_new_tokens: {e}") from None
+    for key in ("group_size", "ppo_epochs", "mini_batches"):
+        if rl[key] < 1 or (key == "group_size" and rl[key] < 2):
+            raise UserError(f"rl.{key} must be >= {2 if key == 'group_size' else 1}, got {rl[key]}")
+    capacity = rl["update_max_len"] or int(cfg.data.max_len) + rl["max_new_tokens"]
+    return Settings(grpo, sampling, rl["group_size"], rl["ppo_epochs"], rl["mini_batches"], capacity,
+                    build_rewards(rl["rewards"]))
+
+
+def train_rl(cfg, resume: str | None = None) -> dict:
+    return with_process_group(lambda: _train_rl(cfg, resume))
+
+
+def _train_rl(cfg, resume) -> dict:
+    from omniweave.data.loader import PackedLoader
+    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.rl.rollout import TorchRollout, build_rollout_model
+
+    engine = Engine(cfg)
+    loader = PackedLoader(cfg.data.path, int(cfg.train.global_batch), dp_rank=engine.meshes.dp_rank,
+                          dp_size=engine.dims.dp, seed=int(cfg.train.seed), num_workers=int(cfg.data.num_workers),
+                          kind="prompts")
+    processor = SampleProcessor(loader.data_cfg)
+    stops = tuple(processor.tokenizer.token_id(t) for t in processor.template.stop_tokens)
+    s = settings(cfg, stops)
+    reference = _reference_model(cfg, engine) if s.grpo.kl_coef > 0 else None
+    rollout_model = build_rollout_model(cfg, engine.dims, engine.meshes, engine.device)
+    rollout = TorchRollout(rollout_model, cp_group=engine.meshes.cp.get_group() if engine.dims.cp > 1 else None,
+                           cp=engine.dims.cp, cp_rank=engine.meshes.cp_rank)
+    state = engine.resume(resume)
+    if state is not None:
+        loader.load_state_dict(state["loader"])
+    engine.start_logging(RL_LINE)
+    if engine.rank == 0:
+        print(f"{engine.describe()}, {loader.num_packs} prompts, {int(cfg.train.global_batch)} per step x "
+              f"{s.group_size} samples, GRPO steps {engine.step}..{engine.total}", flush=True)
+    step_fn = GRPOStep(engine, s, processor, stops, rollout, rollout_model, reference)
+    last = {"reward_mean": float("nan")}
+    it = iter(loader)
+    while engine.step < engine.total:
+        last = step_fn(next(it))
+        engine.finish_step(last, lambda: {"loader": loader.state_dict()})
+    seconds = engine.finish()
+    return {"rank": engine.rank, "steps": engine.step, "seconds": seconds, "reward": last["reward_mean"],
+            "run_dir": str(engine.run_dir)}
+
+
+def _reference_model(cfg, engine: Engine):
+    """The frozen reference: the policy's initial weights, parallelised exactly like it."""
+    from omniweave.train.engine import build
+
+    model = build(cfg, engine.device, engine.dims, engine.meshes)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of a step (prompt uid and sample index are mixed in per sample)."""
+    return int(seed) * 1_000_003 + int(step)
+
+
+from omniweave.rl.step import GRPOStep  # noqa: E402  (the step needs the names above)
+
+__all__ = ["GRPOStep", "RL_LINE", "run", "settings", "step_seed", "train_rl"]
