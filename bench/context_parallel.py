@@ -21,7 +21,7 @@ a second, text-only document; ~90% of the tokens are video. Positions are 1-D (i
 three M-RoPE axes): they do not change memory or time.
 
     python bench/context_parallel.py [--lengths 2048 4096 8192] [--cp 1 2 4] [--mode ring]
-                                     [--repeats 3] [--budget-length 4096] [--out docs/benchmarks]
+                                     [--repeats 3] [--budget-length 4096] [--out bench/out]
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget-length", type=int, default=4096, help="CP=1 length whose activation memory is the budget")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    p.add_argument("--out", type=Path, default=Path("bench/out"), help="every result file goes here (and only here)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

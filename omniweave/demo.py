@@ -112,6 +112,7 @@ def pipeline(data_dir: Path, work: Path, recipe: Path, overrides: list[str], wor
     _cli("train", str(recipe), *train_overrides)
     train_seconds = time.perf_counter() - t0
     cfg = load_recipe(recipe, train_overrides)
+    _recipe_threads(cfg)
     model = load_trained_model(run_dir, cfg)
     report = evaluate_file(model, _processor(cfg), data_dir / "eval.jsonl", data_dir / "media",
                            max_new_tokens=int(cfg.eval.max_new_tokens))
@@ -119,6 +120,34 @@ def pipeline(data_dir: Path, work: Path, recipe: Path, overrides: list[str], wor
     per_task = ", ".join(f"{t} {a:.0%}" for t, a in sorted(report["by_task"].items()))
     print(f"eval: accuracy {report['accuracy']:.1%} on {report['n']} held-out questions ({per_task})", flush=True)
     return report
+
+
+def _recipe_threads(cfg) -> None:
+    """Evaluate on the recipe's ``train.cpu_threads`` too, set here rather than left over from the
+    in-process training run, so the greedy answers never depend on torch's default thread count."""
+    import torch
+
+    from omniweave.train.trainer import tc_threads
+
+    if tc_threads(cfg):
+        torch.set_num_threads(tc_threads(cfg))
+
+
+def platform_info() -> dict:
+    """What the demo's numbers depend on besides the recipe and seed: the same software on the
+    same CPU gives bit-identical runs, another CPU or SIMD path (ATen's, MKL's, oneDNN's) gives
+    slightly different floats and so a few different answers (docs/benchmarks.md#the-demo)."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return {"torch": torch.__version__, "cpu": cpu or platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
 
 def _processor(cfg):
@@ -161,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         "eval_samples": main["n"],
         "accuracy_by_task": main["by_task"],
         "examples": main["examples"],
+        "platform": platform_info(),
     }
     if not args.no_control:
         control_data = out / "control" / "data"

@@ -49,9 +49,34 @@ def test_demo_command_runs_the_whole_pipeline_and_writes_its_report(tmp_path):
     report = json.loads((out / "demo_report.json").read_text())
     assert report["steps"] == 3 and report["eval_samples"] == 14 and report["seconds"] > 0
     assert 0.0 <= report["accuracy"] <= 1.0 and 0.0 <= report["control_accuracy"] <= 1.0
+    assert report["platform"]["cpu_capability"] and report["platform"]["threads"] == 1  # the recipe's cpu_threads
     run = out / "run"
     assert report["run_dir"] == str(run)
     assert (out / "packed" / "manifest.json").exists() and (run / "loss.png").exists()
     assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert (run / "checkpoints" / "latest").resolve().name == "step_000003"
     assert (out / "control" / "run" / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.slow
+def test_packs_and_losses_do_not_depend_on_workers_threads_or_hash_seed(demo_packed, tmp_path):
+    """What docs/benchmarks.md promises for the demo on one machine: packing with 2 workers writes
+    the bytes 1 worker wrote, and training on 1 or 2 intra-op threads, under different
+    PYTHONHASHSEEDs, gives bit-identical losses (only another CPU / SIMD path changes them)."""
+    from tests.train_factory import MAX_LEN, child_env, losses, train_subprocess
+
+    again = tmp_path / "packed2"
+    assert main(["data", "pack", "--input", str(demo_packed.parent / "raw"), "--output", str(again), "--recipe",
+                 "demo", "--max-len", str(MAX_LEN), "--workers", "2"]) == 0
+    written = sorted(p.name for p in demo_packed.glob("packs-*")) + ["manifest.json"]
+    assert len(written) > 1
+    for name in written:
+        assert (again / name).read_bytes() == (demo_packed / name).read_bytes(), name
+    runs = []
+    for threads, hash_seed in ((1, "1"), (2, "2")):
+        out = tmp_path / f"run_t{threads}"
+        proc = train_subprocess(demo_packed, out, steps=3, env=child_env(PYTHONHASHSEED=hash_seed),
+                                train__cpu_threads=threads)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        runs.append(losses(out))
+    assert len(runs[0]) == 3 and runs[0] == runs[1]

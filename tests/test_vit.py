@@ -83,3 +83,13 @@ def test_registered_names_build_from_yaml_dicts():
     assert isinstance(build_component("projector", {"name": "mlp_adapter", "in_dim": 32, "out_dim": 64}), MLPAdapter)
     with pytest.raises(KeyError, match="unknown config key"):
         build_component("image_encoder", {"name": "qwen2_vit", "embed_dim": 32})
+
+
+@pytest.mark.parametrize("cfg_cls", [Qwen2ViTConfig, Qwen25ViTConfig])
+def test_encoder_output_owns_its_storage(cfg_cls):
+    """Not a view (FSDP2 warns when a wrapped module returns one, issue 15); the window
+    reorder and its inverse leave the values exactly as the per-item encoding gives them."""
+    enc = _tiny(cfg_cls)
+    grid = torch.tensor([[1, 6, 8], [2, 4, 4]])
+    out = enc(torch.randn(int(grid.prod(-1).sum()), IN_DIM), grid)
+    assert out._base is None and out.requires_grad

@@ -229,9 +229,16 @@ class VisionTransformer(nn.Module):
         return torch.zeros(m * m, self.cfg.in_dim, device=device), grid_thw
 
     def _by_unit(self, t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Reorder rows in groups of merge² (one merge unit) by ``index``."""
+        """Reorder rows in groups of merge² (one merge unit) by ``index``.
+
+        One gather of whole rows (unit index -> its merge² row indices), not a gather of
+        ``[P/merge², merge², D]`` reshaped back to ``[P, D]``: that reshape is a view, and as the
+        encoder's output a view makes FSDP2's hooks (an FSDP-wrapped encoder, e.g. encoder tp <
+        foundation tp) warn that an in-place op on it would skip the pre-backward all-gather.
+        Same copy, same values; the result owns its storage."""
         unit = self.merge_size**2
-        return t.view(-1, unit, t.shape[-1])[index].reshape(t.shape)
+        rows = (index[:, None] * unit + torch.arange(unit, device=index.device)).flatten()
+        return t.index_select(0, rows)
 
 
 register("image_encoder", "qwen2_vit", Qwen2ViTConfig)(VisionTransformer)
