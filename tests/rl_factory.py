@@ -47,3 +47,26 @@ def raise_stop_logits(model, processor: SampleProcessor, bias: float = 5.0) -> N
     add[list(stop_ids(processor))] = bias
     logits = model.foundation.logits
     model.foundation.logits = lambda hidden: logits(hidden) + add.to(hidden.dtype)
+
+
+def make_rl_prompts(root: Path, samples: int = 48) -> Path:
+    """``data demo`` rl.jsonl -> convert -> pack with the demo_grpo recipe: one prompt per pack."""
+    from omniweave.cli import main
+
+    root = Path(root)
+    assert main(["data", "demo", str(root / "demo"), "--samples", "4", "--eval-samples", "4",
+                 "--rl-samples", str(samples)]) == 0
+    assert main(["data", "convert", "--input", str(root / "demo/rl.jsonl"), "--media-dir", str(root / "demo/media"),
+                 "--output", str(root / "rlraw"), "--workers", "1", "--no-progress"]) == 0
+    assert main(["data", "pack", "--input", str(root / "rlraw"), "--output", str(root / "prompts"),
+                 "--recipe", "demo_grpo", "--workers", "1"]) == 0
+    return root / "prompts"
+
+
+def rl_overrides(prompts: Path, out: Path, steps: int = 3, **kw) -> list[str]:
+    """A short GRPO run on ``prompts`` from random weights with a reward that varies on random text."""
+    ov = {"output_dir": out, "data.path": prompts, "train.steps": steps, "train.global_batch": 4,
+          "train.save_interval": 0, "train.log_interval": 1, "rl.group_size": 4, "rl.max_new_tokens": 5,
+          "rl.rewards": "[{name: 'tests.rl_user_rewards:vowel_fraction'}]"}
+    ov.update({k.replace("__", "."): v for k, v in kw.items()})
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in ov.items()]

@@ -31,3 +31,15 @@ class Scorers:
 
 
 NOT_A_FUNCTION = 3
+
+
+def vowel_fraction(response: str, reference: str) -> float:
+    """A reward that varies on the random text an untrained model writes (RL plumbing tests)."""
+    letters = [c for c in response.lower() if c.isalpha()]
+    return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+
+
+def raises_on_e(response: str, reference: str) -> float:
+    if "e" in response:
+        raise ValueError("this reward cannot read responses with an 'e'")
+    return 0.5

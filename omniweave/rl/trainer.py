@@ -21,18 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
 from omniweave.errors import UserError
-from omniweave.train.engine import Engine, autocast, to_device, with_process_group
+from omniweave.rl.step import GRPOStep
+from omniweave.train.engine import Engine, with_process_group
 
 RL_LINE = (("reward", "reward_mean", ".3f"), ("acc", "accuracy", ".3f"), ("loss", "loss", ".4f"), ("kl", "kl", ".4f"),
            ("len", "response_len_mean", ".1f"), ("rollout", "rollout_s", ".1f"), ("update", "update_s", ".1f"))
-ANSWER_REWARDS = ("exact_match", "multiple_choice", "numeric")  # the first of these is "accuracy"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -146,12 +142,3 @@ def _reference_model(cfg, engine: Engine):
     model.requires_grad_(False)
     return model.eval()
 
-
-def step_seed(seed: int, step: int) -> int:
-    """The sampling seed of a step (prompt uid and sample index are mixed in per sample)."""
-    return int(seed) * 1_000_003 + int(step)
-
-
-from omniweave.rl.step import GRPOStep  # noqa: E402  (the step needs the names above)
-
-__all__ = ["GRPOStep", "RL_LINE", "run", "settings", "step_seed", "train_rl"]

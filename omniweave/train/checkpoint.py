@@ -143,6 +143,16 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
     return json.loads((path / "trainer_state.json").read_text())
 
 
+def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
+    """Collective: only the model weights of a checkpoint into ``model`` (any parallel layout)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    state = _dcp_state(model, None)
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+
+
 def load_model(path: str | os.PathLike, model_cfg=None) -> tuple[nn.Module, dict]:
     """(model on CPU, model_cfg) from a checkpoint dir, a checkpoints dir or a run dir, without a
     process group: ``omniweave hf export`` and evaluation. The model config comes from the

@@ -94,11 +94,21 @@ def build(cfg, device: torch.device, dims, meshes) -> nn.Module:
     if meta_init:  # materialise each rank's shards only, then initialise them
         model.to_empty(device=device)
         model.init_weights()
-    if cfg.train.get("init_from"):  # each rank reads only its own slices of the HF safetensors
+    if cfg.train.get("init_from"):
+        init_weights_from(model, str(cfg.train.init_from))
+    return model
+
+
+def init_weights_from(model: nn.Module, path: str) -> None:
+    """``train.init_from``: a HF model directory (each rank reads only its own slices of the
+    safetensors) or an omniweave training checkpoint (a run, checkpoints/ or step dir: its model
+    weights through DCP, resharded to this layout; its optimizer and schedule are not taken)."""
+    if (Path(path) / "config.json").is_file():
         from omniweave.models.hf.loading import load_hf_into
 
-        load_hf_into(model, cfg.train.init_from)
-    return model
+        load_hf_into(model, path)
+    else:
+        checkpoint.load_weights(checkpoint.resolve_checkpoint(path), model)
 
 
 def tc_threads(cfg) -> int:

@@ -50,16 +50,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_ready(cfg, resume: str | None) -> None:
-    """What can be checked without a process group: required keys, the packed data, the checkpoint."""
+def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
+    """What can be checked without a process group: required keys, the packed data (SFT packs or
+    RL prompts, as ``kind`` says), the checkpoint to resume from."""
+    import json
+
     from omniweave.config import require
+    from omniweave.data.loader import check_kind
     from omniweave.data.packed import MANIFEST
     from omniweave.errors import UserError
 
     require(cfg, "data.path", "train.steps", "train.global_batch", "train.lr")
-    if not (Path(cfg.data.path) / MANIFEST).is_file():
+    manifest = Path(cfg.data.path) / MANIFEST
+    if not manifest.is_file():
         raise UserError(f"data.path={cfg.data.path}: no packed dataset there (no {MANIFEST}); build it with "
                         f"`omniweave data pack --input RAW --output {cfg.data.path} --recipe RECIPE`")
+    check_kind(json.loads(manifest.read_text()), kind, str(cfg.data.path))
     if resume and resume != "auto":
         try:
             checkpoint.resolve_checkpoint(resume)

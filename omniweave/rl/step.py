@@ -1,0 +1,164 @@
+"""One GRPO step: rollout, reward, advantages, updates (see rl/trainer.py for the overview)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from omniweave.rl.batch import dummy_row, update_rows
+from omniweave.rl.grpo import group_advantages, grpo_token_loss, zero_std_groups
+from omniweave.rl.rollout import Prompt, sync_weights
+from omniweave.train.engine import autocast, to_device
+
+ANSWER_REWARDS = ("exact_match", "multiple_choice", "numeric")  # the first of these listed is "accuracy"
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of a step (prompt uid and sample index are mixed in per sample)."""
+    return int(seed) * 1_000_003 + int(step)
+
+
+class GRPOStep:
+    def __init__(self, engine, settings, processor, stop_ids, rollout, rollout_model, reference=None):
+        self.engine, self.s, self.processor, self.stop_ids = engine, settings, processor, stop_ids
+        self.rollout, self.rollout_model, self.reference = rollout, rollout_model, reference
+        self.sampling = settings.sampling
+        keys = settings.rewards.keys
+        self.accuracy_key = next((k for k in keys if k.rsplit("_", 1)[0] in ANSWER_REWARDS or k in ANSWER_REWARDS),
+                                 keys[0])
+
+    # ------------------------------------------------------------------ the step
+
+    def __call__(self, packs: list[dict]) -> dict:
+        e, s, G = self.engine, self.s, self.s.group_size
+        t0 = time.perf_counter()
+        prompts = [Prompt(p["prompt"]["uid"], p) for p in packs]
+        answers = [p["prompt"]["answer"] for p in packs]
+        sync_weights(e.model, self.rollout_model)
+        rollouts = self.rollout.generate(prompts, G, self.sampling, step_seed(e.cfg.train.seed, e.step))
+        rollout_s = time.perf_counter() - t0
+        texts = [self.processor.tokenizer.decode([t for t in r.tokens if t not in self.stop_ids]) for r in rollouts]
+        scored = s.rewards.score(texts, [answers[k // G] for k in range(len(rollouts))])
+        keep, advantages, counts = self._advantages(scored, len(prompts))
+        t1 = time.perf_counter()
+        rows = update_rows(prompts, rollouts, advantages, keep, G, s.update_max_len, s.grpo.loss_agg)
+        rows = self._aligned(rows, prompts)
+        if self.reference is not None:
+            for row in rows:
+                row["token_data"]["ref_logp"] = self._full_row_logprobs(self.reference, row)
+        updates = self._update(rows)
+        e.advance()
+        update_s = time.perf_counter() - t1
+        return self._record(rollouts, scored, counts, updates, rows, rollout_s, update_s, time.perf_counter() - t0)
+
+    def _advantages(self, scored, n: int):
+        """(kept prompt indices, advantages [n·G] (0 for dropped groups), group counts)."""
+        G = self.s.group_size
+        rewards = scored.total.view(n, G)
+        failed = scored.failed.view(n, G).any(1)
+        flat = torch.where(failed[:, None], 0.0, rewards)
+        zero = zero_std_groups(flat.reshape(-1), G) & ~failed
+        dropped = failed | (zero if self.s.grpo.filter_zero_std else torch.zeros_like(zero))
+        keep = [i for i in range(n) if not dropped[i]]
+        advantages = torch.zeros(n * G)
+        if keep:
+            idx = torch.tensor(keep)
+            adv = group_advantages(flat[idx].reshape(-1), G, scale=self.s.grpo.scale_rewards)
+            advantages.view(n, G)[idx] = adv.view(len(keep), G)
+        return keep, advantages, {"groups": n, "failed": int(failed.sum()), "zero_std": int(zero.sum())}
+
+    def _aligned(self, rows: list[dict], prompts: list[Prompt]) -> list[dict]:
+        """Every rank the same number of rows, a multiple of rl.mini_batches (dummy rows added)."""
+        e = self.engine
+        n = torch.tensor([len(rows)])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        target = -(-int(n) // self.s.mini_batches) * self.s.mini_batches
+        axes = prompts[0].batch["position_ids"].shape[0] if prompts else 3
+        return rows + [dummy_row(2 * e.dims.cp, axes) for _ in range(target - len(rows))]
+
+    @torch.no_grad()
+    def _full_row_logprobs(self, model, row: dict) -> torch.Tensor:
+        """Per-token log-probs [L] of a whole row (CP shards gathered back) under ``model``."""
+        from omniweave.parallel.context import shard_micro_batch
+        from omniweave.parallel.context.sharding import pad_rows_for, plan_cp_shard, unshard_rows
+
+        e = self.engine
+        mb = to_device(shard_micro_batch(row, e.dims.cp, e.meshes.cp_rank, e.dims.tp), e.device)
+        with autocast(e.device, e.precision, e.fsdp):
+            logp = model(mb, token_logprobs=True, temperature=self.sampling.temperature or 1.0).token_logp.float()
+        length = row["input_ids"].shape[0]
+        if e.dims.cp == 1:
+            return logp[:length].cpu()
+        parts = [torch.empty_like(logp) for _ in range(e.dims.cp)]
+        dist.all_gather(parts, logp.contiguous(), group=e.meshes.cp.get_group())
+        cu = row["cu_seqlens"]
+        pad = pad_rows_for(cu, e.dims.cp, e.dims.tp)
+        cu = torch.cat([cu, cu.new_tensor([int(cu[-1]) + pad])]) if pad else cu
+        return unshard_rows([p.cpu() for p in parts], plan_cp_shard(cu, e.dims.cp))[:length]
+
+    def _loss_fn(self, model, mb):
+        td = mb["token_data"]
+        out = model(mb, token_logprobs=True, temperature=self.sampling.temperature or 1.0)
+        mask = mb["labels"] != -100
+        ref = td["ref_logp"][mask] if "ref_logp" in td else None
+        per_token, stats = grpo_token_loss(out.token_logp[mask], td["old_logp"][mask], ref,
+                                           td["advantages"][mask], self.s.grpo)
+        extra = {"tokens": mask.sum().double(), "clipped": stats["clipped"].sum().double(),
+                 "kl_sum": stats["kl"].sum().double() if "kl" in stats else torch.zeros((), dtype=torch.float64)}
+        return (per_token * td["weights"][mask]).sum(), extra
+
+    def _update(self, rows: list[dict]) -> list[dict]:
+        e, s = self.engine, self.s
+        seq_mode = s.grpo.loss_agg != "token-mean"
+        per = len(rows) // s.mini_batches
+        outs = []
+        for _ in range(s.ppo_epochs):
+            for k in range(s.mini_batches):
+                part = rows[k * per : (k + 1) * per]
+                (norm,) = e.global_sum([sum(r["num_seqs"] if seq_mode else r["num_loss_tokens"] for r in part)])
+                batch = [{key: v for key, v in r.items() if key != "num_seqs"} for r in part]
+                outs.append(e.optimizer_step(batch, self._loss_fn, normaliser=norm, count_step=False))
+        return outs
+
+    # ------------------------------------------------------------------ metrics
+
+    def _record(self, rollouts, scored, counts, updates, rows, rollout_s, update_s, step_s) -> dict:
+        e, G = self.engine, self.s.group_size
+        from omniweave.device import peak_memory_bytes
+
+        ok = ~scored.failed
+        lens = torch.tensor([len(r.tokens) for r in rollouts], dtype=torch.float64)
+        sampled_logp = sum(sum(r.logprobs) for r in rollouts)
+        local = [float(ok.sum()), float(scored.total[ok].sum()), float((scored.total[ok] ** 2).sum()),
+                 float(len(rollouts)), float(lens.sum()), float(sum(r.truncated for r in rollouts)), -sampled_logp,
+                 float(counts["groups"]), float(counts["failed"]), float(counts["zero_std"]),
+                 float(sum(r["input_ids"].shape[0] for r in rows if r["num_seqs"]))]
+        for key in scored.per_reward:
+            values = scored.per_reward[key][ok]
+            local.append(float(values.sum()))
+        g = e.global_sum(local)
+        n_ok, r_sum, r_sq, n, len_sum, trunc, nll, groups, failed, zero_std, row_tokens = g[:11]
+        mean = r_sum / max(n_ok, 1)
+        tokens = sum(u.get("tokens", 0.0) for u in updates)  # no rows at all: every group was dropped
+        record = {
+            "step": e.step, "loss": sum(u["loss"] for u in updates) / len(updates),
+            "grad_norm": updates[-1]["grad_norm"], "lr": updates[-1]["lr"],
+            "reward_mean": mean, "reward_std": max(r_sq / max(n_ok, 1) - mean * mean, 0.0) ** 0.5,
+            **{f"reward/{k}": v / max(n_ok, 1) for k, v in zip(scored.per_reward, g[11:])},
+            "response_len_mean": len_sum / max(n, 1), "response_clip_frac": trunc / max(n, 1),
+            "kl": sum(u.get("kl_sum", 0.0) for u in updates) / max(tokens, 1),
+            "clip_frac": sum(u.get("clipped", 0.0) for u in updates) / max(tokens, 1),
+            "entropy": nll / max(len_sum, 1), "frac_zero_std": zero_std / max(groups, 1),
+            "groups_failed": int(failed), "samples": int(n), "group_size": G,
+            "rollout_s": round(rollout_s, 3), "update_s": round(update_s, 3), "step_s": round(step_s, 4),
+            "tokens_per_s": row_tokens * self.s.ppo_epochs / max(update_s, 1e-9),
+            "gen_tokens_per_s": len_sum / max(rollout_s, 1e-9),
+            "memory_gb": peak_memory_bytes(e.info) / 2**30,
+            "skipped": any(u["skipped"] for u in updates), "skipped_total": e.skipped,
+        }
+        record["accuracy"] = record.get(f"reward/{self.accuracy_key}", mean)
+        if scored.errors and e.rank == 0:
+            print(f"step {e.step}: reward failures {dict(scored.errors)} (their groups were dropped)", flush=True)
+        return record
