@@ -354,7 +354,16 @@ def build_rollout_model(cfg, dims, meshes, device) -> torch.nn.Module:
 def sync_weights(policy: torch.nn.Module, rollout_model: torch.nn.Module) -> None:
     """Collective over the policy's ranks: its current weights (FSDP / TP shards gathered) into
     ``rollout_model`` on every rank."""
+    import logging
+
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+    # FSDP over TP shards gathers in two all-gathers, and DTensor logs that this is "suboptimal"
+    # (and might reduce in another order: an all-gather reduces nothing); once per sync is fine.
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level, log.level = log.level, logging.ERROR
+    try:
+        state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+    finally:
+        log.setLevel(level)
     rollout_model.load_state_dict(state)

@@ -184,12 +184,12 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
     if positions is None:
         positions = torch.arange(plan.row_len, device=ids.device)
     grid_thw = batch.get("grid_thw")
-    spans = batch.get("media_spans")
-    if spans is None and grid_thw is not None and grid_thw.shape[0] > 0:
+    spans, rows = batch.get("media_spans"), batch.get("feature_rows")
+    if spans is None and rows is None and grid_thw is not None and grid_thw.shape[0] > 0:
         raise ValueError("batch has grid_thw but no media_spans to place the features")
-    spans = torch.zeros(0, 2, dtype=torch.int64) if spans is None else spans.reshape(-1, 2)
-    rows = batch.get("feature_rows")
-    rows = feature_rows_from_spans(spans, plan.row_len) if rows is None else rows
+    if rows is None:
+        spans = torch.zeros(0, 2, dtype=torch.int64) if spans is None else spans.reshape(-1, 2)
+        rows = feature_rows_from_spans(spans, plan.row_len)
     out = {
         "input_ids": shard_rows(ids, plan, rank, fill=pad_id),
         "labels": shard_rows(batch["labels"], plan, rank, fill=-100),
