@@ -23,14 +23,18 @@ RECIPE = "demo"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
+    p.add_argument("--out", default=None, help="output folder (default: runs/demo, with --rl runs/demo_rl)")
+    p.add_argument("--rl", action="store_true", help="the GRPO demo instead (omniweave/demo_rl.py)")
     p.add_argument("--samples", type=int, default=None, help="training samples to generate (default: the recipe's demo.samples)")
     p.add_argument("--eval-samples", type=int, default=None, help="held-out eval samples (default: the recipe's demo.eval_samples)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's train.steps)")
+    p.add_argument("--steps", type=int, default=None, help="training (with --rl: GRPO) steps (default: the recipe's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2, help="worker processes for convert and pack")
     p.add_argument("--no-control", action="store_true", help="skip the blanked-media control run")
-    p.add_argument("overrides", nargs="*", help="recipe overrides key=value, applied to both runs")
+    p.add_argument("overrides", nargs="*", help="recipe overrides key=value, applied to both runs (--rl: the GRPO run)")
+    from omniweave.demo_rl import add_arguments as rl_arguments
+
+    rl_arguments(p)
 
 
 # ----------------------------------------------------------------------------- blank media
@@ -127,7 +131,7 @@ def _recipe_threads(cfg) -> None:
     in-process training run, so the greedy answers never depend on torch's default thread count."""
     import torch
 
-    from omniweave.train.trainer import tc_threads
+    from omniweave.train.engine import tc_threads
 
     if tc_threads(cfg):
         torch.set_num_threads(tc_threads(cfg))
@@ -167,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
     from omniweave.config import load_recipe, recipe_path
     from omniweave.data.demo import generate
 
+    if args.rl:
+        from omniweave import demo_rl
+
+        args.out = args.out or "runs/demo_rl"
+        return demo_rl.run(args)
+    args.out = args.out or "runs/demo"
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     recipe = recipe_path(RECIPE)
