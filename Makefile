@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install demo test bench clean
+.PHONY: install demo demo-rl test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/omniweave demo --out runs/demo
+
+demo-rl: install
+	$(VENV)/bin/omniweave demo --rl --out runs/demo_rl
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

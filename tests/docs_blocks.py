@@ -9,8 +9,9 @@ directive comment:
                                       (a recipe, a job script) before the doc's commands run
 
 Runs are scaled down by rewriting the documented flags, never by flags of the test's own:
-``--samples N`` (at most 160), ``--eval-samples N`` (at most 20), ``train.steps=N`` (N // 20, at
-least 2) and an ``omniweave train`` / ``omniweave demo`` without a step count gets 2 steps.
+``--samples N`` (at most 160), ``--eval-samples N`` (at most 20), ``--rl-samples N`` (at most 64),
+``train.steps=N`` (N // 20, at least 2) and an ``omniweave train`` / ``rl`` / ``demo`` without a
+step count gets 2 steps.
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ def scale(line: str) -> str:
     """The documented command with its sizes scaled down for a test (see the module docstring)."""
     line = re.sub(r"--samples (\d+)", lambda m: f"--samples {min(int(m.group(1)), 160)}", line)
     line = re.sub(r"--eval-samples (\d+)", lambda m: f"--eval-samples {min(int(m.group(1)), 20)}", line)
+    line = re.sub(r"--rl-samples (\d+)", lambda m: f"--rl-samples {min(int(m.group(1)), 64)}", line)
     line = re.sub(r"train\.steps=(\d+)", lambda m: f"train.steps={max(2, int(m.group(1)) // 20)}", line)
     words = command_words(line)
-    if words[:2] == ["omniweave", "train"] and "train.steps=" not in line:
+    if words[:2] in (["omniweave", "train"], ["omniweave", "rl"]) and "train.steps=" not in line:
         line = _before_comment(line) + " train.steps=2"
     if words[:2] == ["omniweave", "demo"] and "--steps" not in line:
         line = _before_comment(line) + " --steps 2"

@@ -80,3 +80,18 @@ def test_packs_and_losses_do_not_depend_on_workers_threads_or_hash_seed(demo_pac
         assert proc.returncode == 0, proc.stdout[-3000:]
         runs.append(losses(out))
     assert len(runs[0]) == 3 and runs[0] == runs[1]
+
+
+@pytest.mark.slow
+def test_rl_demo_runs_sft_then_grpo_and_writes_its_report(tmp_path):
+    out = tmp_path / "demo_rl"
+    code = main(["demo", "--rl", "--out", str(out), "--samples", "120", "--eval-samples", "14", "--rl-samples", "24",
+                 "--sft-steps", "3", "--steps", "2", "--workers", "1", "train.global_batch=4", "rl.group_size=2"])
+    assert code == 0
+    report = json.loads((out / "rl_report.json").read_text())
+    assert report["steps"] == 2 and report["sft_steps"] == 3 and report["seconds"] > 0
+    assert 0.0 <= report["accuracy_sft"] <= 1.0 and 0.0 <= report["accuracy_rl"] <= 1.0
+    assert report["eval_samples"] == 12  # the eval split's visual questions (14 minus the 2 "add" ones)
+    assert set(report["accuracy_by_task_rl"]) <= {"color", "shape", "position", "count", "motion", "which_red"}
+    rows = [json.loads(line) for line in (out / "rl" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("reward_mean" in r for r in rows)

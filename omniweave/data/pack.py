@@ -314,9 +314,13 @@ def run(args) -> int:
         write_phase(args, out, data_cfg, build, info)
         if maybe_finish(out, data_cfg, build, info):
             s = json.loads((out / "stats.json").read_text())
-            print(f"packed {s['samples_packed']}/{s['samples']} samples into {s['packs']} packs of {s['capacity']} "
-                  f"tokens, efficiency {s['efficiency']:.2%}, dropped {s['dropped'] or 0} -> {out} "
-                  f"({time.time() - t0:.1f}s)")
+            if kind == "prompts":  # one prompt per pack: fill is not a goal here
+                print(f"packed {s['samples_packed']}/{s['samples']} RL prompts (one per pack, at most "
+                      f"{s['capacity']} tokens), dropped {s['dropped'] or 0} -> {out} ({time.time() - t0:.1f}s)")
+            else:
+                print(f"packed {s['samples_packed']}/{s['samples']} samples into {s['packs']} packs of {s['capacity']} "
+                      f"tokens, efficiency {s['efficiency']:.2%}, dropped {s['dropped'] or 0} -> {out} "
+                      f"({time.time() - t0:.1f}s)")
             return 0
         print(f"write {args.worker_index}/{args.num_workers}: done; other slices still pending ({time.time() - t0:.1f}s)")
         return 0
