@@ -73,3 +73,32 @@ def test_a_grpo_step_equals_one_rank(setup, layout, tmp_path):
     worst = max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-12)) for g, r in zip(grads, ref_grads))
     print(f"{layout or 'dp2'}: loss {metrics['loss']:.6g} vs {ref_metrics['loss']:.6g}, grads max rel {worst:.2e}")
     assert worst <= GRAD_RTOL
+
+
+def _text_rank_body(rank: int, world: int, overrides: list[str]) -> int:
+    from omniweave.config import load_recipe
+    from omniweave.rl.trainer import train_rl
+
+    return train_rl(load_recipe("demo_grpo", overrides))["steps"]
+
+
+def test_a_rank_whose_prompts_have_no_media_does_not_hang(tmp_path):
+    """Two prompts, one with an image and one text-only, one per rank each step: the text-only rank
+    runs the encoder on its dummy input, in the rollout and in the update, and the run finishes."""
+    import json
+
+    from omniweave.cli import main
+    from tests.data_factory import png_bytes
+
+    (tmp_path / "a.png").write_bytes(png_bytes(56, 56))
+    rows = [{"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "red"}],
+             "images": ["a.png"]},
+            {"messages": [{"role": "user", "content": "2 plus 3?"}, {"role": "assistant", "content": "5"}]}]
+    (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["data", "convert", "--input", str(tmp_path / "rl.jsonl"), "--output", str(tmp_path / "raw"),
+                 "--workers", "1", "--no-progress"]) == 0
+    assert main(["data", "pack", "--input", str(tmp_path / "raw"), "--output", str(tmp_path / "prompts"),
+                 "--recipe", "demo_grpo", "--workers", "1"]) == 0
+    overrides = rl_overrides(tmp_path / "prompts", tmp_path / "run", steps=3, train__global_batch=2,
+                             train__cpu_threads=1)
+    assert run_ranks(_text_rank_body, 2, overrides, timeout=300) == [3, 3]
