@@ -15,7 +15,8 @@ import pytest
 
 from data_factory import png_bytes, video_bytes
 from omniweave.data import inspect
-from omniweave.data.formats import FormatError, Mapping, parse_row, unused_columns
+from omniweave.data.formats import FormatError, parse_row, unused_columns
+from omniweave.data.mapping import Mapping
 from omniweave.data.shards import RawDataset
 from test_shards import run_convert
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omniweave.data.formats import FormatError, Mapping, detect_format, mapping_from_yaml, parse_row
+from omniweave.data.formats import FormatError, parse_row
+from omniweave.data.mapping import Mapping, detect_format, mapping_from_yaml
 
 OPENAI = Mapping().resolved("openai")
 SHAREGPT = Mapping().resolved("sharegpt")
