@@ -110,3 +110,29 @@ def test_sigkill_then_resume_gives_the_uninterrupted_run(prompts, tmp_path):
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     for key in ("reward_mean", "loss", "grad_norm", "response_len_mean"):
         assert [r[key] for r in got] == [r[key] for r in want], key  # bit-identical
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_several_updates_per_step_and_every_aggregation(prompts, tmp_path, agg):
+    """ppo_epochs x mini_batches optimizer steps per GRPO step (counted through the optimizer)."""
+    import torch
+
+    from omniweave.config import load_recipe
+    from omniweave.rl.trainer import train_rl
+
+    steps = []
+    original = torch.optim.AdamW.step
+
+    def counting_step(self, *a, **kw):
+        steps.append(1)
+        return original(self, *a, **kw)
+
+    torch.optim.AdamW.step = counting_step
+    try:
+        train_rl(load_recipe("demo_grpo", rl_overrides(prompts, tmp_path / "run", steps=2, rl__ppo_epochs=2,
+                                                       rl__mini_batches=2, rl__loss_agg=agg)))
+    finally:
+        torch.optim.AdamW.step = original
+    rows = read_metrics(tmp_path / "run")
+    assert len(steps) == 2 * 2 * 2 and [r["step"] for r in rows] == [1, 2]
+    assert all(abs(r["loss"]) < 10 and r["grad_norm"] > 0 for r in rows)

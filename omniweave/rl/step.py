@@ -43,12 +43,16 @@ class GRPOStep:
         scored = s.rewards.score(texts, [answers[k // G] for k in range(len(rollouts))])
         keep, advantages, counts = self._advantages(scored, len(prompts))
         t1 = time.perf_counter()
-        rows = update_rows(prompts, rollouts, advantages, keep, G, s.update_max_len, s.grpo.loss_agg)
-        rows = self._aligned(rows, prompts)
+        mini_batches = []  # the kept groups split into rl.mini_batches parts, each packed into its rows
+        for k in range(s.mini_batches):
+            part = keep[k * len(keep) // s.mini_batches : (k + 1) * len(keep) // s.mini_batches]
+            rows = update_rows(prompts, rollouts, advantages, part, G, s.update_max_len, s.grpo.loss_agg)
+            mini_batches.append(self._aligned(rows, prompts))
         if self.reference is not None:
-            for row in rows:
+            for row in (r for rows in mini_batches for r in rows):
                 row["token_data"]["ref_logp"] = self._full_row_logprobs(self.reference, row)
-        updates = self._update(rows)
+        updates = self._update(mini_batches)
+        rows = [r for rows in mini_batches for r in rows]
         e.advance()
         update_s = time.perf_counter() - t1
         return self._record(rollouts, scored, counts, updates, rows, rollout_s, update_s, time.perf_counter() - t0)
@@ -70,13 +74,12 @@ class GRPOStep:
         return keep, advantages, {"groups": n, "failed": int(failed.sum()), "zero_std": int(zero.sum())}
 
     def _aligned(self, rows: list[dict], prompts: list[Prompt]) -> list[dict]:
-        """Every rank the same number of rows, a multiple of rl.mini_batches (dummy rows added)."""
+        """Every rank the same number of rows in this mini-batch (dummy rows added)."""
         e = self.engine
         n = torch.tensor([len(rows)])
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        target = -(-int(n) // self.s.mini_batches) * self.s.mini_batches
         axes = prompts[0].batch["position_ids"].shape[0] if prompts else 3
-        return rows + [dummy_row(2 * e.dims.cp, axes) for _ in range(target - len(rows))]
+        return rows + [dummy_row(2 * e.dims.cp, axes) for _ in range(int(n) - len(rows))]
 
     @torch.no_grad()
     def _full_row_logprobs(self, model, row: dict) -> torch.Tensor:
@@ -109,14 +112,14 @@ class GRPOStep:
                  "kl_sum": stats["kl"].sum().double() if "kl" in stats else torch.zeros((), dtype=torch.float64)}
         return (per_token * td["weights"][mask]).sum(), extra
 
-    def _update(self, rows: list[dict]) -> list[dict]:
+    def _update(self, mini_batches: list[list[dict]]) -> list[dict]:
+        """rl.ppo_epochs passes over the mini-batches, one optimizer step each, normalised by the
+        mini-batch's global response-token (token-mean) or sequence count."""
         e, s = self.engine, self.s
         seq_mode = s.grpo.loss_agg != "token-mean"
-        per = len(rows) // s.mini_batches
         outs = []
         for _ in range(s.ppo_epochs):
-            for k in range(s.mini_batches):
-                part = rows[k * per : (k + 1) * per]
+            for part in mini_batches:
                 (norm,) = e.global_sum([sum(r["num_seqs"] if seq_mode else r["num_loss_tokens"] for r in part)])
                 batch = [{key: v for key, v in r.items() if key != "num_seqs"} for r in part]
                 outs.append(e.optimizer_step(batch, self._loss_fn, normaliser=norm, count_step=False))
