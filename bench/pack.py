@@ -39,6 +39,9 @@ import numpy as np  # noqa: E402
 from omniweave.data import packing as P  # noqa: E402
 
 CAPACITIES = (8192, 32768)
+# The packing algorithms compared here (P.ALGORITHMS also has "single", one sample per pack for
+# RL prompts: nothing to plan or compare).
+ALGORITHMS = ("bfd", "balanced", "sequential")
 
 
 def lognormal_mixture(n: int, capacity: int, seed: int = 0) -> np.ndarray:
@@ -107,7 +110,7 @@ def plan_times(sizes: list[int], repeats: int, slow_up_to: int) -> list[dict]:
     for n in sizes:
         for cap in CAPACITIES:
             x = lognormal_mixture(n, cap)
-            for algo in P.ALGORITHMS:
+            for algo in ALGORITHMS:
                 if algo != "bfd" and n > slow_up_to:
                     continue
                 reps = repeats if algo == "bfd" or n <= 100_000 else 1
@@ -130,7 +133,7 @@ def efficiency_table(n: int, trl_limit: int) -> list[dict]:
                          "batch": pad["batch"], "capacity": cap, "efficiency": pad["efficiency"],
                          "rows": pad["rows"], "cv": None})
         plans = {"sorted greedy (next-fit)": sorted_greedy(x, cap)}
-        for algo in P.ALGORITHMS:
+        for algo in ALGORITHMS:
             plans[f"omniweave {algo}"] = P.pack(x, cap, algo)
         for name, plan in plans.items():
             spread = P.cost_spread(plan.costs(x))
