@@ -16,6 +16,9 @@ packs), ``data.balance=cost`` vs the default, runs interleaved; median ``step_s`
 
     python bench/balance.py [--samples 300000] [--steps 50] [--per-rank 4] [--dp 8 64 512]
     python bench/balance.py --measure [--measure-steps 8] [--repeats 2]
+
+``--quick`` (bench/quick.py): 20K samples, dp 4 and 16, 5 steps; measured on 2 ranks (not 4), 24
+samples, 3 steps, 1 repeat; not meaningful figures.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import numpy as np  # noqa: E402
 
 from omniweave.data import packing as P  # noqa: E402
 from omniweave.parallel.balance import CostModel, assign, imbalance, pack_features, round_robin  # noqa: E402
+from quick import HELP as QUICK_HELP, note, work_dir  # noqa: E402  (bench/, the script's folder)
 
 ARMS = ("contiguous", "Σlen² only", "cost model")
 
@@ -114,8 +118,8 @@ def summarize(dp: int, res: dict) -> dict:
 # ------------------------------------------------------------------------------ measured
 
 
-def measure(args) -> dict:
-    """4-rank CPU training, data.balance=cost vs default, runs interleaved."""
+def measure(args, ranks: int = 4) -> dict:
+    """``ranks``-rank CPU training, data.balance=cost vs default, runs interleaved."""
     from bench.train import make_jsonl
     from omniweave.config import load_recipe, to_dict
     from omniweave.data.loader import PackedLoader
@@ -131,13 +135,13 @@ def measure(args) -> dict:
        "--output", str(work / "raw"), "--workers", "1", "--no-progress")
     om("data", "pack", "--input", str(work / "raw"), "--output", str(work / "packed"), "--recipe", "demo",
        "--max-len", str(args.measure_len), "--workers", "1")
-    G = 4 * args.measure_per_rank
+    G = ranks * args.measure_per_rank
     overrides = [f"data.path={work / 'packed'}", f"data.max_len={args.measure_len}", f"train.steps={args.measure_steps}",
                  f"train.global_batch={G}", f"train.seed={args.seed}", "train.save_interval=0", "train.log_interval=1",
                  "train.warmup=0", "train.eval_interval=0", "train.cpu_threads=1"]
     model_cfg = to_dict(load_recipe("demo", overrides).model)
     flops = CostModel.from_model_config(model_cfg)
-    loaders = {arm: PackedLoader(work / "packed", G, 0, 4, seed=args.seed, balance=b, cost_model=CostModel.default())
+    loaders = {arm: PackedLoader(work / "packed", G, 0, ranks, seed=args.seed, balance=b, cost_model=CostModel.default())
                for arm, b in (("default", None), ("balance=cost", "cost"))}
     ds = loaders["default"].dataset
     feats = np.stack([pack_features(ds.record(i)) for i in range(len(ds))])
@@ -154,7 +158,7 @@ def measure(args) -> dict:
             groups = [[ids.index(i) for i in share] for share in ld.assignment(ids)]
             predicted[arm].append(imbalance(costs, groups))
             replay[arm].append(imbalance(secs, groups))
-        replay["balance=cost, refitted"].append(imbalance(secs, assign(refit.cost(feats[ids]), 4)))
+        replay["balance=cost, refitted"].append(imbalance(secs, assign(refit.cost(feats[ids]), ranks)))
     fit_err = {name: affine_error(cm.cost(feats), pack_s)
                for name, cm in (("flop", flops), ("default", CostModel.default()), ("refit", refit))}
     steps = {arm: [] for arm in loaders}
@@ -163,7 +167,7 @@ def measure(args) -> dict:
             run_dir = work / f"run-{rep}-{arm.split('=')[-1]}"
             extra = ["data.balance=cost"] if arm != "default" else []
             t0 = time.perf_counter()
-            om("train", "demo", f"output_dir={run_dir}", *overrides, *extra, "--nproc", "4")
+            om("train", "demo", f"output_dir={run_dir}", *overrides, *extra, "--nproc", str(ranks))
             recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
             steps[arm].append([r["step_s"] for r in recs if r["step"] > args.warmup])
             print(f"  repeat {rep + 1} {arm}: {time.perf_counter() - t0:.0f} s, step_s "
@@ -245,9 +249,16 @@ def main() -> int:
     p.add_argument("--measure-steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="first steps of every measured run left out")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--work", default="/tmp/omniweave-bench-balance")
+    p.add_argument("--work", help="scratch folder of --measure (default /tmp/omniweave-bench-balance)")
     p.add_argument("--out", type=Path, default=Path("bench/out"), help="every result file goes here (and only here)")
+    p.add_argument("--quick", action="store_true", help=QUICK_HELP + ": 20K samples, dp 4 and 16; measured on 2 ranks")
     args = p.parse_args()
+    if args.quick:
+        args.samples, args.dp, args.per_rank, args.steps = 20_000, [4, 16], 4, 5
+        args.measure_samples, args.measure_len, args.measure_per_rank, args.measure_steps = 24, 512, 1, 3
+        args.warmup, args.repeats = 1, 1
+        note("20K samples, dp 4 and 16, 5 steps; measured: 2 ranks, 24 samples, 3 steps, 1 repeat")
+    args.work = work_dir(args.work, args.quick, "/tmp/omniweave-bench-balance")
     from omniweave.config import load_recipe, to_dict
 
     flops = CostModel.from_model_config(to_dict(load_recipe(args.recipe, ["data.path=unused"]).model))
@@ -269,10 +280,11 @@ def main() -> int:
         print(f"| {r['dp']} | {r['dp'] * args.per_rank} | {cells} | {r['step_time_vs_contiguous']:.3f} | "
               f"{r['features_ms']['median']:.1f} / {r['features_ms']['p90']:.1f} | "
               f"{r['assign_ms']['median']:.1f} / {r['assign_ms']['p90']:.1f} |")
-    measured = measure(args) if args.measure else None
+    ranks = 2 if args.quick else 4
+    measured = measure(args, ranks) if args.measure else None
     if measured:
         m = measured
-        print(f"\nmeasured: omniweave train demo --nproc 4 (CPU, gloo), {m['packs']} packs of <= {args.measure_len}, "
+        print(f"\nmeasured: omniweave train demo --nproc {ranks} (CPU, gloo), {m['packs']} packs of <= {args.measure_len}, "
               f"global batch {m['global_batch']}, steps {args.warmup + 1}..{args.measure_steps} of {args.repeats} "
               "interleaved runs per arm")
         print("| arm | predicted max/mean (median) | replayed max/mean (median) | median step s | step s vs default |")

@@ -21,7 +21,10 @@ a second, text-only document; ~90% of the tokens are video. Positions are 1-D (i
 three M-RoPE axes): they do not change memory or time.
 
     python bench/context_parallel.py [--lengths 2048 4096 8192] [--cp 1 2 4] [--mode ring]
-                                     [--repeats 3] [--budget-length 4096] [--out bench/out]
+                                     [--repeats 3] [--budget-length 4096] [--out bench/out] [--quick]
+
+``--quick`` (bench/quick.py): 128 and 256 tokens, CP = 1 and 2 (with the vision split only), 1 repeat,
+budget at 128 tokens; not meaningful figures.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: omniweave, tests helpers
 from tests.dist.spawn import run_ranks  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/
+from quick import HELP as QUICK_HELP, note  # noqa: E402
 
 GRID_HW = 16  # patches per frame side: 256 patches, 64 merged tokens per temporal patch
 MODEL = [  # a small Qwen2.5-VL-shaped model (hidden 256, 4 layers, head_dim 64, GQA 2:1)
@@ -202,13 +208,17 @@ def main() -> None:
     p.add_argument("--budget-length", type=int, default=4096, help="CP=1 length whose activation memory is the budget")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("bench/out"), help="every result file goes here (and only here)")
+    p.add_argument("--quick", action="store_true", help=QUICK_HELP + ": 128 and 256 tokens, CP = 1 and 2, vision split on")
     args = p.parse_args()
+    if args.quick:
+        args.lengths, args.cp, args.repeats, args.budget_length = [128, 256], [1, 2], 1, 128
+        note("128 and 256 tokens, CP = 1 and 2 with the vision split, 1 repeat")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     rows = []
     for length in args.lengths:
         for cp in args.cp:
-            for vs in ((True,) if cp == 1 else (True, False)):
+            for vs in ((True,) if cp == 1 or args.quick else (True, False)):
                 r = measure(cp, length, args.mode, vs, args.repeats, args.device)
                 rows.append(r)
                 print(f"cp={cp} L={length} vision_split={vs}: act {r['act_mb']:.1f} MB/rank "

@@ -6,7 +6,9 @@ A generated dataset with realistic media sizes (JPEG photos of ~100-300 KB, MPEG
 indexing anything). Every command runs as a fresh process (startup included), medians of
 ``--repeats`` runs after one warm-up (so all reads come from the page cache).
 
-    python bench/convert.py [--samples 300] [--repeats 3] [--out bench/out]
+    python bench/convert.py [--samples 300] [--repeats 3] [--out bench/out] [--quick]
+
+``--quick`` (bench/quick.py): 20 rows, 1 repeat, 10 rows per job; not meaningful figures.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
-from synthetic_media import jpeg, mp4  # noqa: E402  (bench/, the script's folder)
+from quick import HELP as QUICK_HELP, note, work_dir  # noqa: E402  (bench/, the script's folder)
+from synthetic_media import jpeg, mp4  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,9 +82,14 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--maxcount", type=int, default=50, help="rows per job/shard (jobs are the unit of parallelism)")
-    p.add_argument("--work", default="/tmp/omniweave-bench-convert")
+    p.add_argument("--work", help="scratch folder (default /tmp/omniweave-bench-convert)")
     p.add_argument("--out", default="bench/out")
+    p.add_argument("--quick", action="store_true", help=QUICK_HELP + ": 20 rows, 10 per job")
     args = p.parse_args()
+    if args.quick:
+        args.samples, args.repeats, args.maxcount = 20, 1, 10
+        note("20 rows, 1 repeat")
+    args.work = work_dir(args.work, args.quick, "/tmp/omniweave-bench-convert")
 
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)

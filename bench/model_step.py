@@ -13,7 +13,9 @@ process's CPU seconds instead (``time.process_time``, all threads summed) and, w
 ``--threads 1``, gives per-core numbers that other load barely moves.
 
     python bench/model_step.py [--sizes 2048 8192 16384] [--device cpu] [--preset small] [--out bench/out]
-                               [--repeats 1] [--threads N] [--clock wall|cpu]
+                               [--repeats 1] [--threads N] [--clock wall|cpu] [--quick]
+
+``--quick`` (bench/quick.py): one row of 512 tokens, the small preset, 1 repeat; not meaningful figures.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from pathlib import Path
 import torch
 
 from omniweave.train.metrics import matmul_peak_flops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (also when imported)
+from quick import HELP as QUICK_HELP, note  # noqa: E402
 
 # Model presets (Qwen2 family, GQA 2:1, head_dim 64): "small" fits the shared 2-core CPU box in
 # minutes; "medium" (~200M parameters) is the one to run on a GPU.
@@ -149,7 +154,11 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by wall clock or by the process's CPU seconds (all threads summed)")
+    p.add_argument("--quick", action="store_true", help=QUICK_HELP + ": one row of 512 tokens, small preset")
     args = p.parse_args()
+    if args.quick and not args.child:
+        args.sizes, args.preset, args.repeats = [512], "small", 1
+        note("one row of 512 tokens, small preset, 1 repeat")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and args.device != "cpu":
@@ -164,7 +173,7 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    peak = matmul_peak_flops(device, n=2048, timer=clock_fn(args.clock))
+    peak = matmul_peak_flops(device, n=512 if args.quick else 2048, timer=clock_fn(args.clock))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)

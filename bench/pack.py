@@ -11,6 +11,8 @@
    (scan, plan, write) a fresh process: seconds per phase, samples/s, efficiency.
 
     python bench/pack.py [--sizes 1000000 10000000] [--repeats 3] [--demo-samples 8000] [--quick]
+
+``--quick`` (bench/quick.py): 20K lengths, 1 repeat, 200 demo samples at --max-len 1024; not meaningful figures.
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from omniweave.data import packing as P  # noqa: E402
+from quick import HELP as QUICK_HELP, note, work_dir  # noqa: E402  (bench/, the script's folder)
 
 CAPACITIES = (8192, 32768)
+# The packing algorithms compared here (P.ALGORITHMS also has "single", one sample per pack for
+# RL prompts: nothing to plan or compare).
+ALGORITHMS = ("bfd", "balanced", "sequential")
 
 
 def lognormal_mixture(n: int, capacity: int, seed: int = 0) -> np.ndarray:
@@ -107,7 +113,7 @@ def plan_times(sizes: list[int], repeats: int, slow_up_to: int) -> list[dict]:
     for n in sizes:
         for cap in CAPACITIES:
             x = lognormal_mixture(n, cap)
-            for algo in P.ALGORITHMS:
+            for algo in ALGORITHMS:
                 if algo != "bfd" and n > slow_up_to:
                     continue
                 reps = repeats if algo == "bfd" or n <= 100_000 else 1
@@ -130,7 +136,7 @@ def efficiency_table(n: int, trl_limit: int) -> list[dict]:
                          "batch": pad["batch"], "capacity": cap, "efficiency": pad["efficiency"],
                          "rows": pad["rows"], "cv": None})
         plans = {"sorted greedy (next-fit)": sorted_greedy(x, cap)}
-        for algo in P.ALGORITHMS:
+        for algo in ALGORITHMS:
             plans[f"omniweave {algo}"] = P.pack(x, cap, algo)
         for name, plan in plans.items():
             spread = P.cost_spread(plan.costs(x))
@@ -282,13 +288,15 @@ def main() -> int:
     p.add_argument("--demo-samples", type=int, default=8000, help="0 skips the end-to-end run")
     p.add_argument("--demo-workers", type=int, default=2)
     p.add_argument("--max-len", type=int, default=4096, help="pack capacity of the end-to-end run")
-    p.add_argument("--quick", action="store_true", help="smoke run: 100K lengths, 1 repeat, 1000 demo samples")
-    p.add_argument("--work", default="/tmp/omniweave-bench-pack")
+    p.add_argument("--quick", action="store_true", help=QUICK_HELP + ": 20K lengths, 200 demo samples")
+    p.add_argument("--work", help="scratch folder of the end-to-end run (default /tmp/omniweave-bench-pack)")
     p.add_argument("--out", default="bench/out")
     args = p.parse_args()
     if args.quick:
-        args.sizes, args.slow_up_to, args.eff_samples, args.trl_samples = [100_000], 100_000, 100_000, 10_000
-        args.repeats, args.demo_samples = 1, min(args.demo_samples, 1000)
+        args.sizes, args.slow_up_to, args.eff_samples, args.trl_samples = [20_000], 20_000, 20_000, 2_000
+        args.repeats, args.demo_samples, args.max_len = 1, min(args.demo_samples, 200), min(args.max_len, 1024)
+        note("20K lengths, 1 repeat, 200 demo samples at --max-len 1024")
+    args.work = work_dir(args.work, args.quick, "/tmp/omniweave-bench-pack")
 
     print(f"plan time: sizes {args.sizes}, capacities {CAPACITIES}, os.cpu_count()={os.cpu_count()}", flush=True)
     times = plan_times(args.sizes, args.repeats, args.slow_up_to)

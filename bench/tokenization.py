@@ -6,7 +6,9 @@ including panoramas) and MPEG-4 clips (640x360, 30 fps, a few seconds). "metadat
 plus ``process_media`` on every media item (decode, resize, normalise, patchify), i.e. what a
 pipeline that decodes media to count tokens pays.
 
-    python bench/tokenization.py [--images 48] [--videos 6] [--repeats 3] [--out bench/out]
+    python bench/tokenization.py [--images 48] [--videos 6] [--repeats 3] [--out bench/out] [--quick]
+
+``--quick`` (bench/quick.py): 6 images, 1 video, 1 repeat; not meaningful figures.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from tqdm import tqdm  # noqa: E402
 
 from omniweave.data.sample import Conversation, Message, RawSample  # noqa: E402
 from omniweave.data.tokenize import SampleProcessor  # noqa: E402
-from synthetic_media import jpeg, mp4  # noqa: E402  (bench/, the script's folder)
+from quick import HELP as QUICK_HELP, note  # noqa: E402  (bench/, the script's folder)
+from synthetic_media import jpeg, mp4  # noqa: E402
 
 IMAGE_SIZES = [(480, 640), (720, 1280), (1080, 1920), (1200, 800), (400, 3000), (2160, 3840)]
 
@@ -63,7 +66,11 @@ def main() -> int:
     parser.add_argument("--videos", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/out"))
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP + ": 6 images, 1 video")
     args = parser.parse_args()
+    if args.quick:
+        args.images, args.videos, args.repeats = 6, 1, 1
+        note("6 images, 1 video, 1 repeat")
 
     proc = SampleProcessor({"tokenizer": "demo", "template": "chatml", "max_len": 32768})
     samples = make_samples(args.images, args.videos)

@@ -19,6 +19,9 @@ matmul peak, useful FLOPs = 6·N·real tokens + 6·layers·hidden·Σ len² over
 (``omniweave.train.metrics.step_flops``); padding is wasted work, not useful FLOPs.
 
     python bench/train.py [--quick] [--samples 160] [--steps 8] [--repeats 2] [--threads 1] [--out bench/out]
+
+``--quick`` (bench/quick.py): 24 samples, 2 steps, 512-token packs, a 64 x 1 foundation, 1 repeat;
+not meaningful figures.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # bench/quick.py, also when imported as bench.train
+from quick import HELP as QUICK_HELP, note, work_dir  # noqa: E402
+
 # Single-token words of the demo tokenizer (" word" -> 1 token), so length targets are exact-ish.
 WORDS = ("show are there object word look green scene sky second square water count circle who why the person "
          "last few first bottom image describe yes more shows less see red one eight right small sentence static "
@@ -290,7 +296,7 @@ def plot(results: list[dict], out: Path, title: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smaller model, fewer samples and steps (a smoke test)")
+    p.add_argument("--quick", action="store_true", help=QUICK_HELP + ": 24 samples, 2 steps, a 64 x 1 model")
     p.add_argument("--samples", type=int, default=160)
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per arm (at most one epoch of packs)")
     p.add_argument("--repeats", type=int, default=2, help="runs of every arm, round-robin; medians pool them")
@@ -303,7 +309,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of every arm (1: no OpenMP oversubscription on a shared box)")
     p.add_argument("--arms", nargs="+", default=["packed", "padded", "transformers"])
-    p.add_argument("--work", default="/tmp/omniweave-bench-train")
+    p.add_argument("--work", help="scratch folder (default /tmp/omniweave-bench-train)")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
     p.add_argument("--hf-child", nargs=4, metavar=("HF_DIR", "PACKED", "GB", "STEPS"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -314,8 +320,10 @@ def main() -> int:
         (args.out / "hf_records.json").write_text(json.dumps(records))
         return 0
     if args.quick:
-        args.samples, args.steps, args.warmup, args.max_len, args.hidden, args.layers = 40, 4, 1, 1024, 128, 2
-        args.repeats = 1
+        args.samples, args.steps, args.warmup, args.max_len, args.hidden, args.layers = 24, 2, 1, 512, 64, 1
+        args.repeats, args.global_batch = 1, 2
+        note("24 samples, 2 steps, 512-token packs, 64 x 1 model, 1 repeat")
+    args.work = work_dir(args.work, args.quick, "/tmp/omniweave-bench-train")
 
     import torch
 

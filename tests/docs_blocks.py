@@ -10,8 +10,9 @@ directive comment:
 
 Runs are scaled down by rewriting the documented flags, never by flags of the test's own:
 ``--samples N`` (at most 160), ``--eval-samples N`` (at most 20), ``--rl-samples N`` (at most 64),
-``train.steps=N`` (N // 20, at least 2) and an ``omniweave train`` / ``rl`` / ``demo`` without a
-step count gets 2 steps.
+``train.steps=N`` (N // 20, at least 2), an ``omniweave train`` / ``rl`` / ``demo`` without a
+step count gets 2 steps, and a ``python bench/X.py …`` gets ``--quick --out bench_out`` (every
+benchmark's smoke run: tiny sizes whatever the command gives, the results in the workspace).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def scale(line: str) -> str:
         line = _before_comment(line) + " train.steps=2"
     if words[:2] == ["omniweave", "demo"] and "--steps" not in line:
         line = _before_comment(line) + " --steps 2"
+    if words[:1] in (["python"], ["python3"]) and len(words) > 1 and re.fullmatch(r"bench/\w+\.py", words[1]):
+        line = _before_comment(line) + " --quick --out bench_out"
     return line
 
 

@@ -175,13 +175,28 @@ def demo_workspace(tmp_path_factory) -> Path:
     return root
 
 
+LINKED = ("omniweave", "bench", "tests", "configs", "Makefile", "pyproject.toml")  # the checkout, in the workspace
+
+
 def _workspace(demo_workspace: Path, tmp_path: Path) -> Path:
     ws = tmp_path / "ws"
     shutil.copytree(demo_workspace, ws)
     os.symlink(sys.prefix, ws / ".venv")  # `. .venv/bin/activate` as in a checkout
-    for name in ("omniweave", "bench", "tests", "configs", "Makefile", "pyproject.toml"):
+    for name in LINKED:
         os.symlink(REPO / name, ws / name)
     return ws
+
+
+def _linked_files() -> dict[str, tuple[int, int]]:
+    """(mtime, size) of every file the workspace links to, bytecode caches left out."""
+    out = {}
+    for name in LINKED:
+        root = REPO / name
+        for f in [root] if root.is_file() else root.rglob("*"):
+            if f.is_file() and "__pycache__" not in f.parts:
+                st = f.stat()
+                out[str(f.relative_to(REPO))] = (st.st_mtime_ns, st.st_size)
+    return out
 
 
 def run_doc(doc: Path, ws: Path) -> None:
@@ -205,4 +220,8 @@ RUNNABLE = [d for d in DOCS if any(b.action == "run" for b in shell_blocks(d))]
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", RUNNABLE, ids=[d.name for d in RUNNABLE])
 def test_doc_commands_run_as_written(doc, demo_workspace, tmp_path):
+    before = _linked_files()
     run_doc(doc, _workspace(demo_workspace, tmp_path))
+    after = _linked_files()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"{doc.name}'s commands wrote into the checkout (e.g. bench/out): {changed[:10]}"
