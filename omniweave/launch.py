@@ -38,6 +38,16 @@ def torchrun(argv: list[str], nproc: int) -> tuple[int, str | None]:
         return code, None
 
 
+def relaunch(command: str, args) -> int:
+    """``omniweave COMMAND RECIPE [overrides] [--resume R]`` again on ``args.nproc`` ranks; a rank's
+    user error printed once, as this command's."""
+    argv = [command, args.recipe, *args.overrides, *(["--resume", args.resume] if args.resume else [])]
+    code, error = torchrun(argv, args.nproc)
+    if error:
+        print(f"omniweave {command}: error: {error}", file=sys.stderr)
+    return code
+
+
 def _forward_until(stream, error_file: Path) -> None:
     """Copy ``stream`` to our stderr as it comes (progress bars stay live), dropping what follows a
     reported user error (the other ranks' teardown and torchrun's failure summary)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import dataclass
 
 from omniweave.errors import UserError
@@ -45,13 +44,9 @@ def run(args: argparse.Namespace) -> int:
     check_ready(cfg, args.resume, kind="prompts")
     settings(cfg)  # bad rl.* values and unknown rewards fail here, before any rank starts
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        from omniweave.launch import torchrun
+        from omniweave.launch import relaunch
 
-        argv = ["rl", args.recipe, *args.overrides, *(["--resume", args.resume] if args.resume else [])]
-        code, error = torchrun(argv, args.nproc)
-        if error:
-            print(f"omniweave rl: error: {error}", file=sys.stderr)
-        return code
+        return relaunch("rl", args)
     result = train_rl(cfg, resume=args.resume)
     if result["rank"] == 0:
         print(f"trained {result['steps']} GRPO steps in {result['seconds']:.1f} s, final reward "

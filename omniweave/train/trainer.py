@@ -76,13 +76,9 @@ def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
 
 def launch(args: argparse.Namespace) -> int:
     """Re-run this command under torchrun on ``--nproc`` local ranks (omniweave/launch.py)."""
-    from omniweave.launch import torchrun
+    from omniweave.launch import relaunch
 
-    argv = ["train", args.recipe, *args.overrides, *(["--resume", args.resume] if args.resume else [])]
-    code, error = torchrun(argv, args.nproc)
-    if error:
-        print(f"omniweave train: error: {error}", file=sys.stderr)
-    return code
+    return relaunch("train", args)
 
 
 # ---------------------------------------------------------------------------- the loop
