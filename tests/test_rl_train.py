@@ -38,8 +38,9 @@ def test_a_grpo_run_logs_every_metric_and_checkpoints(prompts, tmp_path):
     from omniweave.config import load_recipe
     from omniweave.rl.trainer import train_rl
 
-    cfg = load_recipe("demo_grpo", rl_overrides(prompts, tmp_path / "run", steps=3, rl__kl_coef=0.05,
-                                                train__save_interval=2, train__keep_last=0))
+    overrides = rl_overrides(prompts, tmp_path / "run", steps=3, rl__kl_coef=0.05, rl__ppo_epochs=1,
+                             train__save_interval=2, train__keep_last=0)
+    cfg = load_recipe("demo_grpo", overrides)
     result = train_rl(cfg)
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3] and result["steps"] == 3
@@ -47,7 +48,7 @@ def test_a_grpo_run_logs_every_metric_and_checkpoints(prompts, tmp_path):
         assert METRIC_KEYS <= set(r) and "reward/tests.rl_user_rewards:vowel_fraction" in r, sorted(r)
         assert 0 < r["reward_mean"] < 1 and r["reward_std"] > 0 and r["samples"] == 16
         assert r["frac_zero_std"] == 0 and r["response_len_mean"] <= 5
-    assert rows[0]["kl"] == 0.0  # the policy starts as the reference
+    assert rows[0]["kl"] == 0.0  # the policy starts as the reference (one update per step: measured before it)
     assert rows[-1]["kl"] > 0  # … and moves away from it
     assert (tmp_path / "run/checkpoints/step_000002").is_dir() and (tmp_path / "run/checkpoints/step_000003").is_dir()
 
