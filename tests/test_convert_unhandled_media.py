@@ -8,13 +8,11 @@ rejected with its own reason; any other unmapped column is warned about once per
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
 from data_factory import png_bytes, video_bytes
-from omniweave.data import inspect
 from omniweave.data.formats import FormatError, parse_row, unused_columns
 from omniweave.data.mapping import Mapping
 from omniweave.data.shards import RawDataset
@@ -152,10 +150,10 @@ def test_strict_fails_on_unhandled_media(run, tmp_path):
 
 
 def test_inspect_lists_reasons_media_and_unmapped_columns(run, capsys):
+    from omniweave.cli import main
+
     root, _ = run["openai"]
-    p = argparse.ArgumentParser()
-    inspect.add_arguments(p)
-    assert inspect.run(p.parse_args([str(root / "raw-openai-all"), "--show", "0"])) == 0
+    assert main(["data", "inspect", str(root / "raw-openai-all"), "--show", "0"]) == 0
     out = capsys.readouterr().out
     assert "media stored: image 1, video 1" in out
     assert "unsupported_modality:audio" in out and "unknown_media_column:thumbnail" in out
