@@ -351,6 +351,18 @@ def balanced(lengths, capacity: int, media=None, vision=None, max_media=None, ma
     return _from_assignment(bin_of, len(packs.rem), base.dropped, capacity)
 
 
+def single(lengths, capacity: int, media=None, vision=None, max_media: int | None = None,
+           max_vision: int | None = None) -> PackPlan:
+    """One sample per pack, in order; a sample over the capacity or a cap is dropped."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    fits = lengths <= capacity
+    if max_media is not None:
+        fits &= np.asarray(media, dtype=np.int64) <= max_media
+    if max_vision is not None:
+        fits &= np.asarray(vision, dtype=np.int64) <= max_vision
+    return _from_assignment(np.where(fits, np.cumsum(fits) - 1, -1), int(fits.sum()), np.flatnonzero(~fits), capacity)
+
+
 def pack(lengths, capacity: int, algorithm: str = "bfd", media=None, vision=None,
          max_media: int | None = None, max_vision: int | None = None) -> PackPlan:
     """Dispatch to one algorithm; ``media`` / ``vision`` are per-sample counts used by the caps."""
@@ -358,9 +370,7 @@ def pack(lengths, capacity: int, algorithm: str = "bfd", media=None, vision=None
         raise ValueError(f"unknown packing algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     caps = dict(media=media, vision=vision, max_media=max_media, max_vision=max_vision)
     if algorithm == "single":
-        lengths = np.asarray(lengths, dtype=np.int64)
-        return _from_assignment(np.where(lengths <= capacity, np.cumsum(lengths <= capacity) - 1, -1),
-                                int((lengths <= capacity).sum()), np.flatnonzero(lengths > capacity), capacity)
+        return single(lengths, capacity, **caps)
     if algorithm == "sequential":
         return sequential(lengths, capacity, **caps)
     if algorithm == "balanced":
