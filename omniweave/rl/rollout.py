@@ -361,7 +361,8 @@ def sync_weights(policy: torch.nn.Module, rollout_model: torch.nn.Module) -> Non
     # FSDP over TP shards gathers in two all-gathers, and DTensor logs that this is "suboptimal"
     # (and might reduce in another order: an all-gather reduces nothing); once per sync is fine.
     log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level, log.level = log.level, logging.ERROR
+    level = log.level
+    log.setLevel(logging.ERROR)  # setLevel, not the attribute: it also clears logging's level cache
     try:
         state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
     finally:
