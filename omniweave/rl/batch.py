@@ -12,7 +12,7 @@ Labels are the response tokens (shifted: the row before each response token pred
 ``advantages`` (the sample's group-normalised advantage), and ``weights`` (the aggregation:
 1 for token-mean and seq-mean-token-sum, 1 / response length for seq-mean-token-mean). The
 normaliser of a batch is its response-token count (token-mean) or its sequence count (seq-mean
-modes), summed over every rank and micro-batch by the caller.
+modes: :func:`num_sequences`), summed over every rank and micro-batch by the caller.
 """
 
 from __future__ import annotations
@@ -101,11 +101,18 @@ def _row(units, prompts: list[Prompt], rollouts: list[Rollout], advantages, grou
         "feature_rows": torch.cat(rows),
         "token_data": {"old_logp": torch.cat(old), "advantages": torch.cat(adv), "weights": torch.cat(weight)},
         "num_loss_tokens": int(sum(len(rollouts[i * group_size + j].tokens) for i, s, _ in units for j in s)),
-        "num_seqs": sum(len(s) for _, s, _ in units),
     }
     if grids:
         out.update(pixel_values=torch.cat(pixels), grid_thw=torch.cat(grids))
     return out
+
+
+def num_sequences(row: dict) -> int:
+    """Responses in a row: its documents that carry labels (dummy rows have none)."""
+    labelled = (row["labels"] != IGNORE).to(torch.int64).cumsum(0)
+    ends = row["cu_seqlens"].to(torch.int64)
+    per_doc = torch.cat([labelled.new_zeros(1), labelled])[ends]
+    return int(((per_doc[1:] - per_doc[:-1]) > 0).sum())
 
 
 def dummy_row(length: int, axes: int, pad_id: int = 0) -> dict:
@@ -118,5 +125,5 @@ def dummy_row(length: int, axes: int, pad_id: int = 0) -> dict:
         "cu_seqlens": torch.tensor([0, length], dtype=torch.int32),
         "feature_rows": torch.full((length,), -1, dtype=torch.long),
         "token_data": {k: torch.zeros(length) for k in ("old_logp", "advantages", "weights")},
-        "num_loss_tokens": 0, "num_seqs": 0,
+        "num_loss_tokens": 0,
     }

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from omniweave.rl.batch import dummy_row, update_rows
+from omniweave.rl.batch import dummy_row, num_sequences, update_rows
 from omniweave.rl.grpo import group_advantages, grpo_token_loss, zero_std_groups
 from omniweave.rl.rollout import Prompt, sync_weights
 from omniweave.train.engine import autocast, to_device
@@ -25,6 +25,8 @@ class GRPOStep:
         self.engine, self.s, self.processor, self.stop_ids = engine, settings, processor, stop_ids
         self.rollout, self.rollout_model, self.reference = rollout, rollout_model, reference
         self.sampling = settings.sampling
+        # the log-probs the rollout reports: of logits / T, or of the logits themselves when greedy
+        self.logp_temperature = settings.sampling.temperature or 1.0
         keys = settings.rewards.keys
         self.accuracy_key = next((k for k in keys if k.rsplit("_", 1)[0] in ANSWER_REWARDS or k in ANSWER_REWARDS),
                                  keys[0])
@@ -84,26 +86,21 @@ class GRPOStep:
     @torch.no_grad()
     def _full_row_logprobs(self, model, row: dict) -> torch.Tensor:
         """Per-token log-probs [L] of a whole row (CP shards gathered back) under ``model``."""
-        from omniweave.parallel.context import shard_micro_batch
-        from omniweave.parallel.context.sharding import pad_rows_for, plan_cp_shard, unshard_rows
+        from omniweave.parallel.context import shard_micro_batch, unshard_micro_batch_rows
 
         e = self.engine
         mb = to_device(shard_micro_batch(row, e.dims.cp, e.meshes.cp_rank, e.dims.tp), e.device)
         with autocast(e.device, e.precision, e.fsdp):
-            logp = model(mb, token_logprobs=True, temperature=self.sampling.temperature or 1.0).token_logp.float()
-        length = row["input_ids"].shape[0]
-        if e.dims.cp == 1:
-            return logp[:length].cpu()
-        parts = [torch.empty_like(logp) for _ in range(e.dims.cp)]
-        dist.all_gather(parts, logp.contiguous(), group=e.meshes.cp.get_group())
-        cu = row["cu_seqlens"]
-        pad = pad_rows_for(cu, e.dims.cp, e.dims.tp)
-        cu = torch.cat([cu, cu.new_tensor([int(cu[-1]) + pad])]) if pad else cu
-        return unshard_rows([p.cpu() for p in parts], plan_cp_shard(cu, e.dims.cp))[:length]
+            logp = model(mb, token_logprobs=True, temperature=self.logp_temperature).token_logp.float()
+        parts = [logp]
+        if e.dims.cp > 1:
+            parts = [torch.empty_like(logp) for _ in range(e.dims.cp)]
+            dist.all_gather(parts, logp.contiguous(), group=e.meshes.cp.get_group())
+        return unshard_micro_batch_rows([p.cpu() for p in parts], row["cu_seqlens"], e.dims.cp, e.dims.tp)
 
     def _loss_fn(self, model, mb):
         td = mb["token_data"]
-        out = model(mb, token_logprobs=True, temperature=self.sampling.temperature or 1.0)
+        out = model(mb, token_logprobs=True, temperature=self.logp_temperature)
         mask = mb["labels"] != -100
         ref = td["ref_logp"][mask] if "ref_logp" in td else None
         per_token, stats = grpo_token_loss(out.token_logp[mask], td["old_logp"][mask], ref,
@@ -120,9 +117,8 @@ class GRPOStep:
         outs = []
         for _ in range(s.ppo_epochs):
             for part in mini_batches:
-                (norm,) = e.global_sum([sum(r["num_seqs"] if seq_mode else r["num_loss_tokens"] for r in part)])
-                batch = [{key: v for key, v in r.items() if key != "num_seqs"} for r in part]
-                outs.append(e.optimizer_step(batch, self._loss_fn, normaliser=norm, count_step=False))
+                (norm,) = e.global_sum([sum(num_sequences(r) if seq_mode else r["num_loss_tokens"] for r in part)])
+                outs.append(e.optimizer_step(part, self._loss_fn, normaliser=norm, count_step=False))
         return outs
 
     # ------------------------------------------------------------------ metrics
@@ -137,7 +133,7 @@ class GRPOStep:
         local = [float(ok.sum()), float(scored.total[ok].sum()), float((scored.total[ok] ** 2).sum()),
                  float(len(rollouts)), float(lens.sum()), float(sum(r.truncated for r in rollouts)), -sampled_logp,
                  float(counts["groups"]), float(counts["failed"]), float(counts["zero_std"]),
-                 float(sum(r["input_ids"].shape[0] for r in rows if r["num_seqs"]))]
+                 float(sum(r["input_ids"].shape[0] for r in rows if r["num_loss_tokens"]))]
         for key in scored.per_reward:
             values = scored.per_reward[key][ok]
             local.append(float(values.sum()))

@@ -102,3 +102,18 @@ def test_a_rank_whose_prompts_have_no_media_does_not_hang(tmp_path):
     overrides = rl_overrides(tmp_path / "prompts", tmp_path / "run", steps=3, train__global_batch=2,
                              train__cpu_threads=1)
     assert run_ranks(_text_rank_body, 2, overrides, timeout=300) == [3, 3]
+
+
+def test_the_reference_logprobs_gathered_over_cp_equal_one_rank(setup, tmp_path):
+    """rl.kl_coef > 0: the reference's log-probs come back from the CP shards (with the tp pad
+    layout of shard_micro_batch undone); two PPO epochs make the KL term move the gradient."""
+    root, prompts, _ = setup
+    kl = ["rl.kl_coef=0.05", "rl.ppo_epochs=2"]
+    ref_metrics, ref_grads = _run(rl_overrides(prompts, tmp_path / "ref", steps=1, train__cpu_threads=1) + kl)
+    base = rl_overrides(prompts, tmp_path / "run", steps=1, train__cpu_threads=1) + kl
+    (metrics, grads), *_ = run_ranks(_body, 2, base, ["parallel.cp=2"], timeout=600)
+    assert ref_metrics["kl"] > 0
+    assert metrics["kl"] == pytest.approx(ref_metrics["kl"], rel=1e-4)
+    assert abs(metrics["loss"] - ref_metrics["loss"]) <= LOSS_RTOL * abs(ref_metrics["loss"])
+    worst = max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-12)) for g, r in zip(grads, ref_grads))
+    assert worst <= GRAD_RTOL

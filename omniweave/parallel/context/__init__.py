@@ -25,6 +25,7 @@ The model never learns about any of this: both hooks are attributes ``parallel/`
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -67,4 +68,18 @@ def shard_micro_batch(mb: dict, cp: int, cp_rank: int, tp: int = 1, pad_id: int 
     return shard_batch(mb, plan_cp_shard(mb["cu_seqlens"], cp), cp_rank, pad_id)
 
 
-__all__ = ["apply_cp", "apply_vision_split", "shard_micro_batch"]
+def unshard_micro_batch_rows(shards: list, cu_seqlens, cp: int, tp: int = 1):
+    """The inverse of :func:`shard_micro_batch` for per-row values: every CP rank's local rows
+    ([local_len, …] each, in rank order) -> the original row's [L, …] (the tp pad document and the
+    CP pads dropped). With cp == 1 the single shard is cut back to L."""
+    from omniweave.parallel.context.sharding import pad_rows_for, plan_cp_shard, unshard_rows
+
+    length = int(cu_seqlens[-1])
+    if cp == 1:
+        return shards[0][:length]
+    pad = pad_rows_for(cu_seqlens, cp, tp)
+    cu = torch.cat([cu_seqlens, cu_seqlens.new_tensor([length + pad])]) if pad else cu_seqlens
+    return unshard_rows(shards, plan_cp_shard(cu, cp))[:length]
+
+
+__all__ = ["apply_cp", "apply_vision_split", "shard_micro_batch", "unshard_micro_batch_rows"]
