@@ -93,9 +93,10 @@ def user_error_message(e: BaseException) -> str | None:
 
     if isinstance(e, UserError):
         return str(e)
-    if isinstance(e, MissingMandatoryValue):
-        key = getattr(e, "full_key", None) or "a recipe key"
-        return f"{key} is not set; pass {key}=VALUE (docs/training.md lists every recipe key)"
+    if isinstance(e, MissingMandatoryValue):  # a recipe key read before require() checked it
+        from omniweave.config import unset_key_message
+
+        return unset_key_message(getattr(e, "full_key", None) or "a recipe key")
     if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
         return f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
     return None

@@ -219,12 +219,16 @@ def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) 
     except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types; each becomes one line
         if isinstance(e, UserError):
             raise
-        raise RecipeError(_explain(e, path, overrides)) from e
+        raise RecipeError(_explain(e, path)) from e
     OmegaConf.set_struct(cfg, False)
     cfg.pop("hydra", None)
     if cfg.output_dir is None:
         cfg.output_dir = f"runs/{path.stem}"
     return cfg
+
+
+def unset_key_message(key: str) -> str:
+    return f"{key} is not set; pass {key}=VALUE (docs/training.md lists every recipe key)"
 
 
 def require(cfg: DictConfig, *keys: str) -> None:
@@ -235,7 +239,7 @@ def require(cfg: DictConfig, *keys: str) -> None:
         try:
             OmegaConf.select(cfg, key, throw_on_missing=True)
         except MissingMandatoryValue:
-            raise RecipeError(f"{key} is not set; pass {key}=VALUE (docs/training.md lists every recipe key)") from None
+            raise RecipeError(unset_key_message(key)) from None
 
 
 def _all_keys(path: Path) -> list[str]:
@@ -248,7 +252,7 @@ def _all_keys(path: Path) -> list[str]:
     return keys
 
 
-def _explain(e: Exception, path: Path, overrides: list[str]) -> str:
+def _explain(e: Exception, path: Path) -> str:
     """Hydra's multi-line errors (and their causes) as one line a user can act on."""
     text = " ".join(str(x) for x in (e, e.__cause__) if x)
     key = re.search(r"full_key: ([\w.\[\]]+)", text)

@@ -217,6 +217,14 @@ def pack_prompts(prompts: list[Prompt]) -> dict:
 # ---------------------------------------------------------------------------- engines
 
 
+def prompt_embeds(model, batch: dict) -> torch.Tensor:
+    """[L, D] token embeddings with the media features in place (an OmniModel encodes its media
+    here); a text-only CausalLM just embeds the ids."""
+    if hasattr(model, "inputs_embeds"):
+        return model.inputs_embeds(batch)
+    return model.foundation.embed(batch["input_ids"])
+
+
 class TorchRollout:
     """Rollouts with ``model`` (an ``OmniModel`` / ``CausalLM``, plain weights on this rank). With
     ``cp_group`` (size ``cp``), this rank is ``cp_rank`` of a context-parallel group whose ranks
@@ -239,8 +247,7 @@ class TorchRollout:
         local = {k: v.to(device) if torch.is_tensor(v) else v for k, v in local.items()}
         cache = GroupKVCache(len(foundation.layers), group_size, params.max_new_tokens, counts, keep,
                              self.cp_group if self.cp > 1 else None)
-        embeds = self.model.inputs_embeds(local) if hasattr(self.model, "inputs_embeds") else foundation.embed(
-            local["input_ids"])
+        embeds = prompt_embeds(self.model, local)
         hidden = foundation(inputs_embeds=embeds, position_ids=local["position_ids"], cu_seqlens=local["cu_seqlens"],
                             kv_cache=cache)
         logits = self._prompt_logits(foundation, hidden, last_rows)  # [N, V]
@@ -315,8 +322,7 @@ class NaiveRollout:
             for j in range(group_size):
                 gen = sample_generator(seed, p.uid, j)
                 cache = KVCache(len(foundation.layers))
-                embeds = self.model.inputs_embeds(batch) if hasattr(self.model, "inputs_embeds") else foundation.embed(
-                    batch["input_ids"])
+                embeds = prompt_embeds(self.model, batch)
                 hidden = foundation(inputs_embeds=embeds, position_ids=pos, kv_cache=cache)
                 r, next_pos = Rollout(p.uid, j, [], [], True), int(pos.max()) + 1
                 for t in range(params.max_new_tokens):
