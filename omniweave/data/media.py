@@ -94,10 +94,17 @@ def vision_settings_from_hf(path: str | Path) -> dict:
         raise ValueError(f"{file}: only rescale + normalise + bicubic (resample=3) processing is supported")
     if not math.isclose(hf.get("rescale_factor", 1 / 255), 1 / 255):
         raise ValueError(f"{file}: rescale_factor must be 1/255, got {hf['rescale_factor']}")
-    size = hf.get("size") or {}
     out = {k: hf[k] for k in ("patch_size", "merge_size", "temporal_patch_size") if k in hf}
     out.update({k: tuple(float(x) for x in hf[k]) for k in ("image_mean", "image_std") if k in hf})
-    for ours, legacy, size_key in (("min_pixels", "min_pixels", "shortest_edge"), ("max_pixels", "max_pixels", "longest_edge")):
+    return {**out, **_pixel_limits(hf, "min_pixels", "max_pixels")}
+
+
+def _pixel_limits(hf: dict, min_key: str, max_key: str) -> dict:
+    """{min_key, max_key} of a HF processor config: its ``min_pixels`` / ``max_pixels`` (transformers
+    4), else ``size.shortest_edge`` / ``size.longest_edge`` (transformers 5, also pixel counts)."""
+    size = hf.get("size") or {}
+    out = {}
+    for ours, legacy, size_key in ((min_key, "min_pixels", "shortest_edge"), (max_key, "max_pixels", "longest_edge")):
         value = hf.get(legacy, size.get(size_key))
         if value is not None:
             out[ours] = int(value)
@@ -110,13 +117,7 @@ def video_settings_from_hf(path: str | Path) -> dict:
     whole-video pixel budget is transformers' ``max_video_tokens`` × factor² × 0.9."""
     path = Path(path)
     hf = json.loads((path / "video_preprocessor_config.json" if path.is_dir() else path).read_text())
-    size = hf.get("size") or {}
-    out = {}
-    for ours, legacy, size_key in (("video_min_pixels", "min_pixels", "shortest_edge"),
-                                   ("video_max_pixels", "max_pixels", "longest_edge")):  # fmt: skip
-        value = hf.get(legacy, size.get(size_key))
-        if value is not None:
-            out[ours] = int(value)
+    out = _pixel_limits(hf, "video_min_pixels", "video_max_pixels")
     for key, kind in (("fps", float), ("min_frames", int), ("max_frames", int)):
         if hf.get(key) is not None:
             out[key] = kind(hf[key])
