@@ -38,12 +38,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from omniweave.data.sample import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Message
+from omniweave.data.sample import IMAGE_PLACEHOLDER, ROLES, VIDEO_PLACEHOLDER, Message
 from omniweave.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
 LOSS_ROLES = ("assistant", "function")
-ROLE_FORMATS = ("system", "user", "assistant", "observation", "function")
 _PLACEHOLDER_RE = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
@@ -64,7 +63,7 @@ class ChatTemplate:
     stop_tokens: tuple[str, ...] = ()
 
     def __post_init__(self):
-        for role in ROLE_FORMATS:
+        for role in ROLES:
             fmt = getattr(self, role)
             if fmt.count("{content}") != 1:
                 raise ValueError(f"template {self.name!r}: {role} format must hold '{{content}}' once: {fmt!r}")
@@ -156,7 +155,7 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
         out.text += template.system.format(content=template.default_system)
     for msg in messages:
         fmt = getattr(template, msg.role, None)
-        if fmt is None or msg.role not in ROLE_FORMATS:
+        if fmt is None or msg.role not in ROLES:
             raise ValueError(f"unknown role {msg.role!r}")
         prefix, suffix = fmt.split("{content}")
         out.text += prefix
@@ -211,7 +210,7 @@ def hf_chat_template(template: ChatTemplate) -> str:
     as here) or a list of ``{"type": "text" | "image" | "video"}`` parts; the role ``tool`` is
     accepted as ``observation``. Unknown roles and part types raise, as they do here.
     """
-    roles = {role: getattr(template, role).split("{content}") for role in ROLE_FORMATS}
+    roles = {role: getattr(template, role).split("{content}") for role in ROLES}
     roles["tool"] = roles["observation"]
     default_system = None
     if template.default_system is not None:
