@@ -7,11 +7,9 @@ import itertools
 import pytest
 import torch
 
-from omniweave.models.components.attention import math_attn
+from omniweave.models.components.attention import BACKENDS, math_attn, math_block_backward, math_block_forward, resolve
 from omniweave.parallel.context.attention import CPContext
-from omniweave.parallel.context.kernels import (
-    MATH, math_block_backward, math_block_forward, merge_partials, select_block_kernel,
-)
+from omniweave.parallel.context.kernels import merge_partials
 from omniweave.parallel.context.ulysses import kv_replication
 from omniweave.parallel.context.zigzag import chunk_lengths, chunk_rows, plan_block, zigzag_chunks
 from tests.cp_factory import cu_of, local_cu_seqlens, padded_lengths, zigzag_shard
@@ -188,11 +186,13 @@ def test_bad_inputs_raise_with_the_numbers():
 
 
 def test_ring_block_kernel_choice():
-    """auto is math off CUDA (and for fp32); sdpa has no backward from a given lse, so ring refuses it."""
-    assert select_block_kernel("auto", torch.device("cpu"), torch.bfloat16) is MATH
-    assert select_block_kernel("auto", torch.device("cuda"), torch.float32) is MATH
-    with pytest.raises(ValueError, match="'auto', 'math' or 'flash', not 'sdpa'"):
-        select_block_kernel("sdpa", torch.device("cpu"), torch.float32)
+    """Off CUDA, auto resolves to sdpa, which has no backward from a given lse: ring blocks run
+    math, and the log says so once."""
+    q = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    assert resolve("auto", q, q, block=True).block is BACKENDS["math"].block
+    assert resolve("sdpa", q, q, block=True).block is BACKENDS["math"].block
+    assert resolve("math", q, q, block=True).block is BACKENDS["math"].block
+    assert resolve("sdpa", q, q).name == "sdpa"  # the plain call keeps sdpa
 
 
 def test_cp_context_rejects_bad_settings():

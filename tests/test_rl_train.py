@@ -3,7 +3,6 @@ exact resume after SIGKILL."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -14,8 +14,9 @@ How a batch of N prompts is rolled out (``TorchRollout``):
    prompt longer than one rank's memory still rolls out.
 3. The N·G samples decode in lockstep, one token each per step: a sample attends to its prompt's
    keys (the group's queries against the shared keys, one varlen call; partial results merged
-   over the CP ranks by log-sum-exp) and to its own generated keys (every active sample has
-   generated the same number of tokens, so that is one dense attention), merged by log-sum-exp.
+   over the CP ranks by log-sum-exp) and to its own generated keys (``attention.decode`` over the
+   samples' cache slots: on CUDA the varlen kernel reads them in place with ``seqused_k``), merged
+   by log-sum-exp.
 
 Sampling (temperature, top-k, top-p; temperature 0 = greedy) draws each sample's tokens from its
 own generator seeded by (seed, prompt uid, sample index), so rollouts do not depend on the batch
@@ -30,7 +31,6 @@ temperature)`` at that token (before top-k / top-p), the quantity the update rec
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from omniweave.models.components.attention import attn
+from omniweave.models.components.attention import attn, decode
 from omniweave.models.components.decoder import KVCache
 from omniweave.parallel.context.kernels import merge_partials
 
@@ -108,17 +108,6 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generators: list
 # ---------------------------------------------------------------------------- the cache
 
 
-def _dense_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """q [B, H, D] over each row's own keys k, v [B, T, Hkv, D] -> (out fp32 [B, H, D], lse [H, B])."""
-    h, hkv = q.shape[1], k.shape[2]
-    if h != hkv:
-        k, v = k.repeat_interleave(h // hkv, dim=2), v.repeat_interleave(h // hkv, dim=2)
-    s = torch.einsum("bhd,bthd->bht", q.float(), k.float()) / math.sqrt(q.shape[-1])
-    lse = torch.logsumexp(s, -1)
-    out = torch.einsum("bht,bthd->bhd", torch.exp(s - lse[..., None]), v.float())
-    return out, lse.T
-
-
 class GroupKVCache:
     """Keys/values of a rollout batch: each prompt's once (this rank's real rows of it under CP),
     plus every sample's own generated tokens. See the module docstring for the attention."""
@@ -162,7 +151,8 @@ class GroupKVCache:
         active = self.active.to(k.device)
         self.own_k[layer][active, self.t] = k
         self.own_v[layer][active, self.t] = v
-        out, lse = _dense_attend(q, self.own_k[layer][active, : self.t + 1], self.own_v[layer][active, : self.t + 1])
+        lengths = torch.full((len(active),), self.t + 1, device=k.device)  # lockstep: all generated t + 1
+        out, lse = decode(q, self.own_k[layer], self.own_v[layer], active, lengths, backend)
         for pre_out, pre_lse in self._prefix_partials(layer, q, backend):
             out, lse = merge_partials(out, lse, pre_out, pre_lse)
         return out.to(q.dtype)

@@ -72,6 +72,7 @@ def build(cfg, device: torch.device, dims, meshes) -> nn.Module:
     from omniweave.parallel.tp import apply_tp
 
     model_cfg = to_dict(cfg.model)
+    check_attn_backends(model_cfg)
     with torch.device("meta"):
         model = build_model(model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -97,6 +98,16 @@ def build(cfg, device: torch.device, dims, meshes) -> nn.Module:
     if cfg.train.get("init_from"):
         init_weights_from(model, str(cfg.train.init_from))
     return model
+
+
+def check_attn_backends(model_cfg: dict) -> None:
+    """Every ``model.<component>.attn_backend`` names a backend this machine has (else a UserError
+    listing the ones it has); per-call fallbacks (dtype, head dim) are logged by the kernels."""
+    from omniweave.models.components.attention import check_backend
+
+    for name, component in model_cfg.items():
+        if isinstance(component, dict) and "attn_backend" in component:
+            check_backend(str(component["attn_backend"]), f"model.{name}.attn_backend")
 
 
 def init_weights_from(model: nn.Module, path: str) -> None:

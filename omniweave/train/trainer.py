@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from omniweave.train import checkpoint
-from omniweave.train.engine import Engine, with_process_group
+from omniweave.train.engine import Engine, check_attn_backends, with_process_group
 from omniweave.train.loss import PHASES, apply_phase
 from omniweave.train.metrics import step_flops
 
@@ -55,12 +55,13 @@ def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
     RL prompts, as ``kind`` says), the checkpoint to resume from."""
     import json
 
-    from omniweave.config import require
+    from omniweave.config import require, to_dict
     from omniweave.data.loader import check_kind
     from omniweave.data.packed import MANIFEST
     from omniweave.errors import UserError
 
     require(cfg, "data.path", "train.steps", "train.global_batch", "train.lr")
+    check_attn_backends(to_dict(cfg.model))
     manifest = Path(cfg.data.path) / MANIFEST
     if not manifest.is_file():
         raise UserError(f"data.path={cfg.data.path}: no packed dataset there (no {MANIFEST}); build it with "

@@ -1,8 +1,8 @@
-"""Varlen attention kernels over packed rows.
+"""Varlen attention over packed rows: one interface, several backends, one place that chooses.
 
 Every backend has the same interface::
 
-    attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None) -> (out, lse)
+    attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None) -> (out, lse)
 
 - ``q [Tq, H, D]``, ``k, v [Tk, Hkv, D]`` packed documents (``H % Hkv == 0``: grouped-query
   attention), ``cu_seqlens_q [N+1]`` / ``cu_seqlens_k [N+1]`` int32 document boundaries.
@@ -13,166 +13,153 @@ Every backend has the same interface::
 - ``window=W``: additionally only the ``W`` nearest keys (``i' - j < W``; both sides when
   bidirectional), like FlashAttention's ``window_size=(W-1, 0 or W-1)``.
 
-Backends: ``math`` (pure PyTorch, per-document loop: O(Σ len²) memory, never an L×L mask; the
-reference for tests), ``sdpa`` (``torch.nn.functional.scaled_dot_product_attention`` per document;
-its lse is computed by a separate chunked pass, skipped with ``need_lse=False``), ``flash``
-(``flash_attn_varlen_func`` when the package is importable and tensors are on CUDA).
+Backends (``BACKENDS``):
+
+- ``varlen``: PyTorch's own FlashAttention-2 (``torch.nn.attention.varlen``); CUDA, fp16/bf16,
+  head dim a multiple of 8 up to 256, compute capability 8.0+. The default on CUDA.
+- ``flash``: the ``flash_attn`` package, where it is installed. Optional; chosen only by name.
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` per document (any device, any
+  dtype); its lse comes from a separate chunked pass, skipped with ``need_lse=False``. The default
+  on CPU and the fallback everywhere.
+- ``math``: pure PyTorch in fp32, per document, never an L×L mask. The reference for tests and for
+  ``omniweave check``.
+
+Choosing (:func:`resolve`): a name the machine lacks (``varlen`` without CUDA, ``flash`` without the
+package) is a :class:`UnavailableBackend` error listing what this machine has
+(:func:`check_backend`, raised when the model is built). At call time, a backend that cannot serve
+a particular call (dtype, head dim, device, GPU) falls back along ``varlen -> sdpa``,
+``flash -> sdpa`` with one warning saying why (``omniweave.attention`` logger). Ring attention asks
+for a *block* kernel (forward with lse, backward from a given lse): ``varlen``, ``flash`` or ``math``;
+``sdpa`` has none, so a ring over ``sdpa`` runs ``math`` blocks (logged once).
+KV-cache decoding (one new query per sequence over its cache slot) is :func:`decode`: ``varlen``
+reads the slots in place with ``seqused_k``, the others gather and mask.
+Every call site (decoder, ViT, KV caches, the CP modes) goes through :func:`attn` / :func:`decode` /
+:func:`resolve`; none picks a kernel by itself.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from typing import Callable, Protocol
+import logging
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
+
+from omniweave.models.components import attention_cuda as cuda
+from omniweave.models.components.attention_ref import (  # noqa: F401  (re-exported: the kernels' helpers)
+    chunked_lse, doc_bounds, masked_scores, math_attn, math_attn_fp32, math_block_backward, math_block_forward,
+    math_decode,
+    scaled_dot, sdpa_attn, visible_mask,
+)
+from omniweave.models.components.attention_cuda import flash_available  # noqa: F401
+from omniweave.errors import UserError
+
+log = logging.getLogger("omniweave.attention")
 
 
-class AttnFn(Protocol):
-    def __call__(
-        self, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, window: int | None = None, **kw
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+class BlockKernel(NamedTuple):
+    """Ring attention's pair: ``forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse)``
+    and ``backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale) -> (dq, dk, dv)``
+    from the *global* out / lse."""
+
+    forward: Callable
+    backward: Callable
 
 
-def doc_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    if len(cq) != len(ck):
-        raise ValueError(f"cu_seqlens_q has {len(cq) - 1} documents but cu_seqlens_k has {len(ck) - 1}")
-    return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    attn: Callable  # the interface above
+    missing: Callable[[], str | None]  # why this machine cannot run it at all; None when it can
+    refuses: Callable[..., str | None]  # (q, k) -> why it cannot serve this call; None when it can
+    fallback: str | None  # where a refused call goes
+    block: BlockKernel | None = None  # ring attention's kernels; None: no backward from a given lse
+    lse_grad: bool = True  # its lse is differentiable
+    decode: Callable = math_decode  # KV-cache decoding over cache slots (see decode())
 
 
-def visible_mask(lq: int, lk: int, causal: bool, window: int | None, device=None) -> torch.Tensor | None:
-    """bool [lq, lk], True where query i may see key j; None when everything is visible."""
-    if not causal and window is None:
-        return None
-    qi = torch.arange(lq, device=device)[:, None] + (lk - lq)  # query position on the key axis
-    kj = torch.arange(lk, device=device)[None, :]
-    mask = torch.ones(lq, lk, dtype=torch.bool, device=device)
-    if causal:
-        mask &= kj <= qi
-    if window is not None:
-        mask &= (qi - kj) < window
-        if not causal:
-            mask &= (kj - qi) < window
-    return mask
+def _never(*_) -> None:
+    return None
 
 
-def scaled_dot(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """fp32 scores [H, Lq, Lk] of q [Lq, H, D] against k [Lk, Hkv, D] (GQA: k heads repeated)."""
-    h, hkv = q.shape[1], k.shape[1]
-    if h % hkv:
-        raise ValueError(f"{h} query heads are not a multiple of {hkv} key/value heads")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    k = k.repeat_interleave(h // hkv, dim=1) if h != hkv else k
-    return torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+BACKENDS: dict[str, Backend] = {
+    "varlen": Backend("varlen", cuda.varlen_attn, cuda.varlen_missing, cuda.fa2_refuses, "sdpa",
+                      BlockKernel(cuda.varlen_block_forward, cuda.varlen_block_backward), lse_grad=False,
+                      decode=cuda.varlen_decode),
+    "flash": Backend("flash", cuda.flash_attn, cuda.flash_missing, cuda.fa2_refuses, "sdpa",
+                     BlockKernel(cuda.flash_block_forward, cuda.flash_block_backward), lse_grad=False),
+    "sdpa": Backend("sdpa", sdpa_attn, _never, _never, None),
+    "math": Backend("math", math_attn, _never, _never, None, BlockKernel(math_block_forward, math_block_backward)),
+}
+AUTO = {"cuda": "varlen"}  # device type -> the default backend; anything else: sdpa
 
 
-def masked_scores(q, k, causal: bool, window: int | None = None, scale: float | None = None) -> torch.Tensor:
-    """fp32 scores [H, Lq, Lk] of one document, ``-inf`` where a query may not see a key."""
-    s = scaled_dot(q, k, scale)
-    mask = visible_mask(q.shape[0], k.shape[0], causal, window, q.device)
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+class UnavailableBackend(UserError, ValueError):
+    """A backend name that does not exist, or that this machine cannot run."""
 
 
-def math_attn_fp32(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None):
-    """:func:`math_attn` with the output left in fp32 (ring attention merges partial outputs)."""
-    h, hkv = q.shape[1], k.shape[1]
-    outs, lses = [], []
-    for q0, q1, k0, k1 in doc_bounds(cu_seqlens_q, cu_seqlens_k):
-        s = masked_scores(q[q0:q1], k[k0:k1], causal, window, scale)  # [H, lq, lk]
-        lse = torch.logsumexp(s, dim=-1)  # [H, lq]
-        p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])  # 0 where masked
-        vd = v[k0:k1].float()
-        vd = vd.repeat_interleave(h // hkv, dim=1) if h != hkv else vd
-        outs.append(torch.einsum("hqk,khd->qhd", p, vd))
-        lses.append(lse)
-    out = torch.cat(outs) if outs else q.new_zeros(q.shape, dtype=torch.float32)
-    lse = torch.cat(lses, dim=1) if lses else q.new_zeros((h, 0), dtype=torch.float32)
-    return out, lse
+def available(device: torch.device | str | None = None) -> list[str]:
+    """Backend names this machine can run (``auto`` first)."""
+    return ["auto", *(n for n, b in BACKENDS.items() if b.missing() is None)]
 
 
-def math_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None, **_):
-    """Reference kernel in fp32, one document at a time."""
-    out, lse = math_attn_fp32(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, scale)
-    return out.to(q.dtype), lse
-
-
-def chunked_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None, chunk=1024):
-    """lse [H, Tq] alone, query chunk by query chunk (bounded memory); differentiable."""
-    lses = []
-    for q0, q1, k0, k1 in doc_bounds(cu_seqlens_q, cu_seqlens_k):
-        lq, lk = q1 - q0, k1 - k0
-        full = visible_mask(lq, lk, causal, window, q.device)
-        for c0 in range(0, lq, chunk):
-            c1 = min(lq, c0 + chunk)
-            s = scaled_dot(q[q0 + c0 : q0 + c1], k[k0:k1], scale)
-            if full is not None:
-                s = s.masked_fill(~full[c0:c1], float("-inf"))
-            lses.append(torch.logsumexp(s, dim=-1))
-    return torch.cat(lses, dim=1) if lses else q.new_zeros((q.shape[1], 0), dtype=torch.float32)
-
-
-def sdpa_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None, need_lse=True, **_):
-    """``F.scaled_dot_product_attention`` per document; lse from :func:`chunked_lse` if asked."""
-    h, hkv = q.shape[1], k.shape[1]
-    outs = []
-    for q0, q1, k0, k1 in doc_bounds(cu_seqlens_q, cu_seqlens_k):
-        lq, lk = q1 - q0, k1 - k0
-        # [1, H, L, D]: 4-D inputs let SDPA pick its fused kernels (also on CPU)
-        qd, kd, vd = (t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
-        if h != hkv:  # enable_gqa is not supported by every SDPA kernel; repeat explicitly
-            kd, vd = kd.repeat_interleave(h // hkv, dim=1), vd.repeat_interleave(h // hkv, dim=1)
-        if window is None and (not causal or lq == lk):
-            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
-        else:
-            mask = visible_mask(lq, lk, causal, window, q.device)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
-            o = o.masked_fill(~mask.any(-1)[:, None], 0.0)  # rows that see nothing: 0, not NaN
-        outs.append(o[0].transpose(0, 1))
-    out = torch.cat(outs) if outs else torch.zeros_like(q)
-    lse = chunked_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, window, scale) if need_lse else None
-    return out, lse
-
-
-@functools.lru_cache(maxsize=None)
-def flash_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-def flash_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None, **_):
-    """FlashAttention-2 varlen kernel; returns its own lse [H, Tq] (fp32)."""
-    from flash_attn import flash_attn_varlen_func
-
-    lens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item() if cu_seqlens_q.numel() > 1 else 0
-    lens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item() if cu_seqlens_k.numel() > 1 else 0
-    window_size = (-1, -1) if window is None else (window - 1, 0 if causal else window - 1)
-    out, lse, _ = flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), lens_q, lens_k,
-        softmax_scale=scale, causal=causal, window_size=window_size, return_attn_probs=True,
-    )  # fmt: skip
-    return out, lse
-
-
-BACKENDS: dict[str, Callable] = {"math": math_attn, "sdpa": sdpa_attn, "flash": flash_attn}
-
-
-def select_backend(name: str = "auto", device: torch.device | str | None = None) -> str:
-    """Resolve ``auto``: flash on CUDA when importable, else sdpa. Explicit names are checked."""
+def check_backend(name: str, field: str = "attn_backend") -> str:
+    """``name`` when this machine has it; else an error naming what it has."""
     if name == "auto":
-        on_cuda = device is None or torch.device(device).type == "cuda"
-        return "flash" if on_cuda and flash_available() else "sdpa"
+        return name
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
-    if name == "flash" and not flash_available():
-        raise RuntimeError("attention backend 'flash' needs the flash_attn package and a CUDA device")
+        raise UnavailableBackend(f"{field}: unknown attention backend {name!r}; choose from "
+                                 f"{', '.join(['auto', *BACKENDS])} (available here: {', '.join(available())})")
+    why = BACKENDS[name].missing()
+    if why is not None:
+        raise UnavailableBackend(f"{field}: attention backend {name!r} is not available on this machine: {why}; "
+                                 f"available here: {', '.join(available())}")
     return name
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
+
+def default_backend(device: torch.device | str) -> str:
+    name = AUTO.get(torch.device(device).type, "sdpa")
+    return name if BACKENDS[name].missing() is None else "sdpa"
+
+
+def resolve(name: str, q: torch.Tensor, k: torch.Tensor, *, block: bool = False) -> Backend:
+    """The backend that will serve this call: ``name`` (``auto``: this device's default) unless it
+    refuses the call, then its fallback, with one warning per distinct reason."""
+    check_backend(name)
+    chosen = default_backend(q.device) if name == "auto" else name
+    while True:
+        backend = BACKENDS[chosen]
+        why = backend.missing() or backend.refuses(q, k)
+        if why is None:
+            break
+        _warn_once(f"attention: {chosen} cannot serve this call ({why}); using {backend.fallback}")
+        chosen = backend.fallback
+    if block and backend.block is None:
+        _warn_once(f"attention: {chosen} has no block kernel for ring attention; ring blocks use math")
+        backend = BACKENDS["math"]
+    return backend
+
+
+def select_backend(name: str = "auto", device: torch.device | str | None = None) -> str:
+    """The name ``auto`` stands for on ``device`` (explicit names are checked and returned)."""
+    check_backend(name)
+    return default_backend(device or "cpu") if name == "auto" else name
+
+
 def attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, backend: str = "auto", **kw):
-    """Dispatch to a backend by name (``auto`` resolved against q's device)."""
-    return BACKENDS[select_backend(backend, q.device)](q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, **kw)
+    """Dispatch to a backend by name (resolved against this call's tensors)."""
+    return resolve(backend, q, k).attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, **kw)
+
+
+def decode(q, k_cache, v_cache, slots, lengths, backend: str = "auto", scale=None):
+    """KV-cache decoding, one query per sequence: ``q [B, H, D]`` over the first ``lengths[b]`` keys of
+    cache slot ``slots[b]`` (``k_cache, v_cache [N, S, Hkv, D]``, ``slots`` ascending) ->
+    ``(out [B, H, D], lse fp32 [H, B])``. ``varlen`` reads the slots in place (``seqused_k``); the
+    others gather them and mask (``attention_ref.math_decode``)."""
+    return resolve(backend, q, k_cache).decode(q, k_cache, v_cache, slots, lengths, scale)

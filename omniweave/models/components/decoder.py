@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from omniweave.models.components.attention import attn, select_backend
+from omniweave.models.components.attention import attn
 from omniweave.models.components.mlp import SwiGLU
 from omniweave.models.components.norm import RMSNorm
 from omniweave.models.components.rope import apply_rope, rope_cos_sin
@@ -39,7 +39,7 @@ class DecoderConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
     sliding_window: int | None = None
-    attn_backend: str = "auto"  # auto | math | sdpa | flash
+    attn_backend: str = "auto"  # auto | varlen | flash | sdpa | math (components/attention.py)
     initializer_range: float = 0.02
     hidden_act: str = "silu"
     extra_hf: dict = field(default_factory=dict)  # HF config keys kept for export
@@ -115,7 +115,7 @@ class Attention(nn.Module):
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        backend = select_backend(self.cfg.attn_backend, x.device)
+        backend = self.cfg.attn_backend  # resolved per call against q (components/attention.py)
         if kv_cache is not None:  # generation: the cache attends over what it holds (see KVCache)
             out = kv_cache.attend(self.layer, q, k, v, cu_seqlens, self.cfg.sliding_window, backend, self.attn_fn)
         elif self.attn_fn is not None:

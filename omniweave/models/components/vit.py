@@ -56,7 +56,7 @@ class Qwen2ViTConfig:
     fullatt_block_indexes: list[int] = field(default_factory=list)
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    attn_backend: str = "auto"  # attention.BACKENDS name; auto = flash on CUDA if present, else sdpa
+    attn_backend: str = "auto"  # attention.BACKENDS name; auto = varlen on CUDA, else sdpa
 
     @property
     def in_dim(self) -> int:

@@ -47,8 +47,6 @@ def apply_cp(model: nn.Module, dims, meshes, head_groups: int = 1) -> None:
 
     layers = model.foundation.layers
     backend = layers[0].self_attn.cfg.attn_backend if len(layers) else "auto"
-    if dims.cp_attention in ("ring", "hybrid") and backend == "sdpa":
-        backend = "auto"  # ring blocks need a kernel with a backward from a given lse: math or flash
     ctx = CPContext(group=meshes.cp.get_group(), mode=dims.cp_attention, ulysses_group=meshes.ulysses_group,
                     ring_group=meshes.ring_group, head_groups=head_groups, backend=backend)
     for layer in layers:

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from omniweave.models.components.attention import resolve
 from omniweave.parallel.context.allgather import allgather_attention
-from omniweave.parallel.context.kernels import select_block_kernel
 from omniweave.parallel.context.ring import ring_attention
 from omniweave.parallel.context.ulysses import hybrid_attention, ulysses_attention
 from omniweave.parallel.context.zigzag import zigzag_chunks
@@ -48,7 +48,7 @@ class CPContext:
     ulysses_group: ProcessGroup | None = None  # hybrid: the inner group (size u, consecutive CP ranks)
     ring_group: ProcessGroup | None = None  # hybrid: ranks with the same inner index across inner groups
     head_groups: int = 1  # allgather: gather K/V in this many KV-head groups to bound memory
-    backend: str = "auto"  # local kernel (components.attention backends; ring/hybrid: auto | math | flash)
+    backend: str = "auto"  # local kernel: a components.attention backend name (ring blocks: its block kernel)
     # index plans of the current micro-batch, keyed by its cu_seqlens tensor (see ``memo``)
     _plans: tuple = field(default=(None, {}), init=False, repr=False, compare=False)
 
@@ -95,7 +95,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         return allgather_attention(q, k, v, cu_seqlens, ctx.group, window, scale, ctx.backend, ctx.head_groups, memo)
     if ctx.mode == "ulysses":
         return ulysses_attention(q, k, v, cu_seqlens, ctx.group, window, scale, ctx.backend, memo)
-    kernel = select_block_kernel(ctx.backend, q.device, q.dtype)
+    kernel = resolve(ctx.backend, q, k, block=True).block
     if ctx.mode == "ring":
         cp = dist.get_world_size(ctx.group)
         chunks = [zigzag_chunks(cp, r) for r in range(cp)]
