@@ -30,6 +30,7 @@ COMMANDS: dict[tuple[str, str | None], tuple[str, str]] = {
     ("hf", "verify"): ("omniweave.models.hf.verify", "compare a HF model directory against omniweave"),
     ("hf", "export"): ("omniweave.models.hf.export", "export a checkpoint to a HF directory"),
     ("demo", None): ("omniweave.demo", "the whole pipeline on the synthetic dataset"),
+    ("check", None): ("omniweave.check", "check this machine's kernels, models and parallel layouts"),
 }
 
 
