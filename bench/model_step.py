@@ -32,31 +32,15 @@ from pathlib import Path
 
 import torch
 
+from omniweave.check.speed import PRESETS, document_lengths
 from omniweave.train.metrics import matmul_peak_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (also when imported)
 from quick import HELP as QUICK_HELP, note  # noqa: E402
 
-# Model presets (Qwen2 family, GQA 2:1, head_dim 64): "small" fits the shared 2-core CPU box in
-# minutes; "medium" (~200M parameters) is the one to run on a GPU.
-PRESETS = {
-    "small": dict(vocab_size=8192, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1),
-    "medium": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                   num_attention_heads=16, num_key_value_heads=8),
-}  # fmt: skip
 CONFIG = dict(PRESETS["small"], max_position_embeddings=32768, tie_word_embeddings=False)
+documents = document_lengths  # document lengths (64..2048 tokens) summing to a total
 
-
-def documents(total: int, seed: int = 0) -> list[int]:
-    """Document lengths (64..2048 tokens) summing to ``total``."""
-    g = torch.Generator().manual_seed(seed)
-    lens, left = [], total
-    while left > 0:
-        n = min(left, int(torch.randint(64, 2049, (1,), generator=g)))
-        lens.append(n)
-        left -= n
-    return lens
 
 
 def rss_bytes() -> int:

@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 
-def matmul_peak_flops(device: torch.device, n: int = 1024, repeats: int = 5, timer=time.perf_counter) -> float:
-    """Best observed FLOP/s of an n×n fp32 matmul on ``device`` (the MFU denominator on CPU);
+def matmul_peak_flops(device: torch.device, n: int = 1024, repeats: int = 5, timer=time.perf_counter,
+                      dtype: torch.dtype = torch.float32) -> float:
+    """Best observed FLOP/s of an n×n matmul in ``dtype`` on ``device`` (the MFU denominator on CPU);
     ``timer`` may be a CPU-time clock (benchmarks on a shared box)."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     mod = getattr(torch, device.type, None) if device.type != "cpu" else None
     sync = mod.synchronize if mod is not None and hasattr(mod, "synchronize") else (lambda: None)
     a @ b
