@@ -15,7 +15,11 @@ import torch
 
 from omniweave.check import Row, rel_err, verdict
 from omniweave.models.components.decoder import Decoder, DecoderConfig
-from omniweave.models.components.vit import Qwen2ViTConfig, Qwen25ViTConfig, VisionTransformer
+from omniweave.models.components.vit import (
+    Qwen2ViTConfig,
+    Qwen25ViTConfig,
+    VisionTransformer,
+)
 from omniweave.models.text import CausalLM
 
 # bf16 vs fp32 of a 2-layer random model: a broken kernel or mask gives errors of order 1.
