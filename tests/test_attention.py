@@ -237,3 +237,20 @@ def test_decode_reads_each_sequences_slot_up_to_its_length(monkeypatch, kernel):
     ref_out, ref_lse = math_attn(q, k, v, torch.arange(4, dtype=torch.int32), cu_k, False)
     torch.testing.assert_close(out.float(), ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_under_autocast_attention_gets_one_half_precision_dtype(monkeypatch):
+    """Qwen3's qk-norm (fp32 weights) promotes q, k to fp32 under autocast while v is bf16; the
+    kernel must see one dtype (FlashAttention refuses mixed ones), as autocast does for SDPA."""
+    seen = []
+
+    def spy(q, k, v, *a, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return math_attn(q, k, v, *a, **kw)
+
+    monkeypatch.setitem(attention.BACKENDS, "math", attention.Backend("math", spy, lambda: None, lambda *_: None, None))
+    q, k, v = _qkv(32, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attn(q, k, v.bfloat16(), CU, CU, True, backend="math")
+    attn(q, k, v, CU, CU, True, backend="math")
+    assert seen == [(torch.bfloat16,) * 3, (torch.float32,) * 3]

@@ -50,9 +50,20 @@ def script_options(path: Path) -> set[str]:
 
 
 def model_keys() -> set[str]:
+    """``model.<kind>.<key>``: the keys of the shipped component YAMLs and every field of the
+    registered components' config dataclasses (a key a YAML leaves at its default is still valid)."""
+    import dataclasses
+
+    from omniweave.models import registry
+
     keys = set()
     for f in (REPO / "configs/models").glob("*/*.yaml"):
         keys |= {f"model.{f.parent.name}.{k}" for k in (yaml.safe_load(f.read_text()) or {})}
+    for kind in ("foundation", "image_encoder", "projector"):
+        for name in registry.names(kind):
+            config_cls = registry.lookup(kind, name)[1]
+            if config_cls is not None:
+                keys |= {f"model.{kind}.{fld.name}" for fld in dataclasses.fields(config_cls)}
     return keys
 
 

@@ -58,9 +58,8 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def _group_rows(group: str, device: torch.device, quick: bool) -> Iterator[Row]:
     import importlib
 
-    module = importlib.import_module(f"omniweave.check.{group}")
     try:
-        yield from module.rows(device, quick)
+        yield from importlib.import_module(f"omniweave.check.{group}").rows(device, quick)
     except Exception as e:  # noqa: BLE001 - a crashing group is a failed row, the table still prints
         last = traceback.extract_tb(e.__traceback__)[-1]
         yield Row(group, "(group crashed)", "FAIL", note=f"{type(e).__name__}: {e} [{last.filename}:{last.lineno}]")

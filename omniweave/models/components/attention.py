@@ -152,8 +152,20 @@ def select_backend(name: str = "auto", device: torch.device | str | None = None)
     return default_backend(device or "cpu") if name == "auto" else name
 
 
+def autocast_inputs(q, k, v):
+    """q, k, v in the autocast dtype when autocast is on (as autocast does for SDPA): a norm with
+    fp32 weights (Qwen3's qk-norm) promotes q and k to fp32 while v stays bf16, and FlashAttention
+    takes one half-precision dtype."""
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, backend: str = "auto", **kw):
     """Dispatch to a backend by name (resolved against this call's tensors)."""
+    q, k, v = autocast_inputs(q, k, v)
     return resolve(backend, q, k).attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, **kw)
 
 
@@ -162,4 +174,5 @@ def decode(q, k_cache, v_cache, slots, lengths, backend: str = "auto", scale=Non
     cache slot ``slots[b]`` (``k_cache, v_cache [N, S, Hkv, D]``, ``slots`` ascending) ->
     ``(out [B, H, D], lse fp32 [H, B])``. ``varlen`` reads the slots in place (``seqused_k``); the
     others gather them and mask (``attention_ref.math_decode``)."""
+    q, k_cache, v_cache = autocast_inputs(q, k_cache, v_cache)
     return resolve(backend, q, k_cache).decode(q, k_cache, v_cache, slots, lengths, scale)

@@ -4,10 +4,23 @@ are in :mod:`omniweave.models.components.attention`."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
+
+
+def fp32_math(fn):
+    """Run a kernel with autocast off: its einsums must stay in fp32 (autocast would run them in
+    bf16, and the fp32 sentinels below overflow bf16)."""
+
+    @functools.wraps(fn)
+    def wrapper(first, *args, **kw):
+        with torch.autocast(first.device.type, enabled=False):
+            return fn(first, *args, **kw)
+
+    return wrapper
 
 
 def doc_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
@@ -50,6 +63,7 @@ def masked_scores(q, k, causal: bool, window: int | None = None, scale: float | 
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
+@fp32_math
 def math_attn_fp32(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None):
     """:func:`math_attn` with the output left in fp32 (ring attention merges partial outputs)."""
     h, hkv = q.shape[1], k.shape[1]
@@ -73,6 +87,7 @@ def math_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=No
     return out.to(q.dtype), lse
 
 
+@fp32_math
 def chunked_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None, chunk=1024):
     """lse [H, Tq] alone, query chunk by query chunk (bounded memory); differentiable."""
     lses = []
@@ -110,6 +125,7 @@ def sdpa_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=No
     return out, lse
 
 
+@fp32_math
 def math_decode(q, k_cache, v_cache, slots, lengths, scale=None):
     """One query per sequence over its cache slot: ``q [B, H, D]`` attends to the first
     ``lengths[b]`` keys of ``k_cache[slots[b]]`` (``k_cache, v_cache [N, S, Hkv, D]``) ->
@@ -138,6 +154,7 @@ def math_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return math_attn_fp32(q, k, v, cu_q, cu_k, causal, None, scale)
 
 
+@fp32_math
 def math_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
     """``(dq [Tq, H, D], dk, dv [Tk, Hkv, D])`` in fp32 of this block, from the global ``out``/``lse``."""
     hkv, group = k.shape[1], q.shape[1] // k.shape[1]

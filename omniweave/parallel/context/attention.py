@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from omniweave.models.components.attention import resolve
+from omniweave.models.components.attention import autocast_inputs, resolve
 from omniweave.parallel.context.allgather import allgather_attention
 from omniweave.parallel.context.ring import ring_attention
 from omniweave.parallel.context.ulysses import hybrid_attention, ulysses_attention
@@ -90,6 +90,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         raise ValueError(f"a sliding window ({window}) is not supported by {ctx.mode} context-parallel attention; "
                          f"choose mode 'allgather' or 'ulysses'")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v = autocast_inputs(q, k, v)  # one dtype for the kernels and the K/V messages
     memo = partial(ctx.memo, cu_seqlens)
     if ctx.mode == "allgather":
         return allgather_attention(q, k, v, cu_seqlens, ctx.group, window, scale, ctx.backend, ctx.head_groups, memo)
