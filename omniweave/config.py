@@ -214,7 +214,7 @@ def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) 
     path = recipe_path(name_or_path)
     overrides = list(overrides)
     try:
-        cfg = _compose(path, overrides)
+        cfg = _compose(path, _component_field_overrides(path, overrides))
         OmegaConf.resolve(cfg)
     except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types; each becomes one line
         if isinstance(e, UserError):
@@ -225,6 +225,36 @@ def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) 
     if cfg.output_dir is None:
         cfg.output_dir = f"runs/{path.stem}"
     return cfg
+
+
+_COMPONENT_KEY = re.compile(r"^(model\.(foundation|image_encoder|projector)\.(\w+))=")
+
+
+def _component_field_overrides(path: Path, overrides: list[str]) -> list[str]:
+    """``model.<component>.<field>=V`` where the component's YAML leaves ``field`` at its default:
+    the override becomes ``+model.…`` (Hydra refuses to override a key the YAML lacks), so every
+    field of a registered component's config can be set the same way."""
+    wanted = [(i, m) for i, o in enumerate(overrides) if (m := _COMPONENT_KEY.match(o))]
+    if not wanted:
+        return overrides
+    import dataclasses
+
+    from omniweave.models import registry
+
+    others = [o for i, o in enumerate(overrides) if i not in {j for j, _ in wanted}]
+    try:
+        model = OmegaConf.to_container(_compose(path, others).model)
+    except Exception:  # noqa: BLE001 - the recipe itself is broken: load_recipe explains it
+        return overrides
+    out = list(overrides)
+    for i, m in wanted:
+        section, kind, key = model.get(m.group(2)) or {}, m.group(2), m.group(3)
+        if key in section or "name" not in section or section["name"] not in registry.names(kind):
+            continue
+        config_cls = registry.lookup(kind, section["name"])[1]
+        if config_cls is not None and key in {f.name for f in dataclasses.fields(config_cls)}:
+            out[i] = "+" + overrides[i]
+    return out
 
 
 def unset_key_message(key: str) -> str:
@@ -244,11 +274,21 @@ def require(cfg: DictConfig, *keys: str) -> None:
 
 def _all_keys(path: Path) -> list[str]:
     """Valid dotted keys for suggestions: the schema's plus the recipe's model section."""
+    import dataclasses
+
+    from omniweave.models import registry
+
     keys = list(schema_defaults())
     try:
-        keys += [f"model.{k}" for k in _flatten(OmegaConf.to_container(_compose(path, []).model))]
+        model = OmegaConf.to_container(_compose(path, []).model)
     except Exception:  # noqa: BLE001 - the recipe itself is broken: schema keys only
-        pass
+        return keys
+    keys += [f"model.{k}" for k in _flatten(model)]
+    for kind, section in model.items():  # fields the component's YAML leaves at their defaults
+        if isinstance(section, dict) and section.get("name") in registry.names(kind):
+            config_cls = registry.lookup(kind, section["name"])[1]
+            if config_cls is not None:
+                keys += [f"model.{kind}.{f.name}" for f in dataclasses.fields(config_cls)]
     return keys
 
 

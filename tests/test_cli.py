@@ -68,6 +68,12 @@ def test_overrides_may_follow_options():
     (["data", "pack", "--input", "nowhere", "--output", "p", "--recipe", "demo"], ["not a raw dataset"]),
     (["data", "pack", "--input", "nowhere", "--output", "p", "--recipe", "demo", "data.max_lne=9"],
      ["did you mean 'data.max_len'?"]),
+    (["train", "demo", "data.path=nowhere", "model.foundation.attn_backend=flsh"],
+     ["model.foundation.attn_backend: unknown attention backend 'flsh'; choose from auto, varlen, flash, sdpa, math",
+      "available here: auto"]),
+    (["rl", "demo_grpo", "data.path=nowhere", "model.image_encoder.attn_backend=flash"],
+     ["model.image_encoder.attn_backend: attention backend 'flash' is not available on this machine",
+      "available here: auto"]),
     (["hf", "export", "nowhere", "--output", "hf"], ["nowhere"]),
     (["hf", "verify", "nowhere"], ["no config.json"]),
 ])

@@ -77,3 +77,12 @@ def test_required_keys_left_unset_are_one_line(configs):
     config.require(cfg, "train.steps")
     with pytest.raises(RecipeError, match=r"^data.path is not set; pass data.path=VALUE"):
         config.require(cfg, "data.path")
+
+
+def test_a_component_field_its_yaml_leaves_at_the_default_is_overridden_like_any_key():
+    """`model.foundation.attn_backend=math` works although qwen2_5_tiny.yaml does not list it (the
+    field's default lives in DecoderConfig); a typo of it is still an unknown key with a suggestion."""
+    cfg = config.load_recipe("demo", ["model.foundation.attn_backend=math", "model.foundation.num_layers=3"])
+    assert cfg.model.foundation.attn_backend == "math" and cfg.model.foundation.num_layers == 3
+    with pytest.raises(RecipeError, match="did you mean 'model.foundation.attn_backend'"):
+        config.load_recipe("demo", ["model.foundation.attn_backnd=math"])
