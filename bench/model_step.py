@@ -57,7 +57,10 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def make_step(impl: str, hf_dir: str, lens: list[int], device: torch.device):
+def make_step(impl: str, hf_dir: str, lens: list[int], device: torch.device, precision: str = "fp32"):
+    def autocast():  # bf16: autocast over fp32 weights, as both trainers do without FSDP
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, CONFIG["vocab_size"], (sum(lens),), generator=g)
     if impl == "omniweave":
@@ -73,9 +76,10 @@ def make_step(impl: str, hf_dir: str, lens: list[int], device: torch.device):
         batch = {k: v.to(device) for k, v in batch.items()}
 
         def step():
-            out = model(batch)
+            with autocast():
+                out = model(batch)
             (out.loss_sum / out.num_tokens).backward()
-    else:
+    elif impl == "transformers":
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa").float().to(device).train()
@@ -90,23 +94,66 @@ def make_step(impl: str, hf_dir: str, lens: list[int], device: torch.device):
         input_ids, mask, labels = input_ids.to(device), mask.to(device), labels.to(device)
 
         def step():
-            model(input_ids=input_ids, attention_mask=mask, labels=labels).loss.backward()
+            with autocast():
+                loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+    else:  # transformers-packed-<attn>: DataCollatorWithFlattening, documents kept apart by position_ids
+        from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+
+        attn_impl = impl.removeprefix("transformers-packed-")
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation=attn_impl).float().to(device).train()
+        docs = ids.split(lens)
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=attn_impl == "flash_attention_2")(
+            [{"input_ids": d.tolist()} for d in docs])
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+        def step():
+            with autocast():
+                loss = model(**batch, use_cache=False).loss  # no cache: transformers then reads packing
+            loss.backward()
 
     return model, step
+
+
+def default_impls(device: torch.device) -> list[str]:
+    """omniweave, transformers padded, and transformers packed (DataCollatorWithFlattening) with every
+    attention implementation transformers can load here: its best configuration is among them."""
+    import importlib.util
+
+    attn = ["sdpa"]
+    if device.type == "cuda":
+        attn.append("flex_attention")
+        if importlib.util.find_spec("flash_attn") is not None:
+            attn.append("flash_attention_2")
+    return ["omniweave", "transformers", *(f"transformers-packed-{a}" for a in attn)]
+
+
+def speedups(rows: list[dict]) -> list[str]:
+    """Per size: omniweave's tokens/s over the fastest transformers configuration's."""
+    out = []
+    for size in sorted({r["tokens"] for r in rows}):
+        ours = [r for r in rows if r["tokens"] == size and r["impl"] == "omniweave"]
+        theirs = [r for r in rows if r["tokens"] == size and r["impl"].startswith("transformers")]
+        if ours and theirs:
+            best = max(theirs, key=lambda r: r["tokens_per_s"])
+            out.append(f"{size} tokens: omniweave {ours[0]['tokens_per_s'] / best['tokens_per_s']:.2f}x the fastest "
+                       f"transformers configuration ({best['impl']})")
+    return out
 
 
 def clock_fn(name: str):
     return time.process_time if name == "cpu" else time.perf_counter
 
 
-def child(impl: str, hf_dir: str, size: int, device_name: str, repeats: int, clock: str = "wall") -> dict:
+def child(impl: str, hf_dir: str, size: int, device_name: str, repeats: int, clock: str = "wall",
+          precision: str = "fp32") -> dict:
     device = torch.device(device_name)
     lens = documents(size)
-    model, step = make_step(impl, hf_dir, documents(512, seed=9), device)
+    model, step = make_step(impl, hf_dir, documents(512, seed=9), device, precision)
     step()  # warm-up on a short row (kernels, allocator, lazy imports)
     del model, step
     gc.collect()
-    model, step = make_step(impl, hf_dir, lens, device)
+    model, step = make_step(impl, hf_dir, lens, device, precision)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     if device.type == "cuda":
@@ -138,6 +185,11 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by wall clock or by the process's CPU seconds (all threads summed)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: autocast over fp32 weights for every implementation (the matmul peak in bf16 too)")
+    p.add_argument("--impls", nargs="+", default=None,
+                   help="implementations to run (default: omniweave, transformers padded, and transformers "
+                        "packed with every attention implementation it can load here)")
     p.add_argument("--quick", action="store_true", help=QUICK_HELP + ": one row of 512 tokens, small preset")
     args = p.parse_args()
     if args.quick and not args.child:
@@ -150,14 +202,16 @@ def main() -> int:
     CONFIG.update(PRESETS[args.preset])
     if args.child:
         impl, hf_dir, size = args.child
-        print(json.dumps(child(impl, hf_dir, int(size), args.device, args.repeats, args.clock)))
+        print(json.dumps(child(impl, hf_dir, int(size), args.device, args.repeats, args.clock, args.precision)))
         return 0
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    peak = matmul_peak_flops(device, n=512 if args.quick else 2048, timer=clock_fn(args.clock))
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    peak = matmul_peak_flops(device, n=512 if args.quick else 2048, timer=clock_fn(args.clock), dtype=dtype)
+    impls = args.impls or default_impls(device)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
@@ -168,10 +222,10 @@ def main() -> int:
         del hf
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         for size in args.sizes:
-            for impl in ("omniweave", "transformers"):
+            for impl in impls:
                 cmd = [sys.executable, __file__, "--child", impl, tmp, str(size), "--device", args.device,
                        "--repeats", str(args.repeats), "--preset", args.preset, "--threads", str(args.threads),
-                       "--clock", args.clock]  # fmt: skip
+                       "--clock", args.clock, "--precision", args.precision]  # fmt: skip
                 res = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if res.returncode:
                     print(res.stderr[-3000:], file=sys.stderr)
@@ -182,15 +236,16 @@ def main() -> int:
                 r["tokens_per_s"] = size / r["step_s"]
                 r["mfu"] = flops / r["step_s"] / peak
                 rows.append(r)
-                print(f"{impl:>12} {size:>6} tokens ({r['docs']} docs): {r['step_s']:.2f} s/step, "
+                print(f"{impl:>32} {size:>6} tokens ({r['docs']} docs): {r['step_s']:.2f} s/step, "
                       f"{r['tokens_per_s']:.0f} tok/s, peak +{r['peak_mb']:.0f} MB, MFU {100 * r['mfu']:.1f}%", flush=True)  # fmt: skip
 
     header = "| tokens | docs | impl | step s | tokens/s | peak MB | MFU | padded tokens |"
-    lines = [f"preset {args.preset}, device {args.device}, threads {torch.get_num_threads()}, {args.clock} clock, fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, model {n_params / 1e6:.1f}M params "
+    lines = [f"preset {args.preset}, device {args.device}, threads {torch.get_num_threads()}, {args.clock} clock, {args.precision}, {args.precision} matmul peak {peak / 1e9:.1f} GFLOP/s, model {n_params / 1e6:.1f}M params "
              f"({n_nonembed / 1e6:.1f}M non-embedding)", "", header, "|" + "---|" * 8]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['docs']} | {r['impl']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
                      f"{r['peak_mb']:.0f} | {100 * r['mfu']:.1f}% | {r['padded_tokens'] if r['impl'] == 'transformers' else r['tokens']} |")  # fmt: skip
+    lines += ["", *speedups(rows)]
     table = "\n".join(lines)
     print(table)
     (args.out / "model_step.json").write_text(json.dumps({"peak_flops": peak, "rows": rows}, indent=2))
@@ -201,8 +256,8 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for impl, style in (("omniweave", "o-"), ("transformers", "s--")):
-        rs = [r for r in rows if r["impl"] == impl]
+    for impl in impls:
+        rs, style = [r for r in rows if r["impl"] == impl], "o-" if impl == "omniweave" else "s--"
         axes[0].plot([r["tokens"] for r in rs], [r["tokens_per_s"] for r in rs], style, label=impl)
         axes[1].plot([r["tokens"] for r in rs], [r["peak_mb"] for r in rs], style, label=impl)
     axes[0].set(xlabel="packed tokens per step", ylabel="tokens/s (fwd+bwd)", title=f"throughput ({args.device}, {args.clock} clock)")
