@@ -254,3 +254,12 @@ def test_under_autocast_attention_gets_one_half_precision_dtype(monkeypatch):
         attn(q, k, v.bfloat16(), CU, CU, True, backend="math")
     attn(q, k, v, CU, CU, True, backend="math")
     assert seen == [(torch.bfloat16,) * 3, (torch.float32,) * 3]
+
+
+def test_longest_segment_is_remembered_per_tensor_and_never_stale():
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    assert attention_cuda.max_len(cu) == 7
+    cu[2] = 4  # in place: a new version
+    assert attention_cuda.max_len(cu) == 3
+    other = torch.tensor([0, 5], dtype=torch.int32)
+    assert attention_cuda.max_len(other) == 5 and attention_cuda.max_len(torch.tensor([0], dtype=torch.int32)) == 0

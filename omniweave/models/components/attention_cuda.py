@@ -18,6 +18,7 @@ global ``out``/``lse``, FlashAttention-2's recomputation scheme; see ``attention
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -29,8 +30,21 @@ def fa_window(causal: bool, window: int | None) -> tuple[int, int]:
     return (window - 1, 0) if causal else (window - 1, window - 1)
 
 
+_MAX_LEN: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (the tensor, its version, longest)
+
+
 def max_len(cu_seqlens: torch.Tensor) -> int:
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    """The longest segment. Reading it from a GPU tensor waits for the GPU; every layer gets the
+    same ``cu_seqlens`` tensor, so the answer is kept per tensor object (and in-place version)
+    and the host waits once per micro-batch, not once per layer."""
+    hit = _MAX_LEN.get(id(cu_seqlens))
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
+        return hit[2]
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    if len(_MAX_LEN) > 256:  # entries of freed tensors: their weak references are dead
+        _MAX_LEN.clear()
+    _MAX_LEN[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, longest)
+    return longest
 
 
 def _empty_rows_minus_inf(lse: torch.Tensor, heads: int, rows: int) -> torch.Tensor:
