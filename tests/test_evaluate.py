@@ -2,25 +2,26 @@
 real demo eval rows: images, multi-image, videos and text-only prompts of 32-51 tokens.
 
 - Greedy predictions decoded batched over prompts (``TorchRollout``: one packed prefill, lockstep
-  decoding) equal the sequential path (one prompt at a time, its own KV cache), whatever the
-  batch size (1, 5: batches that split the rows unevenly, 32: all rows in one batch), for the
-  ``OmniModel`` and for a text-only ``CausalLM``;
+  decoding) equal the sequential path (each prompt alone on its own one-sequence KV cache:
+  ``NaiveRollout``), whatever the batch size (1; 5: batches that split the rows unevenly; 32: all
+  rows in one batch), for the ``OmniModel`` and for a text-only ``CausalLM``;
 - a row the processor rejects is counted under its reason and the others still are scored;
 - the trainer hook reads ``eval.*`` from the recipe.
 
-A random model rarely emits a stop token, so the test raises the stop token's logit wherever a
-fixed random projection of the hidden state is high: predictions then stop after 2 to 7 tokens
-or run to ``max_new_tokens``, which exercises the shrinking set of decoding prompts.
+A random model rarely emits a stop token at temperature 0, so the stop token's logit is raised
+wherever a fixed random projection of the hidden state is high (``stop_where_hidden_is_high``):
+predictions then stop after 2 to 7 tokens or run to ``max_new_tokens``, which exercises the
+shrinking set of decoding prompts.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from omniweave.config import load_recipe
 from omniweave.data.demo import generate
 from omniweave.models.text import CausalLM
+from omniweave.rl.rollout import NaiveRollout, Prompt, SamplingParams
 from omniweave.train.evaluate import (
     eval_fn,
     evaluate_rows,
@@ -28,19 +29,10 @@ from omniweave.train.evaluate import (
     read_eval_rows,
     row_to_raw,
 )
-from tests.rl_factory import demo_model, stop_ids
+from tests.rl_factory import demo_model, stop_ids, stop_where_hidden_is_high
 
 MAX_NEW = 8
 REJECTED = {"messages": [{"role": "assistant", "content": "no prompt"}], "answer": "x", "task": "broken"}
-
-
-def stop_where_hidden_is_high(model, processor, threshold: float = -2.0) -> None:
-    """Add 20 to the first stop token's logit where ``hidden @ r > threshold`` (r fixed, random)."""
-    r = torch.randn(model.foundation.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    stop = torch.tensor(stop_ids(processor)[:1])
-    logits = model.foundation.logits
-    model.foundation.logits = lambda h: logits(h).index_add(
-        1, stop.to(h.device), 20.0 * ((h.float() @ r.to(h.device)) > threshold).to(h.dtype)[:, None])
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +47,13 @@ def setup(tmp_path_factory):
 
 
 def sequential_predictions(model, processor, rows, media_dir) -> list[list[int]]:
-    """The reference: each accepted row decoded alone (``model.generate``: one prompt, its KV cache)."""
-    out = []
-    for i, row in enumerate(rows):
-        if row is REJECTED:
-            continue
-        batch = prompt_batch(processor, row_to_raw(row, media_dir, i))
-        out.append(model.generate(batch, max_new_tokens=MAX_NEW, eos_ids=stop_ids(processor)))
-    return out
+    """The reference: each accepted row decoded alone, one token at a time on its own one-sequence
+    KV cache (``NaiveRollout`` at temperature 0: what ``model.generate`` computed before eval was
+    batched)."""
+    prompts = [Prompt(i, prompt_batch(processor, row_to_raw(row, media_dir, i)))
+               for i, row in enumerate(rows) if row is not REJECTED]
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, stop_ids=stop_ids(processor))
+    return [r.tokens for r in NaiveRollout(model).generate(prompts, 1, params, seed=0)]
 
 
 def _texts(processor, token_lists) -> list[str]:
