@@ -102,6 +102,7 @@ class EvalSchema:
     media_dir: Optional[str] = None
     max_samples: Optional[int] = None
     max_new_tokens: int = 8
+    batch_size: int = 16
 
 
 @dataclass

@@ -119,7 +119,7 @@ def pipeline(data_dir: Path, work: Path, recipe: Path, overrides: list[str], wor
     _recipe_threads(cfg)
     model = load_trained_model(run_dir, cfg)
     report = evaluate_file(model, _processor(cfg), data_dir / "eval.jsonl", data_dir / "media",
-                           max_new_tokens=int(cfg.eval.max_new_tokens))
+                           max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size))
     report.update(run_dir=str(run_dir), steps=int(cfg.train.steps), train_seconds=round(train_seconds, 1))
     per_task = ", ".join(f"{t} {a:.0%}" for t, a in sorted(report["by_task"].items()))
     print(f"eval: accuracy {report['accuracy']:.1%} on {report['n']} held-out questions ({per_task})", flush=True)

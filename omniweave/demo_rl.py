@@ -43,7 +43,7 @@ def evaluate(run_dir: Path, cfg, data_dir: Path) -> dict:
     _recipe_threads(cfg)
     model = load_trained_model(run_dir, cfg)
     report = evaluate_rows(model, _processor(cfg), held_out(data_dir), data_dir / "media",
-                           max_new_tokens=int(cfg.eval.max_new_tokens))
+                           max_new_tokens=int(cfg.eval.max_new_tokens), batch_size=int(cfg.eval.batch_size))
     per_task = ", ".join(f"{t} {a:.0%}" for t, a in sorted(report["by_task"].items()))
     print(f"eval {run_dir.name}: accuracy {report['accuracy']:.1%} on {report['n']} held-out visual questions "
           f"({per_task})", flush=True)

@@ -49,6 +49,17 @@ def raise_stop_logits(model, processor: SampleProcessor, bias: float = 5.0) -> N
     model.foundation.logits = lambda hidden: logits(hidden) + add.to(hidden.dtype)
 
 
+def stop_where_hidden_is_high(model, processor, threshold: float = -2.0) -> None:
+    """Add 20 to the first stop token's logit where ``hidden @ r > threshold`` (r fixed, random):
+    greedy decoding then stops at different steps for different prompts (a constant bias, as in
+    :func:`raise_stop_logits`, makes every greedy sample stop at once or never)."""
+    r = torch.randn(model.foundation.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    stop = torch.tensor(stop_ids(processor)[:1])
+    logits = model.foundation.logits
+    model.foundation.logits = lambda h: logits(h).index_add(
+        1, stop.to(h.device), 20.0 * ((h.float() @ r.to(h.device)) > threshold).to(h.dtype)[:, None])
+
+
 def make_rl_prompts(root: Path, samples: int = 48) -> Path:
     """``data demo`` rl.jsonl -> convert -> pack with the demo_grpo recipe: one prompt per pack."""
     from omniweave.cli import main

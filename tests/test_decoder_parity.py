@@ -101,31 +101,45 @@ def test_empty_labels_give_zero_connected_loss():
     assert loss.item() == 0.0 and int(n) == 0 and h.grad is not None
 
 
+def _greedy(model, prompts, max_new_tokens, stop_ids=()) -> list[list[int]]:
+    """Greedy tokens of each prompt ({input_ids, position_ids}), all decoded in one batch by the
+    generation engine (one packed prefill, lockstep decoding on the shared KV cache)."""
+    from omniweave.rl.rollout import Prompt, SamplingParams, TorchRollout
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids))
+    out = TorchRollout(model).generate([Prompt(i, p) for i, p in enumerate(prompts)], 1, params, seed=0)
+    return [r.tokens for r in out]
+
+
 @pytest.mark.parametrize("mrope", [False, True])
 def test_kv_cache_greedy_equals_recompute_argmax_loop(tmp_path, mrope):
     _, ours, _ = _pair(tmp_path, "qwen2", False)
     if mrope:
         ours.foundation.config.mrope_section = [2, 3, 3]
-    prompt = torch.randint(0, 1024, (9,), generator=torch.Generator().manual_seed(4))
-    # M-RoPE prompt with a vision-like jump: text continues at max(position) + 1
-    pos = torch.arange(9).expand(3, -1).clone() if mrope else torch.arange(9)[None]
-    if mrope:
-        pos[1, 3:6] += torch.tensor([0, 1, 2])
-        pos[:, 6:] += 3
-    got = ours.generate({"input_ids": prompt, "position_ids": pos}, max_new_tokens=6, eos_ids=[])
-    ids, p = prompt.clone(), pos.clone()
-    want = []
-    with torch.no_grad():
-        for _ in range(6):
-            tok = int(ours.logits({"input_ids": ids, "position_ids": p})[-1].argmax())
-            want.append(tok)
-            ids = torch.cat([ids, torch.tensor([tok])])
-            p = torch.cat([p, torch.full((p.shape[0], 1), int(p.max()) + 1)], dim=1)
-    assert got == want
+    prompts = []
+    for n in (9, 5, 14):  # decoded together: prompts of different lengths in one packed row
+        ids = torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(4 + n))
+        # M-RoPE prompt with a vision-like jump: text continues at max(position) + 1
+        pos = torch.arange(n).expand(3, -1).clone() if mrope else torch.arange(n)[None]
+        if mrope:
+            pos[1, 3:5] += torch.tensor([0, 1])
+            pos[:, 5:] += 3
+        prompts.append({"input_ids": ids, "position_ids": pos})
+    got = _greedy(ours, prompts, 6)
+    for prompt, tokens in zip(prompts, got):
+        ids, p = prompt["input_ids"].clone(), prompt["position_ids"].clone()
+        want = []
+        with torch.no_grad():
+            for _ in range(6):
+                tok = int(ours.logits({"input_ids": ids, "position_ids": p})[-1].argmax())
+                want.append(tok)
+                ids = torch.cat([ids, torch.tensor([tok])])
+                p = torch.cat([p, torch.full((p.shape[0], 1), int(p.max()) + 1)], dim=1)
+        assert tokens == want
 
 
 def test_generation_stops_at_eos(tmp_path):
     _, ours, _ = _pair(tmp_path, "llama", False)
-    prompt = torch.randint(0, 1024, (5,))
-    first = ours.generate({"input_ids": prompt}, 3, [])
-    assert ours.generate({"input_ids": prompt}, 10, [first[1]]) == first[: first.index(first[1]) + 1]
+    prompt = {"input_ids": torch.randint(0, 1024, (5,))}
+    first = _greedy(ours, [prompt], 3)[0]
+    assert _greedy(ours, [prompt], 10, [first[1]])[0] == first[: first.index(first[1]) + 1]

@@ -1,5 +1,5 @@
 """OmniModel vs transformers' Qwen2-VL / Qwen2.5-VL on tiny random models (fp32): logits,
-parameter gradients, loss; scatter errors; no-media batches; KV-cache generation; export."""
+parameter gradients, loss; scatter errors; no-media batches; KV-cache generation (TorchRollout); export."""
 
 from __future__ import annotations
 
@@ -113,10 +113,15 @@ def test_no_media_batch_runs_encoder_with_zero_contribution(pair):
 
 
 def test_kv_cache_generate_equals_argmax_loop(pair):
+    """The generation engine (eval, RL rollouts) against a recompute loop and transformers."""
+    from omniweave.rl.rollout import Prompt, SamplingParams, TorchRollout
+
     _, _, hf, ours = pair
     sample = make_sample(MEDIA_CASES["mixed"], seed=8)
     batch = _batch(hf, sample)
-    got = ours.generate(batch, max_new_tokens=6)
+    other = _batch(hf, make_sample(MEDIA_CASES["one_image"], seed=5))  # decoded beside it, in the same row
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    got = TorchRollout(ours).generate([Prompt(0, other), Prompt(1, batch)], 1, params, seed=0)[1].tokens
     ids, pos = batch["input_ids"], batch["position_ids"]
     want = []
     with torch.no_grad():

@@ -5,7 +5,8 @@
 - the rollout log-probs equal the log-probs recomputed on packed prompt+response rows by the
   training forward (``model.hidden`` -> logits / T);
 - a sample's tokens depend only on (seed, prompt uid, sample index), not on which prompts share
-  the batch; greedy decoding equals ``model.generate``; stop tokens end a sample and are kept.
+  the batch; greedy tokens are the argmax of the training forward over prompt + response; stop
+  tokens end a sample and are kept.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from omniweave.rl.rollout import NaiveRollout, SamplingParams, TorchRollout, pack_prompts
-from tests.rl_factory import demo_model, demo_prompts, raise_stop_logits, stop_ids
+from tests.rl_factory import demo_model, demo_prompts, raise_stop_logits, stop_ids, stop_where_hidden_is_high
 
 LOGP_ATOL = 1e-5  # |Δ log-prob| (fp32; measured ≤ 1e-6)
 
@@ -54,6 +55,13 @@ def test_shared_prefill_equals_reencoding_every_sample(setup, params):
     assert len(lengths) > 2 and any(not r.truncated for r in fast.values())  # they stop at different steps
 
 
+def _with_response(prompt: dict, tokens: list[int]) -> dict:
+    """A prompt's batch with ``tokens`` appended (positions continue at max(prompt positions) + 1)."""
+    nxt = int(prompt["position_ids"].max()) + 1
+    return {**prompt, "input_ids": torch.cat([prompt["input_ids"], torch.tensor(tokens)]),
+            "position_ids": torch.cat([prompt["position_ids"], (nxt + torch.arange(len(tokens))).expand(3, -1)], -1)}
+
+
 def test_rollout_logprobs_equal_the_packed_training_forward(setup):
     model, processor, prompts = setup
     params = SamplingParams(temperature=0.8, max_new_tokens=6, stop_ids=stop_ids(processor))
@@ -61,11 +69,8 @@ def test_rollout_logprobs_equal_the_packed_training_forward(setup):
     docs, expected = [], []
     for r in rollouts:  # one packed row: prompt + response of every sample, labels on the response
         p = prompts[r.uid - 100].batch
-        n, m = p["input_ids"].shape[0], len(r.tokens)
-        nxt = int(p["position_ids"].max()) + 1
-        docs.append({**p, "input_ids": torch.cat([p["input_ids"], torch.tensor(r.tokens)]),
-                     "position_ids": torch.cat([p["position_ids"], (nxt + torch.arange(m)).expand(3, -1)], -1)})
-        expected.append((n, r))
+        docs.append(_with_response(p, r.tokens))
+        expected.append((p["input_ids"].shape[0], r))
     from omniweave.rl.rollout import Prompt
 
     row = pack_prompts([Prompt(0, d) for d in docs])
@@ -93,15 +98,24 @@ def test_samples_depend_only_on_seed_uid_and_index(setup):
     assert any(other_seed[k].tokens != r.tokens for k, r in together.items())
 
 
-def test_greedy_equals_model_generate_and_stop_tokens_are_kept(setup):
-    model, processor, prompts = setup
+def test_greedy_is_the_argmax_of_the_training_forward_and_stop_tokens_are_kept(setup):
+    _, processor, prompts = setup
+    model, _ = demo_model()
+    stop_where_hidden_is_high(model, processor)  # greedy samples stop at different steps
     stops = stop_ids(processor)
     params = SamplingParams(temperature=0.0, max_new_tokens=6, stop_ids=stops)
-    for r in TorchRollout(model).generate(prompts, 1, params, seed=0):
-        expected = model.generate(prompts[r.uid - 100].batch, max_new_tokens=6, eos_ids=stops)
-        assert r.tokens == expected
+    rollouts = TorchRollout(model).generate(prompts, 1, params, seed=0)
+    for r in rollouts:  # teacher-forced: the row before each response token must argmax to it
+        p = prompts[r.uid - 100].batch
+        n, m = p["input_ids"].shape[0], len(r.tokens)
+        row = _with_response(p, r.tokens)
+        row["cu_seqlens"] = torch.tensor([0, n + m], dtype=torch.int32)
+        with torch.no_grad():
+            logits = model.foundation.logits(model.hidden(row))
+        assert logits[n - 1:n - 1 + m].argmax(-1).tolist() == r.tokens
         assert r.truncated == (r.tokens[-1] not in stops)
         assert len(r.logprobs) == len(r.tokens) <= 6
+    assert len({len(r.tokens) for r in rollouts}) > 2 and any(r.truncated for r in rollouts)
 
 
 def test_bad_sampling_parameters_are_refused(setup):

@@ -1,7 +1,8 @@
 """The trainer in-process on 1 rank: a short run learns and writes its metrics, checkpoints and
-plots; lr schedules, parameter groups and parallel dims as pure functions; non-finite steps are
-skipped and too many stop the run; frozen components stay put; bf16 trains; a recipe that does not
-match the packed data is refused; an exported checkpoint gives transformers the same logits."""
+plots, and evaluates at its eval interval; lr schedules, parameter groups and parallel dims as
+pure functions; non-finite steps are skipped and too many stop the run; frozen components stay
+put; bf16 trains; a recipe that does not match the packed data is refused; an exported checkpoint
+gives transformers the same logits."""
 
 from __future__ import annotations
 
@@ -85,6 +86,20 @@ def test_loss_plot_and_tensorboard_events_are_written(short_run):
 
 
 # ---------------------------------------------------------------------------- schedule
+
+
+def test_eval_hook_logs_greedy_accuracy_at_the_interval_and_the_end(demo_packed, tmp_path):
+    """``train.eval_interval`` with ``eval.path``: Engine.evaluate -> eval_fn, prompts decoded in
+    batches of ``eval.batch_size`` (here 3 for the 8 held-out rows: batches of 3, 3, 2)."""
+    import json
+
+    run = tmp_path / "run"
+    train_in_process(demo_packed, run, steps=3, train__eval_interval=2,
+                     eval__path=demo_packed.parent / "demo" / "eval.jsonl", eval__batch_size=3)
+    records = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 3]
+    assert all(r["eval_n"] == 8 and 0.0 <= r["eval_accuracy"] <= 1.0 for r in records)
+    assert any(k.startswith("eval_accuracy/") for k in records[0])
 
 
 def test_lr_warmup_is_linear_up_to_the_peak():

@@ -28,12 +28,10 @@ takes, -1 for text), which replaces ``media_spans`` when the row is a shard of a
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from torch import nn
 
-from omniweave.models.text import LMHeadMixin, _cu_seqlens, _positions, greedy_generate
+from omniweave.models.text import LMHeadMixin, _cu_seqlens, _positions
 
 
 class OmniModel(LMHeadMixin, nn.Module):
@@ -142,11 +140,3 @@ class OmniModel(LMHeadMixin, nn.Module):
             position_ids=_positions(batch, L, device),
             cu_seqlens=_cu_seqlens(batch, L, device),
         )
-
-    @torch.no_grad()
-    def generate(self, batch_prompt: dict, max_new_tokens: int, eos_ids: Iterable[int] = ()) -> list[int]:
-        """Greedy continuation of one prompt (with its media); new tokens' positions continue at
-        max(prompt positions) + 1 on every M-RoPE axis, as transformers does."""
-        embeds = self.inputs_embeds(batch_prompt)
-        pos = _positions(batch_prompt, embeds.shape[0], embeds.device)
-        return greedy_generate(self.foundation, embeds, pos, max_new_tokens, eos_ids)

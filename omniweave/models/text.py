@@ -1,17 +1,16 @@
-"""Text-only model: a foundation decoder + chunked loss + greedy generation (the model contract).
+"""Text-only model: a foundation decoder + chunked loss (the model contract).
 
-``ModelOutput`` and :func:`greedy_generate` are shared with ``OmniModel``.
+``ModelOutput`` and ``LMHeadMixin`` are shared with ``OmniModel``. Generation (eval, RL rollouts)
+is :class:`omniweave.rl.rollout.TorchRollout`, for both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn
 
-from omniweave.models.components.decoder import KVCache
 from omniweave.models.components.loss import chunked_ce_sum, chunked_ce_tokens
 
 
@@ -32,35 +31,6 @@ def _positions(batch: dict, length: int, device) -> torch.Tensor:
 def _cu_seqlens(batch: dict, length: int, device) -> torch.Tensor:
     cu = batch.get("cu_seqlens")
     return torch.tensor([0, length], dtype=torch.int32, device=device) if cu is None else cu.to(torch.int32)
-
-
-@torch.no_grad()
-def greedy_generate(
-    foundation: nn.Module,
-    inputs_embeds: torch.Tensor,
-    position_ids: torch.Tensor,
-    max_new_tokens: int,
-    eos_ids: Iterable[int] = (),
-) -> list[int]:
-    """Greedy decoding of one prompt ([L, D] embeddings, [A, L] positions) with a KV cache.
-
-    New tokens continue at ``max(position_ids) + 1`` on every axis (M-RoPE's rule for text after
-    the prompt; equal to ``L`` for 1-D positions)."""
-    eos = set(int(e) for e in eos_ids)
-    cache = KVCache(len(foundation.layers))
-    hidden = foundation(inputs_embeds=inputs_embeds, position_ids=position_ids, kv_cache=cache)
-    next_pos = int(position_ids.max()) + 1
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        tok = int(foundation.logits(hidden[-1:]).argmax(-1))
-        out.append(tok)
-        if tok in eos:
-            break
-        ids = torch.tensor([tok], device=inputs_embeds.device)
-        pos = torch.full((position_ids.shape[0], 1), next_pos, dtype=position_ids.dtype, device=ids.device)
-        hidden = foundation(input_ids=ids, position_ids=pos, kv_cache=cache)
-        next_pos += 1
-    return out
 
 
 class LMHeadMixin:
@@ -85,7 +55,7 @@ class LMHeadMixin:
         return ModelOutput(loss_sum, n)
 
     def logits(self, batch: dict) -> torch.Tensor:
-        """[L, V] (tests / eval only)."""
+        """[L, V] (tests, ``omniweave hf verify``)."""
         return self.foundation.logits(self.hidden(batch))
 
 
@@ -104,8 +74,3 @@ class CausalLM(LMHeadMixin, nn.Module):
             position_ids=_positions(batch, ids.shape[0], ids.device),
             cu_seqlens=_cu_seqlens(batch, ids.shape[0], ids.device),
         )
-
-    def generate(self, batch_prompt: dict, max_new_tokens: int, eos_ids: Iterable[int] = ()) -> list[int]:
-        ids = batch_prompt["input_ids"]
-        pos = _positions(batch_prompt, ids.shape[0], ids.device)
-        return greedy_generate(self.foundation, self.foundation.embed(ids), pos, max_new_tokens, eos_ids)

@@ -1,4 +1,4 @@
-"""Generation evaluation: greedy decoding with the model's KV cache, exact-match accuracy.
+"""Generation evaluation: greedy decoding batched over prompts, exact-match accuracy.
 
 The eval split is a JSONL file of OpenAI-messages rows (``messages``, ``images``, ``videos``
 relative to a media directory) that also carry the expected ``answer`` and a ``task`` name, as
@@ -8,8 +8,14 @@ assistant header is appended, and the model continues greedily until a stop toke
     report = evaluate_file(model, SampleProcessor(cfg.data), "demo/eval.jsonl", "demo/media")
     report["accuracy"], report["by_task"]["color"]
 
+Decoding goes through the one KV-cache generation path, the RL rollout engine
+(:class:`omniweave.rl.rollout.TorchRollout`, temperature 0, one sample per prompt): ``batch_size``
+prompts are packed into one row, their media encoded once, the row prefilled once, and the
+prompts decoded in lockstep. A prompt's tokens do not depend on which prompts share its batch
+(up to floating-point rounding).
+
 From a recipe, the trainer calls :func:`eval_fn` every ``train.eval_interval`` steps and at the
-end (recipe section ``eval: {path, media_dir, max_samples, max_new_tokens}``).
+end (recipe section ``eval: {path, media_dir, max_samples, max_new_tokens, batch_size}``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 
 from omniweave.data.sample import Conversation, Message, RawSample, TokenizedSample
 from omniweave.data.tokenize import SampleProcessor, SampleRejected
+from omniweave.rl.rollout import Prompt, SamplingParams, TorchRollout
 
 _ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
 
@@ -62,14 +69,15 @@ def row_to_raw(row: dict[str, Any], media_dir: str | Path, index: int) -> RawSam
     return RawSample(key=f"eval{index}", conversation=conv, media=media)
 
 
-def prompt_batch(processor: SampleProcessor, raw: RawSample, device: torch.device | str = "cpu") -> dict:
-    """The model batch of one generation prompt (the micro-batch contract, one document)."""
+def prompt_batch(processor: SampleProcessor, raw: RawSample) -> dict:
+    """The model batch of one generation prompt (the micro-batch contract, one document; on the
+    CPU: the rollout engine packs prompts there and moves the row to the model's device)."""
     sample: TokenizedSample = processor.tokenize_prompt(raw)
     patches = [processor.process_media(span, raw.media[span.part]) for span in sample.media]
     width = 3 * processor.vision.temporal_patch_size * processor.vision.patch_size**2
     pixel_values = np.concatenate(patches) if patches else np.zeros((0, width), np.float32)
     length = len(sample)
-    batch = {
+    return {
         "input_ids": torch.as_tensor(sample.input_ids, dtype=torch.long),
         "labels": torch.full((length,), -100, dtype=torch.long),
         "position_ids": torch.as_tensor(sample.position_ids, dtype=torch.long),
@@ -79,7 +87,6 @@ def prompt_batch(processor: SampleProcessor, raw: RawSample, device: torch.devic
         "media_spans": torch.tensor([(s.start, s.length) for s in sample.media], dtype=torch.long).reshape(-1, 2),
         "num_loss_tokens": 0,
     }
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def normalize_answer(text: str) -> str:
@@ -93,30 +100,44 @@ def evaluate_rows(
     rows: Iterable[dict[str, Any]],
     media_dir: str | Path,
     max_new_tokens: int = 8,
-    device: torch.device | str = "cpu",
+    batch_size: int = 16,
     examples: int = 5,
 ) -> dict[str, Any]:
-    """Greedy-decode every row and compare with its ``answer`` (case- and space-insensitive)."""
-    eos_ids = [processor.tokenizer.token_id(t) for t in processor.template.stop_tokens]
-    was_training = model.training
-    model.eval()
+    """Greedy-decode every row, ``batch_size`` prompts at a time, and compare with its ``answer``
+    (case- and space-insensitive). Rows the processor rejects are counted in ``skipped`` by reason."""
+    if batch_size < 1:
+        raise ValueError(f"eval batch_size must be >= 1, got {batch_size}")
+    eos_ids = tuple(processor.tokenizer.token_id(t) for t in processor.template.stop_tokens)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=eos_ids)
+    engine = TorchRollout(model)
     hits: dict[str, list[int]] = defaultdict(list)
     shown, skipped = [], defaultdict(int)
-    try:
-        for i, row in enumerate(rows):
-            raw = row_to_raw(row, media_dir, i)
-            try:
-                batch = prompt_batch(processor, raw, device)
-            except SampleRejected as e:
-                skipped[e.reason] += 1
-                continue
-            new_ids = model.generate(batch, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-            new_ids = [t for t in new_ids if t not in eos_ids]
-            prediction = processor.tokenizer.decode(new_ids)
+    pending: list[tuple[dict[str, Any], Prompt]] = []
+
+    def decode_pending() -> None:
+        rollouts = engine.generate([p for _, p in pending], group_size=1, params=params, seed=0)
+        for (row, _), r in zip(pending, rollouts):
+            prediction = processor.tokenizer.decode([t for t in r.tokens if t not in eos_ids])
             ok = normalize_answer(prediction) == normalize_answer(str(row["answer"]))
             hits[str(row.get("task", "all"))].append(int(ok))
             if len(shown) < examples:
                 shown.append({"task": row.get("task"), "answer": row["answer"], "prediction": prediction})
+        pending.clear()
+
+    was_training = model.training
+    model.eval()
+    try:
+        for i, row in enumerate(rows):
+            raw = row_to_raw(row, media_dir, i)
+            try:
+                pending.append((row, Prompt(uid=i, batch=prompt_batch(processor, raw))))
+            except SampleRejected as e:
+                skipped[e.reason] += 1
+                continue
+            if len(pending) == batch_size:
+                decode_pending()
+        if pending:
+            decode_pending()
     finally:
         model.train(was_training)
     total = [h for task in hits.values() for h in task]
@@ -137,7 +158,6 @@ def evaluate_file(model, processor, path, media_dir, max_samples: int | None = N
 def eval_fn(model: torch.nn.Module, cfg, step: int) -> dict[str, float]:
     """Trainer hook (``train.eval_fn: omniweave.train.evaluate.eval_fn``): accuracy on ``cfg.eval``."""
     ev = cfg["eval"]
-    device = next(model.parameters()).device
     report = evaluate_file(
         model,
         SampleProcessor(cfg["data"]),
@@ -145,7 +165,7 @@ def eval_fn(model: torch.nn.Module, cfg, step: int) -> dict[str, float]:
         ev.get("media_dir") or Path(ev["path"]).parent / "media",
         max_samples=ev.get("max_samples"),
         max_new_tokens=int(ev.get("max_new_tokens", 8)),
-        device=device,
+        batch_size=int(ev.get("batch_size", 16)),
     )
     out = {"eval_accuracy": report["accuracy"], "eval_n": report["n"]}
     out.update({f"eval_accuracy/{task}": acc for task, acc in report["by_task"].items()})

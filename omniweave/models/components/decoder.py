@@ -59,8 +59,10 @@ class KVCache:
     """Per-layer keys/values of one sequence, grown as tokens are generated.
 
     A cache owns the attention over what it holds: ``Attention`` hands it the new tokens' q, k, v
-    (``attend``), so other caches (e.g. ``omniweave.rl.rollout.GroupKVCache``: many sequences,
-    a prompt prefix shared by a group of samples) plug in without the model knowing."""
+    (``attend``), so other caches plug in without the model knowing. Generation (eval, RL) runs on
+    ``omniweave.rl.rollout.GroupKVCache`` (many prompts in one row, a prompt prefix shared by a
+    group of samples); this one-sequence cache is the simple reference it is checked against
+    (``NaiveRollout``: every sample alone, in tests and bench/rl.py's baseline)."""
 
     def __init__(self, num_layers: int):
         self.k: list[torch.Tensor | None] = [None] * num_layers
