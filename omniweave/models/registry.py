@@ -34,6 +34,7 @@ COMPONENT_MODULES = [
     "omniweave.models.hf.qwen2",
     "omniweave.models.hf.llama",
     "omniweave.models.hf.qwen3",
+    "omniweave.models.hf.qwen3_moe",
     "omniweave.models.components.vit",
     "omniweave.models.components.projector",
     "omniweave.models.hf.qwen2_vl",

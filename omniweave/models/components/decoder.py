@@ -1,5 +1,6 @@
 """The foundation decoder: Qwen2 / Qwen2.5 (qkv bias, M-RoPE), Llama-3 (llama3 rope scaling),
-Qwen3 (QK-norm, free head_dim). One class, the differences are config fields.
+Qwen3 (QK-norm, free head_dim), Qwen3-MoE (Qwen3 with Mixture-of-Experts MLPs, components/moe.py).
+One class, the differences are config fields.
 
 It works on one packed row: ``[L, D]`` activations, documents delimited by ``cu_seqlens``,
 positions ``[1, L]`` (1-D RoPE) or ``[3, L]`` (M-RoPE). Parameter names equal the Hugging Face
@@ -15,6 +16,7 @@ from torch import nn
 
 from omniweave.models.components.attention import attn
 from omniweave.models.components.mlp import SwiGLU
+from omniweave.models.components.moe import MoE, MoEConfig
 from omniweave.models.components.norm import RMSNorm
 from omniweave.models.components.rope import apply_rope, rope_cos_sin
 from omniweave.models.registry import register
@@ -29,7 +31,7 @@ class DecoderConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int | None = None  # default hidden_size // num_heads (Qwen3 sets it)
-    family: str = "qwen2"  # qwen2 | llama | qwen3: which HF family exports it
+    family: str = "qwen2"  # qwen2 | llama | qwen3 | qwen3_moe: which HF family exports it
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": ..., ...}
     mrope_section: list[int] | None = None  # M-RoPE bands over (t, h, w); sums to head_dim/2
@@ -42,6 +44,16 @@ class DecoderConfig:
     attn_backend: str = "auto"  # auto | varlen | flash | sdpa | math (components/attention.py)
     initializer_range: float = 0.02
     hidden_act: str = "silu"
+    # Mixture of Experts (HF Qwen3-MoE's fields and rule): layer i's MLP is a MoE block when
+    # num_experts > 0, i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; other
+    # layers keep the dense SwiGLU of intermediate_size. num_experts = 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False  # renormalise the top-k router weights (released Qwen3-MoE: true)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    moe_backend: str = "auto"  # auto | grouped_mm | loop (components/moe.py)
     extra_hf: dict = field(default_factory=dict)  # HF config keys kept for export
 
     def __post_init__(self):
@@ -51,8 +63,25 @@ class DecoderConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.mrope_section is not None and sum(self.mrope_section) != self.head_dim // 2:
             raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
-        if self.family not in ("qwen2", "llama", "qwen3"):
-            raise ValueError(f"family {self.family!r}: expected qwen2, llama or qwen3")
+        if self.family not in ("qwen2", "llama", "qwen3", "qwen3_moe"):
+            raise ValueError(f"family {self.family!r}: expected qwen2, llama, qwen3 or qwen3_moe")
+        if self.num_experts and (not self.num_experts_per_tok or not self.moe_intermediate_size):
+            raise ValueError("num_experts > 0 needs num_experts_per_tok and moe_intermediate_size")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)  # fmt: skip
+
+
+def layer_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s feed-forward block: a MoE block or the dense SwiGLU (see DecoderConfig)."""
+    if cfg.is_moe_layer(layer):
+        return MoE(MoEConfig(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                             router="softmax", norm_topk_prob=cfg.norm_topk_prob, hidden_act=cfg.hidden_act,
+                             backend=cfg.moe_backend))  # fmt: skip
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=False, act=cfg.hidden_act)
 
 
 class KVCache:
@@ -134,7 +163,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=False, act=cfg.hidden_act)
+        self.mlp = layer_mlp(cfg, layer)
 
     def forward(self, x, cos, sin, cu_seqlens, kv_cache=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, kv_cache)
@@ -166,6 +195,8 @@ class Decoder(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 m.reset_parameters()
+            elif isinstance(m, MoE):
+                m.reset_parameters(std)
         self.tie_weights()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -203,11 +234,16 @@ class Decoder(nn.Module):
         return self.lm_head(hidden)
 
     def num_flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs/token (6·N + attention), as in the PaLM / torchtitan MFU estimate."""
+        """Training FLOPs/token (6·N + attention), as in the PaLM / torchtitan MFU estimate; N counts
+        the routed experts' parameters a token uses (k of E), not all of them."""
         c = self.config
         n = sum(p.numel() for n_, p in self.named_parameters() if "embed_tokens" not in n_)
         if c.tie_word_embeddings:
             n += self.lm_head.weight.numel()
+        for m in self.modules():
+            if isinstance(m, MoE):
+                routed = m.experts.gate_up_proj.numel() + m.experts.down_proj.numel()
+                n -= routed * (1 - m.active_fraction())
         return 6 * n + 12 * c.num_layers * c.num_heads * c.head_dim * seq_len
 
 

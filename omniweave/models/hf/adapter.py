@@ -133,6 +133,15 @@ class DecoderAdapter:
             raise KeyError(f"{self.model_type}: no HF name for {name!r}")
         return self.name_to_hf(name[len("foundation.") :])
 
+    def model_tensors_to_ours(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Tensors renamed by ``model_name_to_ours`` -> our tensors (MoE families stack experts)."""
+        return tensors
+
+    def model_tensors_to_hf(self, name: str, t) -> list[tuple[str, Any]]:
+        """HF (name, tensor) pairs of one of our tensors (MoE families split experts)."""
+        hf_name = self.model_name_to_hf(name)
+        return [] if hf_name is None else [(hf_name, t)]
+
     def model_config_to_hf(self, model) -> dict[str, Any]:
         return self.config_to_hf(model.foundation.config)
 

@@ -66,11 +66,13 @@ def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dty
     for name, t in model.state_dict().items():
         if name in skip:
             continue
-        hf_name = adapter.model_name_to_hf(name)
-        if hf_name is None:
-            continue
         t = t.detach().to("cpu")
-        tensors[hf_name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().clone()
+        if hasattr(adapter, "model_tensors_to_hf"):  # e.g. 3-D MoE experts written one tensor per expert
+            pairs = adapter.model_tensors_to_hf(name, t)
+        else:
+            pairs = [] if (hf_name := adapter.model_name_to_hf(name)) is None else [(hf_name, t)]
+        for hf_name, ht in pairs:
+            tensors[hf_name] = (ht.to(dtype) if dtype is not None and ht.is_floating_point() else ht).contiguous().clone()
     cfg = adapter.model_config_to_hf(model)
     cfg["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     cfg.pop("torch_dtype", None)

@@ -97,6 +97,8 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = torch.float32, devic
         ours = adapter.model_name_to_ours(hf_name)
         if ours is not None:
             tensors[ours] = t
+    if hasattr(adapter, "model_tensors_to_ours"):  # e.g. per-expert MoE tensors stacked into 3-D ones
+        tensors = adapter.model_tensors_to_ours(tensors)
     assign_state_dict(model, tensors, str(hf_dir), dtype)
     return model, model_cfg
 
@@ -133,21 +135,30 @@ def load_hf_into(model: nn.Module, hf_dir: str | Path) -> int:
     tensors = dict(model.named_parameters())  # buffers (rope frequencies) come from init_weights
     missing = []
     handles: dict[Path, Any] = {}
+
+    def handle(hf_name: str):
+        f = where[hf_name]
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt").__enter__()
+        return handles[f]
+
+    assemble = getattr(adapter, "assemble", None)  # a tensor of ours built from several HF ones
     try:
         for name, t in tensors.items():
             hf_name = None if name in skip else adapter.model_name_to_hf(name)
             if hf_name is None:
                 continue
-            if hf_name not in where:
+            whole = None if assemble is None else assemble(name, where.__contains__, lambda n: handle(n).get_tensor(n))
+            if whole is not None:  # read whole (e.g. one layer's experts), then this rank's slice
+                sl = whole
+            elif hf_name not in where:
                 missing.append(hf_name)
                 continue
-            f = where[hf_name]
-            if f not in handles:
-                handles[f] = safe_open(str(f), framework="pt").__enter__()
-            sl = handles[f].get_slice(hf_name)
-            if tuple(sl.get_shape()) != tuple(t.shape):
-                raise ValueError(f"{hf_dir}: tensor {hf_name!r} has shape {tuple(sl.get_shape())}, "
-                                 f"model expects {tuple(t.shape)} ({name})")
+            else:
+                sl = handle(hf_name).get_slice(hf_name)
+            got = tuple(sl.get_shape() if whole is None else whole.shape)
+            if got != tuple(t.shape):
+                raise ValueError(f"{hf_dir}: tensor {hf_name!r} has shape {got}, model expects {tuple(t.shape)} ({name})")
             if isinstance(t, DTensor):
                 local = t.to_local()
                 shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)

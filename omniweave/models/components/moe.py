@@ -1,0 +1,219 @@
+"""Mixture-of-Experts feed-forward block: a router, routed experts run as grouped GEMMs, and
+optional shared experts. Dropless: every token reaches all of its top-k experts.
+
+Routers (``MoEConfig.router``):
+
+- ``softmax`` (Qwen3-MoE, Qwen2-MoE): ``p = softmax(x·Wᵀ)`` in fp32, top-k of ``p``, renormalised
+  to sum 1 when ``norm_topk_prob``.
+- ``sigmoid`` (DeepSeek-V3): ``s = sigmoid(x·Wᵀ)`` in fp32 (router weight and input cast to fp32);
+  experts are *selected* on ``s + e_score_correction_bias`` restricted to the ``topk_group`` best of
+  ``n_group`` groups (a group scores the sum of its two best experts); the weights are the
+  *unbiased* ``s`` of the selected experts, renormalised (``norm_topk_prob``, +1e-20) and multiplied
+  by ``routed_scaling_factor``. ``n_shared_experts`` adds a SwiGLU of width
+  ``n_shared_experts · moe_intermediate_size`` that every token goes through.
+
+Expert weights are 3-D tensors, the layout of transformers v5 at runtime (``Qwen3MoeExperts``,
+``DeepseekV3Experts``)::
+
+    experts.gate_up_proj  [E, 2·I, D]   rows [:I] are gate, rows [I:] are up  (out × in, like nn.Linear)
+    experts.down_proj     [E, D, I]
+
+so an HF adapter only stacks (or splits) the per-expert ``gate_proj/up_proj/down_proj`` of a
+checkpoint. Tokens are sorted by expert (a stable argsort of the ``[T·k]`` expert ids) and each
+GEMM is one ``torch._grouped_mm`` over the sorted rows with ``offs = cumsum(tokens per expert)``
+where the device and dtype support it (``grouped_mm_supported``), otherwise a loop over the
+experts that received tokens. Never is an expert run on tokens not routed to it. The weighted
+expert outputs are summed per token in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omniweave.models.components.mlp import SwiGLU, activation
+
+ROUTERS = ("softmax", "sigmoid")
+BACKENDS = ("auto", "grouped_mm", "loop")
+
+
+@dataclass
+class MoEConfig:
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    router: str = "softmax"  # softmax (Qwen3-MoE) | sigmoid (DeepSeek-V3)
+    norm_topk_prob: bool = False  # HF's default; released Qwen3-MoE / DeepSeek-V3 checkpoints set true
+    n_group: int = 1  # sigmoid router: expert groups ...
+    topk_group: int = 1  # ... of which the best topk_group are eligible
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    hidden_act: str = "silu"
+    backend: str = "auto"  # auto | grouped_mm | loop
+
+    def __post_init__(self):
+        if self.router not in ROUTERS:
+            raise ValueError(f"moe router {self.router!r}: choose from {', '.join(ROUTERS)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"moe backend {self.backend!r}: choose from {', '.join(BACKENDS)}")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} "
+                             f"and topk_group={self.topk_group} be in 1..n_group")  # fmt: skip
+        if self.router == "sigmoid" and self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError("the sigmoid router scores a group by its two best experts: needs >= 2 experts per group")
+
+
+def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs [T, K] x [E, K, N] here: CPU (torch >= 2.9) in fp32 / bf16,
+    CUDA sm90+ in bf16; every inner dim in ``dims`` a multiple of 16 bytes (its strides must be)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        ok = x.dtype in (torch.float32, torch.bfloat16)
+    elif x.device.type == "cuda":
+        ok = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    else:
+        ok = False
+    return ok and all(d * x.element_size() % 16 == 0 for d in dims)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype where autocast is on (as F.linear would compute), else x's dtype."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def expert_matmul(xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Row block e of ``xs`` [N, K] (``counts[e]`` rows, sorted by expert) times ``w[e]ᵀ``
+    (``w`` [E, out, K]) -> [N, out]; ``grouped``: one ``torch._grouped_mm``, else a loop over the
+    experts that received rows (``counts`` read on the host)."""
+    if grouped:
+        offs = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
+    outs = []
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            outs.append(F.linear(xs[start : start + n], w[e]))
+        start += n
+    if not outs:
+        return xs.new_zeros(0, w.shape[1])
+    return torch.cat(outs)
+
+
+class Router(nn.Module):
+    """``weight`` [E, D] (HF ``mlp.gate.weight``); the sigmoid router also holds the
+    ``e_score_correction_bias`` [E] fp32 buffer (selection only; never updated here)."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if cfg.router == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (logits [T, E], weights [T, k] fp32, expert ids [T, k])."""
+        c = self.cfg
+        if c.router == "softmax":
+            logits = F.linear(x, self.weight)
+            probs = logits.softmax(-1, dtype=torch.float32)
+            weights, idx = probs.topk(c.num_experts_per_tok, dim=-1)
+            if c.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights, idx
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores.detach() + self.e_score_correction_bias
+        if c.n_group > 1:
+            grouped = choice.view(-1, c.n_group, c.num_experts // c.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+            keep = group_scores.topk(c.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~mask[..., None], float("-inf")).view(-1, c.num_experts)
+        idx = choice.topk(c.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, idx)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return logits, weights * c.routed_scaling_factor, idx
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, 3-D (see the module docstring for the layout)."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+
+class MoE(nn.Module):
+    """x [T, D] -> [T, D]. Parameter names follow transformers v5 (``gate.weight``,
+    ``experts.gate_up_proj``, ``experts.down_proj``, ``shared_experts.{gate,up,down}_proj.weight``)."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        if cfg.n_shared_experts:
+            self.shared_experts = SwiGLU(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size,
+                                         bias=False, act=cfg.hidden_act)  # fmt: skip
+        self.act = activation(cfg.hidden_act)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for p in (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj):
+            nn.init.normal_(p, std=std)
+        if self.cfg.n_shared_experts:
+            for lin in (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj):
+                nn.init.normal_(lin.weight, std=std)
+        if self.cfg.router == "sigmoid":
+            self.gate.e_score_correction_bias.zero_()
+
+    def use_grouped_mm(self, x: torch.Tensor) -> bool:
+        backend = self.cfg.backend
+        if backend == "loop":
+            return False
+        probe = x.new_empty(0, dtype=_compute_dtype(x))
+        ok = grouped_mm_supported(probe, self.cfg.hidden_size, self.cfg.moe_intermediate_size)
+        if backend == "grouped_mm" and not ok:
+            raise ValueError(f"moe backend grouped_mm: torch._grouped_mm does not run {probe.dtype} on "
+                             f"{x.device.type} with hidden {self.cfg.hidden_size} / intermediate "
+                             f"{self.cfg.moe_intermediate_size} (needs 16-byte aligned dims); use auto or loop")  # fmt: skip
+        return ok
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T, k = x.shape[0], self.cfg.num_experts_per_tok
+        _, weights, idx = self.gate(x)
+        flat = idx.reshape(-1)  # [T·k]
+        order = flat.argsort(stable=True)  # rows sorted by expert, tokens in order within one
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.cfg.num_experts)
+        grouped = self.use_grouped_mm(x)
+        dtype = _compute_dtype(x)
+        xs = x[token].to(dtype)  # [T·k, D]
+        w = self.experts
+        gate, up = expert_matmul(xs, w.gate_up_proj.to(dtype), counts, grouped).chunk(2, dim=-1)
+        ys = expert_matmul(self.act(gate) * up, w.down_proj.to(dtype), counts, grouped)  # [T·k, D]
+        ys = ys.float() * weights.reshape(-1)[order, None].float()
+        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, ys)
+        out = out.to(x.dtype)
+        if self.cfg.n_shared_experts:
+            out = out + self.shared_experts(x)
+        return out
+
+    def active_fraction(self) -> float:
+        """Share of the routed expert parameters one token uses (k / E)."""
+        return self.cfg.num_experts_per_tok / self.cfg.num_experts
+
+
+__all__ = ["MoE", "MoEConfig", "Router", "expert_matmul", "grouped_mm_supported"]

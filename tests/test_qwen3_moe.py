@@ -1,0 +1,137 @@
+"""Qwen3-MoE as a decoder family: packed documents vs transformers, the expert layouts of a
+checkpoint (per-expert, fused), export, in-place loading, config fields, the tiny YAML, dense
+models unchanged. (Logits / gradients on one sequence and the export round trip live in
+test_decoder_parity.py and test_hf_roundtrip.py with the other families.)"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from omniweave.models.components.mlp import SwiGLU
+from omniweave.models.components.moe import MoE
+from omniweave.models.hf.export import export_hf
+from omniweave.models.hf.loading import load_hf, load_hf_into, read_hf_config
+from omniweave.models.registry import build_component, build_model
+from tests.hf_factory import save_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def pair(tmp_path):
+    hf = save_tiny("qwen3_moe", tmp_path / "src")
+    ours, cfg = load_hf(tmp_path / "src")
+    return hf, ours, cfg, tmp_path
+
+
+def test_packed_documents_match_transformers(pair):
+    hf, ours, _, _ = pair
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, 1024, (n,), generator=g) for n in (13, 6, 22)]
+    packed = {"input_ids": torch.cat(docs), "position_ids": torch.cat([torch.arange(len(d)) for d in docs])[None],
+              "cu_seqlens": torch.tensor([0, 13, 19, 41], dtype=torch.int32)}  # fmt: skip
+    with torch.no_grad():
+        ref = torch.cat([hf(input_ids=d[None]).logits[0] for d in docs])
+        got = ours.logits(packed)
+    assert (got - ref).abs().max().item() <= 1e-4
+
+
+def test_layers_follow_hf_rule_and_config_round_trips(pair, tmp_path):
+    hf, ours, cfg, _ = pair
+    kinds = [type(layer.mlp) for layer in ours.foundation.layers]
+    assert kinds == [MoE, SwiGLU, MoE]  # mlp_only_layers=[1]
+    assert kinds == [type(m).__name__ == "Qwen3MoeSparseMoeBlock" and MoE or SwiGLU for m in (lyr.mlp for lyr in hf.model.layers)]
+    f = cfg["foundation"]
+    assert (f["num_experts"], f["num_experts_per_tok"], f["moe_intermediate_size"], f["mlp_only_layers"]) == (7, 3, 20, [1])
+    assert read_hf_config(tmp_path / "src").get("num_local_experts") == 7  # transformers writes this name
+    export_hf(ours, cfg, tmp_path / "out")
+    back = read_hf_config(tmp_path / "out")
+    for key in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step"):
+        assert back[key] == getattr(hf.config, key), key
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.num_experts == 7
+
+
+def test_export_writes_per_expert_tensors(pair):
+    _, ours, cfg, tmp_path = pair
+    export_hf(ours, cfg, tmp_path / "out")
+    with safe_open(str(tmp_path / "out/model.safetensors"), "pt") as st:
+        names = set(st.keys())
+        e = ours.foundation.layers[2].mlp.experts
+        for i in range(7):
+            assert torch.equal(st.get_tensor(f"model.layers.2.mlp.experts.{i}.gate_proj.weight"), e.gate_up_proj[i, :20])
+            assert torch.equal(st.get_tensor(f"model.layers.2.mlp.experts.{i}.up_proj.weight"), e.gate_up_proj[i, 20:])
+            assert torch.equal(st.get_tensor(f"model.layers.2.mlp.experts.{i}.down_proj.weight"), e.down_proj[i])
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in names)
+    assert "model.layers.1.mlp.gate_proj.weight" in names  # the dense layer
+
+
+def test_fused_checkpoint_layout_is_read_by_name(pair):
+    """A checkpoint holding transformers' runtime tensors ([E, 2I, D] gate_up, here 2I == D)."""
+    hf, ours, _, tmp_path = pair
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused/config.json").write_text((tmp_path / "src/config.json").read_text())
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(tmp_path / "fused/model.safetensors"))
+    fused, _ = load_hf(tmp_path / "fused")
+    for (n, a), b in zip(ours.state_dict().items(), fused.state_dict().values()):
+        assert torch.equal(a, b), n
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    sd["model.layers.0.mlp.experts.gate_up_proj"] = sd["model.layers.0.mlp.experts.gate_up_proj"][:, :30].contiguous()
+    save_file(sd, str(tmp_path / "fused/model.safetensors"))
+    with pytest.raises(ValueError, match="gate_up_proj.*shape"):
+        load_hf(tmp_path / "fused")
+
+
+def test_missing_expert_is_named(pair):
+    from safetensors.torch import load_file
+
+    _, _, _, tmp_path = pair
+    sd = load_file(tmp_path / "src/model.safetensors")
+    del sd["model.layers.2.mlp.experts.4.up_proj.weight"]
+    save_file(sd, str(tmp_path / "src/model.safetensors"))
+    with pytest.raises(KeyError, match=r"layers.2.mlp.experts: no up_proj for expert\(s\) \[4\]"):
+        load_hf(tmp_path / "src")
+
+
+def test_load_into_materialised_model(pair):
+    _, ours, cfg, tmp_path = pair
+    fresh = build_model(cfg)
+    assert load_hf_into(fresh, tmp_path / "src") == len(dict(fresh.named_parameters()))
+    for (n, a), b in zip(ours.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_tiny_yaml_builds_and_trains_a_step():
+    cfg = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    dec = build_component("foundation", cfg)
+    assert [type(layer.mlp) for layer in dec.layers] == [MoE, SwiGLU]
+    model = build_model({"foundation": cfg})
+    ids = torch.randint(0, 1024, (24,))
+    out = model({"input_ids": ids, "labels": ids.roll(-1)})
+    out.loss_sum.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert dec.layers[0].mlp.use_grouped_mm(torch.zeros(1, 64))
+    # FLOPs count the routed experts a token uses (2 of 8)
+    e = dec.layers[0].mlp.experts
+    dense = sum(p.numel() for n, p in dec.named_parameters() if "embed_tokens" not in n)
+    routed = e.gate_up_proj.numel() + e.down_proj.numel()
+    assert dec.num_flops_per_token(16) == pytest.approx(6 * (dense - routed * 6 / 8) + 12 * 2 * 4 * 32 * 16)
+
+
+def test_dense_model_is_unchanged():
+    cfg = yaml.safe_load((REPO / "configs/models/foundation/qwen3_tiny.yaml").read_text())
+    dec = build_component("foundation", cfg)
+    assert all(type(layer.mlp) is SwiGLU for layer in dec.layers)
+    assert not any("experts" in n or ".gate." in n for n in dec.state_dict())
+
+
+def test_moe_refuses_tensor_parallel():
+    from omniweave.parallel.tp import check_decoder_tp
+
+    cfg = build_component("foundation", yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())).config
+    with pytest.raises(ValueError, match="MoE"):
+        check_decoder_tp(cfg, 2)
