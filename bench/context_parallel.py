@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: omniweave, tests helpers
-from tests.dist.spawn import run_ranks  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: omniweave
+from omniweave.parallel.spawn import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/
 from quick import HELP as QUICK_HELP, note  # noqa: E402

@@ -57,10 +57,10 @@ from statistics import median
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: omniweave, bench, tests helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: omniweave, bench
 from bench.context_parallel import GRID_HW, MODEL  # noqa: E402
+from omniweave.parallel.spawn import run_ranks  # noqa: E402
 from omniweave.rl.rollout import NaiveRollout, Prompt, Rollout, SamplingParams, TorchRollout  # noqa: E402
-from tests.dist.spawn import run_ranks  # noqa: E402
 
 VIDEO_ID, PRE, QUESTION, VOCAB = 7, 16, 24, 4096
 

@@ -62,9 +62,12 @@ def with_process_group(fn: Callable[[], Any]) -> Any:
             dist.destroy_process_group()
 
 
-def build(cfg, device: torch.device, dims, meshes) -> nn.Module:
+def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_INIT_PARAMS) -> nn.Module:
     """The model, parallelised from outside in DESIGN's order: (vision split) -> TP -> CP -> AC ->
-    FSDP2 (foundation over dp x cp, a smaller-tp encoder over dp x cp x tp_rep; see parallel/dims.py)."""
+    FSDP2 (foundation over dp x cp, a smaller-tp encoder over dp x cp x tp_rep; see parallel/dims.py).
+    A model of more than ``meta_init_params`` parameters on more than one rank is built on the
+    meta device and each rank materialises and initialises only its shards (``omniweave check``
+    passes 0 to take that path with a tiny model)."""
     from omniweave.config import to_dict
     from omniweave.models.registry import build_model
     from omniweave.parallel.context import apply_cp, apply_vision_split
@@ -76,7 +79,7 @@ def build(cfg, device: torch.device, dims, meshes) -> nn.Module:
     with torch.device("meta"):
         model = build_model(model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    meta_init = n_params > META_INIT_PARAMS and dims.world_size > 1
+    meta_init = n_params > meta_init_params and dims.world_size > 1
     if not meta_init:  # identical weights on every rank from the seed: sharding then keeps each rank's slice
         torch.manual_seed(int(cfg.train.seed))
         model = build_model(model_cfg)

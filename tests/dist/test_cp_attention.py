@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from omniweave.models.components.attention import math_attn
 from omniweave.parallel.context.attention import CPContext, cp_attention, make_hybrid_groups
+from omniweave.parallel.spawn import run_ranks
 from tests.cp_factory import cu_of, local_cu_seqlens, padded_lengths, zigzag_shard
-from tests.dist.spawn import run_ranks
 
 pytestmark = [pytest.mark.dist]
 

@@ -22,7 +22,7 @@ from omniweave.config import CONFIGS_DIR
 from omniweave.models.registry import build_model
 from omniweave.parallel.context.sharding import plan_cp_shard, shard_batch, shard_rows
 from omniweave.parallel.context.vision import VisionSplit, all_gather_rows, plan_vision_split
-from tests.dist.spawn import run_ranks
+from omniweave.parallel.spawn import run_ranks
 from tests.vl_factory import make_sample
 
 pytestmark = [pytest.mark.dist]

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist.spawn import run_ranks
+from omniweave.parallel.spawn import run_ranks
 
 pytestmark = [pytest.mark.dist]
 

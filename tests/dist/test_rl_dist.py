@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.spawn import run_ranks
+from omniweave.parallel.spawn import run_ranks
 from tests.rl_factory import make_rl_prompts, rl_overrides
 
 pytestmark = [pytest.mark.dist]

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from tests.dist.spawn import run_ranks
+from omniweave.parallel.spawn import run_ranks
 
 pytestmark = [pytest.mark.dist]
 

@@ -27,8 +27,8 @@ import warnings
 import pytest
 import torch
 
+from omniweave.parallel.spawn import run_ranks
 from omniweave.parallel.tp import kv_head_layout, sequence_parallel_row
-from tests.dist.spawn import run_ranks
 from tests.dist.tp_cases import build, compare, full, loss_and_grads, model_cfg, packed_row
 
 pytestmark = [pytest.mark.dist]
