@@ -33,7 +33,13 @@ DECODERS: dict[str, Callable[[], DecoderConfig]] = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}),
     "qwen3 (qk-norm, head_dim 64)": lambda: DecoderConfig(**_SMALL, family="qwen3", qk_norm=True, head_dim=64),
+    "qwen3-moe (8 experts, top-2)": lambda: DecoderConfig(
+        **_SMALL, family="qwen3_moe", qk_norm=True, head_dim=64, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1]),
 }  # fmt: skip
+# bf16 router logits flip a few near-tied top-k choices, and a flipped token's gradient goes to
+# another expert: MoE gradients agree less (measured 1.2-1.6e-2 on CPU) than dense ones (5-9e-3).
+MOE_GRAD_LIMIT = 5e-2
 _VIT = dict(depth=2, hidden_size=128, num_heads=4, intermediate_size=192)
 TOWERS: dict[str, Callable[[], Qwen2ViTConfig]] = {
     "qwen2-vl vision tower": lambda: Qwen2ViTConfig(**_VIT),
@@ -101,7 +107,8 @@ def decoder_rows(device, quick: bool) -> Iterator[Row]:
 
         loss_err, grad_err = bf16_vs_fp32(model, step, device)
         yield verdict("models", f"{name}: step loss", loss_err, LOSS_LIMIT, f"docs {lens}")
-        yield verdict("models", f"{name}: step grads", grad_err, GRAD_LIMIT, "relative L2, all parameters")
+        limit = MOE_GRAD_LIMIT if cfg.num_experts else GRAD_LIMIT
+        yield verdict("models", f"{name}: step grads", grad_err, limit, "relative L2, all parameters")
 
 
 def tower_rows(device, quick: bool) -> Iterator[Row]:
