@@ -65,3 +65,30 @@ def test_token_id_mismatch_is_reported(tmp_path):
     cfg["image_token_id"] = 7
     (path / "config.json").write_text(json.dumps(cfg))
     assert verify.run(_args(path)) == 2
+
+
+def test_text_only_families_are_verified_on_packed_logits(tmp_path, monkeypatch, capsys):
+    """`hf verify` on a text model (no vision_config): packed documents through omniweave equal each
+    document alone through transformers; omniweave's weights perturbed fail; media flags are refused."""
+    from hf_factory import save_tiny as save_text
+
+    from omniweave.cli import main
+
+    for family in ("qwen3", "qwen3_moe", "llama"):
+        save_text(family, tmp_path / family)
+        assert main(["hf", "verify", str(tmp_path / family)]) == 0, family
+        out = capsys.readouterr().out
+        assert "documents [7, 23, 12] of random tokens packed" in out and "OK" in out
+    real_load = verify.load_hf
+
+    def perturbed(hf_dir):
+        model, cfg = real_load(hf_dir)
+        with torch.no_grad():
+            model.foundation.layers[2].mlp.experts.down_proj.mul_(1.5)  # the experts of the last layer
+        return model, cfg
+
+    monkeypatch.setattr(verify, "load_hf", perturbed)
+    assert main(["hf", "verify", str(tmp_path / "qwen3_moe")]) == 1
+    assert "FAIL: logits" in capsys.readouterr().out
+    assert main(["hf", "verify", str(tmp_path / "llama"), "--image", "x.png"]) == 2
+    assert "text-only model (llama)" in capsys.readouterr().err

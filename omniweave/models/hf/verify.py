@@ -15,6 +15,10 @@ runs the same conversation through both, printing max|Δ| for every stage:
 
 It exits 1 when any difference exceeds ``--atol`` (ids and grids must be equal), 0 otherwise.
 
+A text-only family (Qwen2, Llama-3, Qwen3, Qwen3-MoE: no ``vision_config``) is checked on logits
+alone: three documents of random tokens packed into one row through omniweave against each
+document alone through transformers.
+
 Media: the given files, or a random image and a random video when none are given. Videos: HF's
 video processor needs torchvision, which omniweave does not depend on, so HF receives the pixel
 values our pipeline made for videos; for videos only positions and logits are compared. Without
@@ -144,11 +148,42 @@ def _hf_rendered_ids(hf_dir: Path, raw, proc, counts: list[int]) -> torch.Tensor
     return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
 
 
+TEXT_DOCS = (7, 23, 12)  # documents of the packed row a text-only model is checked on
+
+
+def verify_text(args, hf_dir: Path, hf_cfg: dict) -> int:
+    """A text-only family (no ``vision_config``): random token documents (``--seed``) packed into
+    one row through omniweave vs each document alone through transformers."""
+    import transformers
+
+    if args.image or args.video:
+        print(f"error: {hf_dir} is a text-only model ({hf_cfg['model_type']}); --image / --video need a "
+              "vision-language model", file=sys.stderr)
+        return 2
+    g = torch.Generator().manual_seed(args.seed)
+    docs = [torch.randint(0, int(hf_cfg["vocab_size"]), (n,), generator=g) for n in TEXT_DOCS]
+    hf_model = getattr(transformers, hf_cfg["architectures"][0]).from_pretrained(
+        str(hf_dir), dtype=torch.float32, attn_implementation="eager").eval()  # fmt: skip
+    ours, _ = load_hf(hf_dir)
+    ours.eval()
+    batch = {"input_ids": torch.cat(docs), "position_ids": torch.cat([torch.arange(n) for n in TEXT_DOCS])[None],
+             "cu_seqlens": torch.tensor([0, *np.cumsum(TEXT_DOCS)], dtype=torch.int32)}  # fmt: skip
+    with torch.no_grad():
+        ref = torch.cat([hf_model(input_ids=d[None], use_cache=False).logits[0] for d in docs])
+        got = ours.logits(batch)
+    rows = [("logits", (ref - got).abs().max().item(),
+             f"[{ref.shape[0]}, {ref.shape[1]}] fp32; documents {list(TEXT_DOCS)} of random tokens packed "
+             "in one row (omniweave) vs each alone (transformers)")]
+    return _report(rows, args.atol)
+
+
 def verify(args) -> int:
     import transformers
 
     hf_dir = Path(args.hf_dir)
     hf_cfg = read_hf_config(hf_dir)
+    if "vision_config" not in hf_cfg:
+        return verify_text(args, hf_dir, hf_cfg)
     proc, raw, sample = _sample(args, hf_dir, hf_cfg)
     for key, pad in (("image_token_id", proc.image_pad_id), ("video_token_id", proc.video_pad_id)):
         if hf_cfg.get(key) != pad:
