@@ -6,7 +6,10 @@ on the same global batch:
   backends; output rows and every gradient (experts gathered back to [E, ...]) within 1e-5;
 - the ``qwen3_moe_tiny`` foundation as ``engine.build`` parallelises it (EP -> FSDP2) at ep=2 on
   2 ranks and ep=2 x expert_dp 2 on 4 ranks, rows of uneven lengths (a 3-token row leaves most
-  experts without its tokens): loss and every parameter's gradient within 1e-5 relative.
+  experts without its tokens): loss and every parameter's gradient within 1e-5 relative;
+- one optimizer step at ep=2 (AdamW over FSDP and EP DTensors, gradient clipping over both
+  meshes) equals the one-rank step; its DCP checkpoint loads at ep=1 (2 FSDP ranks, model and
+  optimizer) and into one plain process (``checkpoint.load_model``) with identical weights.
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ def _cfg(ep: int):
     foundation = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
     foundation["num_layers"], foundation["mlp_only_layers"] = 3, [1]  # MoE, dense, MoE
     return OmegaConf.create({"model": {"foundation": foundation}, "parallel": {"ep": ep},
-                             "train": {"seed": 0, "precision": "fp32", "ac": "none"}})
+                             "train": {"seed": 0, "precision": "fp32", "ac": "none", "lr": 1e-2,
+                                       "weight_decay": 0.1, "eps": 1e-4}})
 
 
 LENGTHS = (40, 3, 25, 17)  # one row per rank at world 4; ranks take LENGTHS[rank::world] at world 2
@@ -167,3 +171,75 @@ def test_moe_foundation_ep2_matches_one_rank(world):
         # each rank holds 4 of the 8 experts of the MoE layers (0 and 2), gate_up [4, 64, 64], down [4, 64, 32]
         assert experts == {f"foundation.layers.{i}.mlp.experts.{w}": ("DTensor", shape) for i in (0, 2)
                            for w, shape in (("gate_up_proj", (4, 64, 64)), ("down_proj", (4, 64, 32)))}
+
+
+# ------------------------------------------------------------------ optimizer step and checkpoint
+
+
+def _step_body(rank: int, world: int, ep: int, ckpt_root: str):
+    from omniweave.parallel.dims import ParallelDims
+    from omniweave.parallel.expert import sync_expert_grads
+    from omniweave.train import checkpoint
+    from omniweave.train.engine import build
+    from omniweave.train.optim import build_optimizer, clip_grad_norm
+
+    cfg = _cfg(ep)
+    dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
+    meshes = dims.build_meshes("cpu")
+    model = build(cfg, torch.device("cpu"), dims, meshes)
+    optimizer = build_optimizer(model, cfg.train)
+    if ep > 1:  # one step, then save
+        rows = _rows()
+        n = _n_loss_tokens(rows)
+        (sum(model(r).loss_sum for r in rows[rank::world]) / n).backward()
+        sync_expert_grads(model, meshes.expert_dp)
+        norm = clip_grad_norm([p for p in model.parameters()], 0.5)
+        optimizer.step()
+        checkpoint.save(ckpt_root, 1, model, optimizer, {"step": 1}, "model: {}\n")
+    else:  # load what ep=2 saved
+        norm = None
+        checkpoint.load(checkpoint.resolve_checkpoint(ckpt_root), model, optimizer)
+    weights = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    moments = {}
+    for n, p in model.named_parameters():  # Adam's first moments
+        moments[n] = _full(optimizer.state[p]["exp_avg"]).clone()
+    dist.barrier()
+    return norm, weights, moments
+
+
+def test_step_and_checkpoint_ep2_match_one_rank_and_load_at_ep1(tmp_path):
+    from omniweave.config import to_dict
+    from omniweave.models.registry import build_model
+    from omniweave.train import checkpoint
+    from omniweave.train.optim import build_optimizer, clip_grad_norm
+
+    cfg = _cfg(1)
+    torch.manual_seed(0)
+    model = build_model(to_dict(cfg.model))
+    if hasattr(model, "init_weights"):
+        model.init_weights()
+    optimizer = build_optimizer(model, cfg.train)
+    rows = _rows()
+    (sum(model(r).loss_sum for r in rows) / _n_loss_tokens(rows)).backward()
+    norm = clip_grad_norm(list(model.parameters()), 0.5)
+    optimizer.step()
+    ref = {n: p.detach() for n, p in model.named_parameters()}
+    ref_m = {n: optimizer.state[p]["exp_avg"] for n, p in model.named_parameters()}
+
+    root = str(tmp_path / "checkpoints")
+    saved = run_ranks(_step_body, 2, 2, root, quiet=True, timeout=300)
+    for rank, (n2, weights, moments) in enumerate(saved):
+        assert abs(n2 - norm) / norm < RTOL, (rank, n2, norm)
+        for n, m in moments.items():  # linear in the clipped gradient
+            assert _rel(m, ref_m[n]) < RTOL, (rank, n, _rel(m, ref_m[n]))
+        for n, w in weights.items():  # Adam: lr * m / (sqrt(v) + eps), eps 1e-4 so that g ~ 0 is no sign flip
+            assert float((w - ref[n]).abs().max()) < 1e-3 * float(cfg.train.lr), (rank, n)
+    loaded = run_ranks(_step_body, 2, 1, root, quiet=True, timeout=300)
+    for _, weights, moments in loaded:
+        for n, w in weights.items():
+            assert torch.equal(w, saved[0][1][n]), n
+        for n, m in moments.items():
+            assert torch.equal(m, saved[0][2][n]), n
+    plain, _ = checkpoint.load_model(root, cfg.model)
+    for n, p in plain.named_parameters():
+        assert torch.equal(p.detach(), saved[0][1][n]), n
