@@ -244,7 +244,7 @@ class Engine:
         d = self.dims
         n = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return (f"{self.info.type} x{self.world} (dp={d.dp}, cp={d.cp} {d.cp_attention}, tp={d.tp}, "
-                f"encoder tp={d.tp_encoder}), {n / 1e6:.2f}M trainable parameters")
+                f"encoder tp={d.tp_encoder}{f', ep={d.ep}' if d.ep > 1 else ''}), {n / 1e6:.2f}M trainable parameters")
 
     # ------------------------------------------------------------------ one step
 

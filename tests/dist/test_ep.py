@@ -9,7 +9,9 @@ on the same global batch:
   experts without its tokens): loss and every parameter's gradient within 1e-5 relative;
 - one optimizer step at ep=2 (AdamW over FSDP and EP DTensors, gradient clipping over both
   meshes) equals the one-rank step; its DCP checkpoint loads at ep=1 (2 FSDP ranks, model and
-  optimizer) and into one plain process (``checkpoint.load_model``) with identical weights.
+  optimizer) and into one plain process (``checkpoint.load_model``) with identical weights;
+- ``omniweave train demo`` with the ``qwen3_moe_tiny`` foundation (images, videos, MoE) at ep=2
+  on 2 and 4 ranks: the 1-rank losses and grad norms per step and final weights (slow).
 """
 
 from __future__ import annotations
@@ -243,3 +245,25 @@ def test_step_and_checkpoint_ep2_match_one_rank_and_load_at_ep1(tmp_path):
     plain, _ = checkpoint.load_model(root, cfg.model)
     for n, p in plain.named_parameters():
         assert torch.equal(p.detach(), saved[0][1][n]), n
+
+
+# ------------------------------------------------------------------ the trainer end to end
+
+
+@pytest.mark.slow
+def test_train_demo_moe_ep2_like_single_process(demo_packed, tmp_path):
+    from tests.train_factory import final_state, max_abs_diff, read_metrics, train_subprocess
+
+    kw = {"foundation@model__foundation": "qwen3_moe_tiny", "steps": 4, "global_batch": 4}
+    runs = {}
+    for nproc, extra in ((1, {}), (2, {"parallel__ep": 2}), (4, {"parallel__ep": 2})):
+        runs[nproc] = tmp_path / f"n{nproc}"
+        res = train_subprocess(demo_packed, runs[nproc], nproc=nproc, **kw, **extra)
+        assert res.returncode == 0, res.stdout[-4000:]
+    ref = read_metrics(runs[1])
+    for nproc in (2, 4):
+        rows = read_metrics(runs[nproc])
+        assert len(rows) == len(ref) == 4
+        assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(rows, ref)) < RTOL  # measured 3e-8
+        assert max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(rows, ref)) < 1e-4  # 6e-6
+        assert max_abs_diff(final_state(runs[nproc]), final_state(runs[1])) < 3e-5  # 2e-6; AdamW, see test_train_dist
