@@ -6,10 +6,12 @@ on the same global batch:
   backends; output rows and every gradient (experts gathered back to [E, ...]) within 1e-5;
 - the ``qwen3_moe_tiny`` foundation as ``engine.build`` parallelises it (EP -> FSDP2) at ep=2 on
   2 ranks and ep=2 x expert_dp 2 on 4 ranks, rows of uneven lengths (a 3-token row leaves most
-  experts without its tokens): loss and every parameter's gradient within 1e-5 relative;
+  experts without its tokens), and at ep=2 with full activation checkpointing: loss and every
+  parameter's gradient within 1e-5 relative;
 - one optimizer step at ep=2 (AdamW over FSDP and EP DTensors, gradient clipping over both
   meshes) equals the one-rank step; its DCP checkpoint loads at ep=1 (2 FSDP ranks, model and
-  optimizer) and into one plain process (``checkpoint.load_model``) with identical weights;
+  optimizer), whose re-save loads back at ep=2, and into one plain process
+  (``checkpoint.load_model``), all with identical weights and first moments;
 - ``omniweave train demo`` with the ``qwen3_moe_tiny`` foundation (images, videos, MoE) at ep=2
   on 2 and 4 ranks: the 1-rank losses and grad norms per step and final weights (slow).
 """
@@ -96,14 +98,14 @@ def test_moe_block_matches_one_rank_with_empty_sends(backend):
 # ------------------------------------------------------------------ the foundation through engine.build
 
 
-def _cfg(ep: int):
+def _cfg(ep: int, ac: str = "none"):
     import yaml
     from omegaconf import OmegaConf
 
     foundation = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
     foundation["num_layers"], foundation["mlp_only_layers"] = 3, [1]  # MoE, dense, MoE
     return OmegaConf.create({"model": {"foundation": foundation}, "parallel": {"ep": ep},
-                             "train": {"seed": 0, "precision": "fp32", "ac": "none", "lr": 1e-2,
+                             "train": {"seed": 0, "precision": "fp32", "ac": ac, "lr": 1e-2,
                                        "weight_decay": 0.1, "eps": 1e-4}})
 
 
@@ -125,12 +127,12 @@ def _n_loss_tokens(rows: list[dict]) -> int:
     return sum(int((r["labels"] != -100).sum()) for r in rows)
 
 
-def _model_body(rank: int, world: int, ep: int):
+def _model_body(rank: int, world: int, ep: int, ac: str):
     from omniweave.parallel.dims import ParallelDims
     from omniweave.parallel.expert import sync_expert_grads
     from omniweave.train.engine import build
 
-    cfg = _cfg(ep)
+    cfg = _cfg(ep, ac)
     dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
     meshes = dims.build_meshes("cpu")
     model = build(cfg, torch.device("cpu"), dims, meshes)
@@ -142,15 +144,17 @@ def _model_body(rank: int, world: int, ep: int):
     sync_expert_grads(model, meshes.expert_dp)
     total = loss.detach().clone()
     dist.all_reduce(total)
-    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    named = [(n.replace("._checkpoint_wrapped_module", ""), p) for n, p in model.named_parameters()]  # ac=full
+    grads = {n: _full(p.grad) for n, p in named}
     experts = {n: (type(p).__name__, tuple(p.to_local().shape) if hasattr(p, "to_local") else None)
-               for n, p in model.named_parameters() if "experts." in n}
+               for n, p in named if "experts." in n}
     dist.barrier()
     return float(total), grads, experts
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_moe_foundation_ep2_matches_one_rank(world):
+@pytest.mark.parametrize("world,ac", [(2, "none"), (4, "none"), (2, "full")])
+def test_moe_foundation_ep2_matches_one_rank(world, ac):
+    """ac=full: the blocks' recomputation in the backward repeats the token exchange."""
     from omniweave.config import to_dict
     from omniweave.models.registry import build_model
 
@@ -164,7 +168,7 @@ def test_moe_foundation_ep2_matches_one_rank(world):
     loss.backward()
     loss = float(loss.detach())
     ref = {n: p.grad for n, p in model.named_parameters()}
-    results = run_ranks(_model_body, world, 2, quiet=True, timeout=300)
+    results = run_ranks(_model_body, world, 2, ac, quiet=True, timeout=300)
     for rank, (total, grads, experts) in enumerate(results):
         assert abs(total - loss) / abs(loss) < RTOL, (rank, total, loss)
         assert set(grads) == set(ref)
@@ -178,7 +182,8 @@ def test_moe_foundation_ep2_matches_one_rank(world):
 # ------------------------------------------------------------------ optimizer step and checkpoint
 
 
-def _step_body(rank: int, world: int, ep: int, ckpt_root: str):
+def _step_body(rank: int, world: int, ep: int, load_from: str | None, save_to: str | None):
+    """One step then save (``load_from`` None), or load; then save to ``save_to`` if given."""
     from omniweave.parallel.dims import ParallelDims
     from omniweave.parallel.expert import sync_expert_grads
     from omniweave.train import checkpoint
@@ -190,17 +195,18 @@ def _step_body(rank: int, world: int, ep: int, ckpt_root: str):
     meshes = dims.build_meshes("cpu")
     model = build(cfg, torch.device("cpu"), dims, meshes)
     optimizer = build_optimizer(model, cfg.train)
-    if ep > 1:  # one step, then save
+    if load_from is None:
         rows = _rows()
         n = _n_loss_tokens(rows)
         (sum(model(r).loss_sum for r in rows[rank::world]) / n).backward()
         sync_expert_grads(model, meshes.expert_dp)
         norm = clip_grad_norm([p for p in model.parameters()], 0.5)
         optimizer.step()
-        checkpoint.save(ckpt_root, 1, model, optimizer, {"step": 1}, "model: {}\n")
-    else:  # load what ep=2 saved
+    else:
         norm = None
-        checkpoint.load(checkpoint.resolve_checkpoint(ckpt_root), model, optimizer)
+        checkpoint.load(checkpoint.resolve_checkpoint(load_from), model, optimizer)
+    if save_to:
+        checkpoint.save(save_to, 1, model, optimizer, {"step": 1}, "model: {}\n")
     weights = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
     moments = {}
     for n, p in model.named_parameters():  # Adam's first moments
@@ -228,16 +234,17 @@ def test_step_and_checkpoint_ep2_match_one_rank_and_load_at_ep1(tmp_path):
     ref = {n: p.detach() for n, p in model.named_parameters()}
     ref_m = {n: optimizer.state[p]["exp_avg"] for n, p in model.named_parameters()}
 
-    root = str(tmp_path / "checkpoints")
-    saved = run_ranks(_step_body, 2, 2, root, quiet=True, timeout=300)
+    root, root1 = str(tmp_path / "ep2"), str(tmp_path / "ep1")
+    saved = run_ranks(_step_body, 2, 2, None, root, quiet=True, timeout=300)
     for rank, (n2, weights, moments) in enumerate(saved):
         assert abs(n2 - norm) / norm < RTOL, (rank, n2, norm)
         for n, m in moments.items():  # linear in the clipped gradient
             assert _rel(m, ref_m[n]) < RTOL, (rank, n, _rel(m, ref_m[n]))
         for n, w in weights.items():  # Adam: lr * m / (sqrt(v) + eps), eps 1e-4 so that g ~ 0 is no sign flip
             assert float((w - ref[n]).abs().max()) < 1e-3 * float(cfg.train.lr), (rank, n)
-    loaded = run_ranks(_step_body, 2, 1, root, quiet=True, timeout=300)
-    for _, weights, moments in loaded:
+    loaded = run_ranks(_step_body, 2, 1, root, root1, quiet=True, timeout=300)  # ep 2 -> 1, saved again
+    back = run_ranks(_step_body, 2, 2, root1, None, quiet=True, timeout=300)  # ep 1 -> 2
+    for _, weights, moments in loaded + back:
         for n, w in weights.items():
             assert torch.equal(w, saved[0][1][n]), n
         for n, m in moments.items():
