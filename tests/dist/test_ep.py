@@ -12,6 +12,8 @@ on the same global batch:
   meshes) equals the one-rank step; its DCP checkpoint loads at ep=1 (2 FSDP ranks, model and
   optimizer), whose re-save loads back at ep=2, and into one plain process
   (``checkpoint.load_model``), all with identical weights and first moments;
+- ``train.init_from`` a HF Qwen3-MoE directory (per-expert tensors) at ep=2: each rank's experts
+  are its slice of the checkpoint (the full weights gathered equal a plain ``load_hf``);
 - ``omniweave train demo`` with the ``qwen3_moe_tiny`` foundation (images, videos, MoE) at ep=2
   on 2 and 4 ranks: the 1-rank losses and grad norms per step and final weights (slow).
 """
@@ -254,12 +256,50 @@ def test_step_and_checkpoint_ep2_match_one_rank_and_load_at_ep1(tmp_path):
         assert torch.equal(p.detach(), saved[0][1][n]), n
 
 
+# ------------------------------------------------------------------ init_from a HF checkpoint
+
+
+def _init_from_body(rank: int, world: int, hf_dir: str, model_cfg: dict):
+    from omegaconf import OmegaConf
+
+    from omniweave.parallel.dims import ParallelDims
+    from omniweave.train.engine import build
+
+    cfg = OmegaConf.create({"model": model_cfg, "parallel": {"ep": 2},
+                            "train": {"seed": 0, "precision": "fp32", "ac": "none", "init_from": hf_dir}})
+    dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
+    model = build(cfg, torch.device("cpu"), dims, dims.build_meshes("cpu"))
+    weights = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    dist.barrier()
+    return weights
+
+
+def test_init_from_hf_at_ep2(tmp_path, monkeypatch):
+    from omniweave.models.hf.loading import load_hf
+    from tests import hf_factory
+
+    monkeypatch.setitem(hf_factory.QWEN3_MOE, "num_experts", 8)  # the factory's 7 do not split over 2
+    hf_factory.save_tiny("qwen3_moe", tmp_path / "src")
+    plain, model_cfg = load_hf(tmp_path / "src")
+    ref = dict(plain.named_parameters())
+    assert ref["foundation.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8
+    for weights in run_ranks(_init_from_body, 2, str(tmp_path / "src"), model_cfg, quiet=True, timeout=300):
+        assert set(weights) == set(ref)
+        for n, w in weights.items():
+            assert torch.equal(w, ref[n].detach()), n
+
+
 # ------------------------------------------------------------------ the trainer end to end
 
 
 @pytest.mark.slow
 def test_train_demo_moe_ep2_like_single_process(demo_packed, tmp_path):
-    from tests.train_factory import final_state, max_abs_diff, read_metrics, train_subprocess
+    from tests.train_factory import (
+        final_state,
+        max_abs_diff,
+        read_metrics,
+        train_subprocess,
+    )
 
     kw = {"foundation@model__foundation": "qwen3_moe_tiny", "steps": 4, "global_batch": 4}
     runs = {}
