@@ -113,6 +113,7 @@ class ParallelSchema:
     cp_ulysses: int = 1
     cp_head_groups: int = 1
     vision_split: bool = True
+    ep: int = 1
 
 
 @dataclass

@@ -14,6 +14,11 @@ TP is innermost (fastest links), then CP (the sequence exchange), then DP.
 FSDP shards the foundation over the flattened (dp, cp) mesh (the CP ranks of a DP group hold the
 same packs but different tokens: for the gradients they are just more data-parallel ranks) and
 the encoder + projector over (dp, cp, tp_rep).
+
+Expert parallelism (``parallel.ep``, parallel/expert.py): the experts of every MoE layer are split
+over ``ep`` consecutive data-parallel ranks (dp = dp/ep x ep, ``ep`` inner); the ranks holding the
+same experts (``expert_dp``, dp/ep of them) sum the expert gradients. For now ep > 1 needs
+cp = tp = 1.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class ParallelDims:
     cp_ulysses: int = 1  # hybrid: Ulysses group size (inner), ring across cp / cp_ulysses groups
     vision_split: bool = True  # CP ranks share the vision encoder's work (else each encodes all media)
     tp_encoder: int = 1  # model.image_encoder.tp; divides tp (= model.foundation.tp)
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep data-parallel ranks
 
     @classmethod
     def from_config(cls, parallel: Any, world_size: int, model: Any = None) -> "ParallelDims":
@@ -64,9 +70,12 @@ class ParallelDims:
         if mode == "hybrid" and cp > 1 and not (1 < uly < cp and cp % uly == 0):
             raise ValueError(f"parallel.cp_attention=hybrid needs parallel.cp_ulysses (the Ulysses group size) "
                              f"strictly between 1 and cp={cp} and dividing it; got {uly}")
+        ep = int(get("ep", 1) or 1)
+        if ep != 1:
+            check_ep(ep, dp, cp, tp, (model.get("foundation") or {}) if model is not None else {})
         return cls(dp=dp, cp=cp, tp=tp, world_size=world_size, cp_attention=mode,
                    cp_ulysses=uly if mode == "hybrid" else 1, vision_split=bool(get("vision_split", True)),
-                   tp_encoder=tp_enc)
+                   tp_encoder=tp_enc, ep=ep)
 
     @property
     def shard_ranks(self) -> int:
@@ -87,6 +96,10 @@ class ParallelDims:
             return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten(name)
 
         cp_mesh = flat(cp_names, "cp") if hybrid else mesh["cp"]
+        ep_mesh = expert_dp = None
+        if self.ep > 1:  # cp = tp = 1 (from_config): the world is the dp mesh, split (dp/ep, ep)
+            ep_world = init_device_mesh(device_type, (self.dp // self.ep, self.ep), mesh_dim_names=("expert_dp", "ep"))
+            ep_mesh, expert_dp = ep_world["ep"], ep_world["expert_dp"]
         split = (*cp_names, "tp_rep") if self.vision_split else ("tp_rep",)
         split_size = (self.cp if self.vision_split else 1) * (self.tp // self.tp_encoder)
         return Meshes(
@@ -96,7 +109,30 @@ class ParallelDims:
             dp_rank=mesh["dp"].get_local_rank(), cp_rank=cp_mesh.get_local_rank(),
             ring_group=mesh["cp_ring"].get_group() if hybrid else None,
             ulysses_group=mesh["cp_ulysses"].get_group() if hybrid else None,
+            ep=ep_mesh, expert_dp=expert_dp,
         )
+
+
+def check_ep(ep: int, dp: int, cp: int, tp: int, foundation: Any) -> None:
+    """``parallel.ep`` against the layout and the foundation's MoE layers (errors name the keys)."""
+    if ep < 1:
+        raise ValueError(f"parallel.ep={ep} must be >= 1")
+    if cp != 1 or tp != 1:
+        raise NotImplementedError(f"parallel.ep={ep} with parallel.cp={cp} / model.foundation.tp={tp}: expert "
+                                  "parallelism runs over data-parallel ranks only for now (set cp and tp to 1)")
+    if dp % ep:
+        raise ValueError(f"parallel.ep={ep} must divide the data-parallel ranks parallel.dp={dp} "
+                         "(an EP group is ep data-parallel ranks)")
+    get = foundation.get
+    experts = int(get("num_experts", 0) or 0)
+    skip, step = set(get("mlp_only_layers", None) or []), int(get("decoder_sparse_step", 1) or 1)
+    n_moe = sum(1 for i in range(int(get("num_layers", 0) or 0)) if i not in skip and (i + 1) % step == 0) if experts else 0
+    if not n_moe:  # the rule of DecoderConfig.is_moe_layer
+        raise ValueError(f"parallel.ep={ep}: the foundation has no MoE layers (model.foundation.num_experts="
+                         f"{experts}); expert parallelism needs a Mixture-of-Experts model")
+    if experts % ep:
+        raise ValueError(f"parallel.ep={ep} must divide model.foundation.num_experts={experts} "
+                         "(each EP rank holds num_experts / ep experts)")
 
 
 @dataclass
@@ -112,3 +148,5 @@ class Meshes:
     cp_rank: int
     ring_group: Any = None  # hybrid only
     ulysses_group: Any = None  # hybrid only
+    ep: Any = None  # ep > 1: 1-D mesh of this rank's EP group (ep consecutive dp ranks)
+    expert_dp: Any = None  # ep > 1: 1-D mesh of the dp / ep ranks holding the same experts

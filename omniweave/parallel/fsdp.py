@@ -42,7 +42,8 @@ def apply_ac(model: nn.Module, mode: str = "none", every: int = 2) -> None:
     _replace_blocks(model, wrap)
 
 
-def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=None) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=None,
+               ignored_params: set | None = None) -> nn.Module:
     """``fully_shard`` every block and then the root over ``mesh``; with ``encoder_mesh`` (the
     encoder's own data-parallel mesh, see ``dims.Meshes``) the vision blocks, the rest of the
     encoder and the projector shard over that one instead.
@@ -50,13 +51,17 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
     Gradients are SUMMED over the ranks (divide factor 1), not averaged: the trainer divides
     every token's loss by the global number of loss tokens, whatever the layout.
     bf16: parameters are all-gathered and computed in bf16, gradients reduced in fp32, the
-    sharded master weights stay fp32 (FSDP2 ``MixedPrecisionPolicy``)."""
+    sharded master weights stay fp32 (FSDP2 ``MixedPrecisionPolicy``). ``ignored_params`` (the
+    experts under expert parallelism, parallel/expert.py) are left alone: not sharded, not
+    all-gathered, their gradients not reduced by FSDP."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = None
     if precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     extra = {} if mp is None else {"mp_policy": mp}
+    if ignored_params:
+        extra["ignored_params"] = set(ignored_params)
     encoder = getattr(model, "image_encoder", None)
     layers, vision_blocks = _block_lists(model)
     for block in layers:

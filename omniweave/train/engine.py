@@ -63,14 +63,16 @@ def with_process_group(fn: Callable[[], Any]) -> Any:
 
 
 def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_INIT_PARAMS) -> nn.Module:
-    """The model, parallelised from outside in DESIGN's order: (vision split) -> TP -> CP -> AC ->
-    FSDP2 (foundation over dp x cp, a smaller-tp encoder over dp x cp x tp_rep; see parallel/dims.py).
+    """The model, parallelised from outside in DESIGN's order: (vision split) -> TP -> CP -> EP -> AC
+    -> FSDP2 (foundation over dp x cp, a smaller-tp encoder over dp x cp x tp_rep, MoE experts split
+    over the EP group and left out of FSDP; see parallel/dims.py and parallel/expert.py).
     A model of more than ``meta_init_params`` parameters on more than one rank is built on the
     meta device and each rank materialises and initialises only its shards (``omniweave check``
     passes 0 to take that path with a tiny model)."""
     from omniweave.config import to_dict
     from omniweave.models.registry import build_model
     from omniweave.parallel.context import apply_cp, apply_vision_split
+    from omniweave.parallel.expert import apply_ep, expert_params
     from omniweave.parallel.fsdp import apply_ac, apply_fsdp
     from omniweave.parallel.tp import apply_tp
 
@@ -91,10 +93,13 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
         apply_tp(model, meshes.tp, meshes.tp_encoder, features_mesh=meshes.tp_encoder if dims.tp_encoder < dims.tp
                  else meshes.tp)
     apply_cp(model, dims, meshes, head_groups=int(cfg.get("parallel", {}).get("cp_head_groups", 1) or 1))
+    if dims.ep > 1:
+        apply_ep(model, meshes.ep)
     apply_ac(model, str(cfg.train.get("ac", "none")))
     if dims.world_size > 1:
         apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")),
-                   encoder_mesh=meshes.encoder_fsdp if dims.tp_encoder < dims.tp else None)
+                   encoder_mesh=meshes.encoder_fsdp if dims.tp_encoder < dims.tp else None,
+                   ignored_params=set(expert_params(model)) if dims.ep > 1 else None)
     if meta_init:  # materialise each rank's shards only, then initialise them
         model.to_empty(device=device)
         model.init_weights()
@@ -239,7 +244,7 @@ class Engine:
         d = self.dims
         n = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return (f"{self.info.type} x{self.world} (dp={d.dp}, cp={d.cp} {d.cp_attention}, tp={d.tp}, "
-                f"encoder tp={d.tp_encoder}), {n / 1e6:.2f}M trainable parameters")
+                f"encoder tp={d.tp_encoder}{f', ep={d.ep}' if d.ep > 1 else ''}), {n / 1e6:.2f}M trainable parameters")
 
     # ------------------------------------------------------------------ one step
 
@@ -263,6 +268,7 @@ class Engine:
         ``compute_s`` (forward + backward of the micro-batches) and each stat summed over the
         micro-batches and ranks (a tp group's replicated values counted once)."""
         from omniweave.parallel.context import shard_micro_batch
+        from omniweave.parallel.expert import sync_expert_grads
         from omniweave.train.optim import clip_grad_norm
 
         scale = 1.0 / max(normaliser, 1)
@@ -279,6 +285,8 @@ class Engine:
             loss_sum += loss.detach().double()
             for k, v in extra.items():
                 stats[k] = stats.get(k, 0.0) + v.detach().double()
+        if self.dims.ep > 1:  # FSDP summed the rest over dp; the experts over their replicas
+            sync_expert_grads(self.model, self.meshes.expert_dp)
         compute_s = time.perf_counter() - t0
         totals = torch.stack([loss_sum, *(torch.as_tensor(v, dtype=torch.float64, device=self.device)
                                           for v in stats.values())])

@@ -168,6 +168,9 @@ class MoE(nn.Module):
             self.shared_experts = SwiGLU(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size,
                                          bias=False, act=cfg.hidden_act)  # fmt: skip
         self.act = activation(cfg.hidden_act)
+        # the routed experts' computation: None runs all experts here (run_experts); set from
+        # outside (parallel/expert.py) as fn(moe, xs, counts) -> ys with xs sorted by expert
+        self.experts_fn = None
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -191,6 +194,14 @@ class MoE(nn.Module):
                              f"{self.cfg.moe_intermediate_size} (needs 16-byte aligned dims); use auto or loop")  # fmt: skip
         return ok
 
+    def run_experts(self, xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+        """Rows ``xs`` [N, D] sorted by expert (``counts[e]`` rows for expert e of ``gate_up`` /
+        ``down``, which may be a slice of the experts) -> [N, D], unweighted, in ``xs``'s dtype."""
+        grouped = self.use_grouped_mm(xs)
+        gate, up = expert_matmul(xs, gate_up.to(xs.dtype), counts, grouped).chunk(2, dim=-1)
+        return expert_matmul(self.act(gate) * up, down.to(xs.dtype), counts, grouped)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, k = x.shape[0], self.cfg.num_experts_per_tok
         _, weights, idx = self.gate(x)
@@ -198,12 +209,11 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)  # rows sorted by expert, tokens in order within one
         token = order // k
         counts = torch.bincount(flat, minlength=self.cfg.num_experts)
-        grouped = self.use_grouped_mm(x)
-        dtype = _compute_dtype(x)
-        xs = x[token].to(dtype)  # [T·k, D]
-        w = self.experts
-        gate, up = expert_matmul(xs, w.gate_up_proj.to(dtype), counts, grouped).chunk(2, dim=-1)
-        ys = expert_matmul(self.act(gate) * up, w.down_proj.to(dtype), counts, grouped)  # [T·k, D]
+        xs = x[token].to(_compute_dtype(x))  # [T·k, D]
+        if self.experts_fn is not None:  # e.g. expert parallelism (parallel/expert.py)
+            ys = self.experts_fn(self, xs, counts)
+        else:
+            ys = self.run_experts(xs, counts, self.experts.gate_up_proj, self.experts.down_proj)  # [T·k, D]
         ys = ys.float() * weights.reshape(-1)[order, None].float()
         out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, ys)
         out = out.to(x.dtype)

@@ -1,0 +1,111 @@
+"""Expert parallelism (``parallel.ep``), applied from outside the model like TP and FSDP.
+
+    apply_ep(model, meshes.ep)                 every MoE layer keeps E/ep experts (contiguous)
+    sync_expert_grads(model, meshes.expert_dp)  after the backward: SUM over the expert replicas
+
+The EP group is ``ep`` consecutive data-parallel ranks (``dims.ParallelDims``): each holds a
+different row of data, so its tokens are sent to the ranks that own their experts and back.
+``gate_up_proj`` / ``down_proj`` become DTensors ``Shard(0)`` over the EP mesh: the global shape
+stays ``[E, ...]``, so a DCP checkpoint is layout independent (saved at ep=2, loaded at ep=1),
+and the gradient norm is taken over the EP group by DTensor.
+
+One MoE layer's expert step (``MoE.experts_fn``), rows already sorted by global expert id:
+
+1. the ``[E]`` token counts are exchanged (``all_to_all_single``): rank r receives, from every
+   rank of the group, its counts for r's experts; the splits are read on the host;
+2. the rows travel with ``all_to_all_single_autograd`` (uneven splits, empty ones included;
+   the backward is the reverse exchange), arriving source-rank-major;
+3. a stable sort makes them expert-major; the local experts run (``MoE.run_experts``: one
+   grouped GEMM or a loop);
+4. the rows are put back in source-rank-major order and return by the reverse exchange, in the
+   order they were sent; the router weights and the per-token sum stay in ``MoE.forward``.
+
+Gradients: an expert's weight gradient is the sum over the tokens that every rank of the EP
+group routed to it (the backward exchange brings them to its owner). The expert weights are
+kept out of FSDP (they differ across the EP group; FSDP would all-gather them over dp);
+``sync_expert_grads`` SUMs them over the ``dp / ep`` ranks holding the same experts, like FSDP
+sums the other gradients, so the trainer's division by the global loss-token count gives the
+single-rank gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from omniweave.models.components.moe import MoE
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The routed experts' weights of every MoE layer, in module order (the same on every rank)."""
+    return [getattr(m.experts, n) for m in moe_layers(model) for n in EXPERT_WEIGHTS]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def ep_dispatch(moe: MoE, xs: torch.Tensor, counts: torch.Tensor, group) -> torch.Tensor:
+    """``MoE.experts_fn`` under expert parallelism over ``group`` (see the module docstring)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    ep = dist.get_world_size(group)
+    n_local = counts.numel() // ep
+    counts = counts.to(torch.int64)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)  # [ep sources x local experts]
+    recv_counts = recv_counts.view(ep, n_local)
+    send_splits = counts.view(ep, n_local).sum(1).tolist()
+    recv_splits = recv_counts.sum(1).tolist()
+    recv = all_to_all_single_autograd(xs, recv_splits, send_splits, group)
+    # source-rank-major -> expert-major (stable: sources in rank order within an expert)
+    expert_of_row = torch.arange(n_local, device=xs.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+    perm = expert_of_row.argsort(stable=True)
+    ys = moe.run_experts(recv[perm], recv_counts.sum(0), _local(moe.experts.gate_up_proj),
+                         _local(moe.experts.down_proj))
+    back = ys[perm.argsort()]  # expert-major -> source-rank-major
+    return all_to_all_single_autograd(back, send_splits, recv_splits, group)
+
+
+def apply_ep(model: nn.Module, ep_mesh) -> int:
+    """Shard the experts of every MoE layer over ``ep_mesh`` (1-D) and route their computation
+    through ``ep_dispatch``. The weights must be identical on every rank (same seed) or on the
+    meta device. Returns the number of MoE layers."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    layers = moe_layers(model)
+    ep = ep_mesh.size()
+    group = ep_mesh.get_group()
+    for moe in layers:
+        if moe.cfg.num_experts % ep:
+            raise ValueError(f"parallel.ep={ep} must divide the number of experts ({moe.cfg.num_experts})")
+        for name in EXPERT_WEIGHTS:
+            p = getattr(moe.experts, name)
+            dt = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            setattr(moe.experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        moe.experts_fn = lambda m, xs, counts, g=group: ep_dispatch(m, xs, counts, g)
+    return len(layers)
+
+
+def sync_expert_grads(model: nn.Module, expert_dp_mesh) -> None:
+    """SUM the expert gradients over the ranks that hold the same experts (``dp / ep`` of them);
+    a no-op when every EP group is the whole data-parallel group."""
+    if expert_dp_mesh is None or expert_dp_mesh.size() == 1:
+        return
+    group = expert_dp_mesh.get_group()
+    grads = [_local(p.grad) for p in expert_params(model) if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
