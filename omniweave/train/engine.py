@@ -102,10 +102,21 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
                    ignored_params=set(expert_params(model)) if dims.ep > 1 else None)
     if meta_init:  # materialise each rank's shards only, then initialise them
         model.to_empty(device=device)
+        seed_sharded_init(int(cfg.train.seed), device)
         model.init_weights()
     if cfg.train.get("init_from"):
         init_weights_from(model, str(cfg.train.init_from))
     return model
+
+
+def seed_sharded_init(seed: int, device: torch.device) -> None:
+    """Seed the initialisation of sharded (meta-device) weights so a run is reproducible. On CUDA-like
+    devices DTensor draws every shard from one seeded stream at the shard's offset, so all ranks take
+    ``seed`` (the weights do not depend on the layout). On CPU DTensor draws from each rank's own
+    generator: one seed everywhere would give every rank the same shard values, so rank r takes
+    ``seed + r`` (reproducible for a layout, distinct shards)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(seed + rank if device.type == "cpu" else seed)
 
 
 def check_attn_backends(model_cfg: dict) -> None:
