@@ -13,7 +13,7 @@ from omniweave.check import parallel
 pytestmark = [pytest.mark.dist]
 
 LAYOUTS = ("cp=2 ring, vision split", "cp=2 allgather, vision split", "cp=2 ulysses, vision split",
-           "tp=2 foundation + image encoder", "fsdp2 dp=2, meta-device init")
+           "tp=2 foundation + image encoder", "fsdp2 dp=2, meta-device init", "ep=2 experts (qwen3-moe foundation)")
 
 
 def test_quick_cpu_rows_pass_for_every_layout():

@@ -6,7 +6,8 @@ Groups of rows (each a module with ``rows(device, quick) -> Iterator[Row]``):
 - ``kernels``   every attention backend vs ``math`` (fp32 / bf16, forward and backward, GQA, windows,
                 documents of 1 token and long ones), ring block kernels, KV-cache decoding;
 - ``models``    the vision towers and one decoder step per family in bf16 vs fp32;
-- ``parallel``  the CP modes and TP on all local devices vs one device; FSDP2 with meta-device init;
+- ``parallel``  the CP modes, TP and EP (a MoE foundation) on all local devices vs one device; FSDP2
+                with meta-device init;
 - ``speed``     a short training run: tokens/s and MFU against the measured matmul peak.
 
 A row is ``pass``, ``FAIL`` or ``skip`` (with the reason: a backend this machine lacks, one device

@@ -1,7 +1,8 @@
-"""``omniweave check`` rows for the parallel layouts: every CP attention mode and TP on all local
+"""``omniweave check`` rows for the parallel layouts: every CP attention mode, TP and EP on all local
 devices, and FSDP2 with meta-device init, each against one device on the same global batch.
 
-The model is the ``demo`` recipe's (a tiny Qwen2.5-VL), built and parallelised by
+The model is the ``demo`` recipe's (a tiny Qwen2.5-VL; for EP its foundation swapped to the tiny
+Qwen3-MoE, ``MOE_MODEL``), built and parallelised by
 ``engine.build`` exactly as the trainer does it, in fp32, on two real packed rows that mix
 text-only, image and video documents (generated into a temporary folder: ``omniweave data demo``
 -> convert -> pack). The layouts run one after the other in one set of ranks (``run_ranks``); a
@@ -35,6 +36,9 @@ DEMO_SAMPLES, DEMO_MAX_LEN = 8, 256  # the fewest demo samples (seed 0) that pac
 # between them text-only, image and video documents
 INIT_RMS_RTOL = 0.25  # a meta-initialised weight's RMS vs the one-device init (another random draw)
 CORRUPTION = 1e-3  # relative change of every gradient of the layout a test names in ``corrupt``
+# expert parallelism needs MoE layers: the demo model with its foundation swapped (one line of YAML)
+MOE_MODEL = ("foundation@model.foundation=qwen3_moe_tiny",)
+MOE_EXPERTS = 8  # qwen3_moe_tiny.yaml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Layout:
     overrides: tuple[str, ...]  # recipe overrides on top of the demo recipe
     meta_init: bool = False  # engine.build's big-model path: meta device -> shard -> to_empty -> init
     skip: str = ""  # why this machine cannot run it
+    model: tuple[str, ...] = ()  # overrides that change the model itself (its one-device reference too)
 
 
 def layouts(world: int, model_cfg) -> list[Layout]:
@@ -64,13 +69,17 @@ def layouts(world: int, model_cfg) -> list[Layout]:
     out.append(Layout(f"tp={split}{dp} foundation + image encoder",
                       (f"model.foundation.tp={split}", f"model.image_encoder.tp={split}"), skip=no_split))
     out.append(Layout(f"fsdp2 dp={world}, meta-device init", (), meta_init=True))
+    out.append(Layout(f"ep={world} experts (qwen3-moe foundation)", (f"parallel.ep={world}",), model=MOE_MODEL,
+                      skip="" if MOE_EXPERTS % world == 0 else f"{MOE_EXPERTS} experts do not split over {world} devices"))
     return out
 
 
-def recipe(layout: Layout | None = None):
+def recipe(layout: Layout | None = None, model: tuple[str, ...] = ()):
+    """The demo recipe in fp32 with ``layout``'s overrides (its model's), or with ``model`` alone."""
     from omniweave.config import load_recipe
 
-    return load_recipe("demo", ["train.precision=fp32", *(layout.overrides if layout else ())])
+    overrides = (*layout.model, *layout.overrides) if layout else model
+    return load_recipe("demo", ["train.precision=fp32", *overrides])
 
 
 @contextlib.contextmanager
@@ -131,13 +140,13 @@ def global_batch(rows: list[dict], dp: int) -> list[dict]:
 # ---------------------------------------------------------------------------- one device
 
 
-def initial_weights() -> dict[str, torch.Tensor]:
-    """The demo model's weights as ``engine.build`` initialises them on every rank (seeded, on the
-    CPU) for a model below the meta-init threshold."""
+def initial_weights(model: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The demo model's (with ``model`` overrides) weights as ``engine.build`` initialises them on
+    every rank (seeded, on the CPU) for a model below the meta-init threshold."""
     from omniweave.config import to_dict
     from omniweave.models.registry import build_model
 
-    cfg = recipe()
+    cfg = recipe(model=model)
     with torch.random.fork_rng(devices=[]):  # leaves the caller's RNG as it was
         torch.manual_seed(int(cfg.train.seed))
         model = build_model(to_dict(cfg.model))
@@ -145,7 +154,8 @@ def initial_weights() -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def reference(weights: dict[str, torch.Tensor], batch: list[dict], device: torch.device) -> dict:
+def reference(weights: dict[str, torch.Tensor], batch: list[dict], device: torch.device,
+              model_overrides: tuple[str, ...] = ()) -> dict:
     """Loss and gradients on one device: the loss summed over ``batch`` and divided by its loss tokens."""
     from omniweave.config import to_dict
     from omniweave.models.hf.loading import assign_state_dict
@@ -153,7 +163,7 @@ def reference(weights: dict[str, torch.Tensor], batch: list[dict], device: torch
     from omniweave.train.engine import to_device
 
     with torch.device("meta"):
-        model = build_model(to_dict(recipe().model))
+        model = build_model(to_dict(recipe(model=model_overrides).model))
     assign_state_dict(model, {k: v.clone() for k, v in weights.items()}, "the initial weights")
     model.to(device)
     with exact_fp32():
@@ -221,6 +231,7 @@ def _layout_on_rank(rank: int, world: int, layout: Layout, rows: list[dict], wei
 
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
+    from omniweave.parallel.expert import sync_expert_grads
     from omniweave.parallel.spawn import rank_device
     from omniweave.train.engine import META_INIT_PARAMS, build, to_device
 
@@ -246,6 +257,8 @@ def _layout_on_rank(rank: int, world: int, layout: Layout, rows: list[dict], wei
             out = model(to_device(shard_micro_batch(row, dims.cp, meshes.cp_rank, dims.tp), device))
             (out.loss_sum / n).backward()  # FSDP sums the gradients over the ranks
             loss += out.loss_sum.detach().double()
+        if dims.ep > 1:  # as Engine.optimizer_step: expert gradients summed over their replicas
+            sync_expert_grads(model, meshes.expert_dp)
         dist.all_reduce(loss)  # a tp foundation's loss is replicated on its tp ranks
         grads = {}
         for name, p in model.named_parameters():
@@ -295,7 +308,7 @@ def _layouts_on_rank(rank: int, world: int, chosen: list[Layout], rows: list[dic
     """Every layout of ``chosen`` in turn; rank 0 saves each one's result as it finishes, so that
     the results before a layout that fails are kept."""
     for i, layout in enumerate(chosen):
-        result = _layout_on_rank(rank, world, layout, rows, weights, layout.name == corrupt)
+        result = _layout_on_rank(rank, world, layout, rows, weights[layout.model], layout.name == corrupt)
         if rank == 0:
             torch.save(result, Path(out_dir) / f"{i}.pt")
 
@@ -333,9 +346,10 @@ def layout_rows(device: torch.device, world: int, chosen: list[Layout], corrupt:
     limit = CPU_LIMIT if device.type == "cpu" else CUDA_LIMIT
     with tempfile.TemporaryDirectory(prefix="omniweave-check-") as tmp:
         rows = demo_rows(Path(tmp))
-    weights = initial_weights()
-    refs: dict[int, dict] = {}  # global batch size -> the one-device run of that batch
-    results = run_layouts(device, world, [lay for lay in chosen if not lay.skip], rows, weights, corrupt, timeout)
+    runnable = [lay for lay in chosen if not lay.skip]
+    weights = {m: initial_weights(m) for m in {lay.model for lay in runnable}}  # model overrides -> weights
+    refs: dict[tuple, dict] = {}  # (model, global batch size) -> the one-device run of that batch
+    results = run_layouts(device, world, runnable, rows, weights, corrupt, timeout)
     for layout in chosen:
         if layout.skip:
             yield Row(GROUP, layout.name, "skip", note=layout.skip)
@@ -345,9 +359,10 @@ def layout_rows(device: torch.device, world: int, chosen: list[Layout], corrupt:
             if isinstance(result, Exception):
                 raise result
             batch = global_batch(rows, result["dp"])
-            if len(batch) not in refs:
-                refs[len(batch)] = reference(weights, batch, device)
-            row = compare(layout, result, refs[len(batch)], limit, describe_batch(batch) + ", fp32")
+            key = (layout.model, len(batch))
+            if key not in refs:
+                refs[key] = reference(weights[layout.model], batch, device, layout.model)
+            row = compare(layout, result, refs[key], limit, describe_batch(batch) + ", fp32")
         except Exception as e:  # noqa: BLE001 - a layout that fails is a FAIL row; the others still run
             row = Row(GROUP, layout.name, "FAIL", note=_failure(e))
         if device.type != "cpu" and row.limit:
