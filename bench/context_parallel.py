@@ -160,7 +160,8 @@ def _rank(rank: int, world: int, length: int, mode: str, vision_split: bool, rep
 
 
 def measure(cp: int, length: int, mode: str, vision_split: bool, repeats: int, device: str) -> dict:
-    per_rank = run_ranks(_rank, cp, length, mode if cp > 1 else "ring", vision_split, repeats, device, timeout=1800)
+    per_rank = run_ranks(_rank, cp, length, mode if cp > 1 else "ring", vision_split, repeats, device, timeout=1800,
+                         device=device)  # gloo on CPU, NCCL with rank r on cuda:r
     worst = max(per_rank, key=lambda r: r["vision_bytes"] + r["rest_bytes"])
     return {"cp": cp, "length": length, "mode": mode, "vision_split": vision_split,
             "act_mb": (worst["vision_bytes"] + worst["rest_bytes"]) / 2**20, "vision_mb": worst["vision_bytes"] / 2**20,
