@@ -1,5 +1,6 @@
 """Varlen attention kernels against a dense masked reference (block-diagonal L×L, tests only)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from omniweave.models.components import attention, attention_cuda
 from omniweave.models.components.attention import (
-    BACKENDS, UnavailableBackend, attn, check_backend, math_attn, resolve, sdpa_attn, select_backend,
+    BACKENDS, UnavailableBackend, attn, check_backend, default_backend, math_attn, resolve, sdpa_attn,
 )
 
 
@@ -108,8 +109,8 @@ def test_math_kernel_memory_is_per_document_not_dense():
 
 
 def test_auto_is_sdpa_off_cuda_and_explicit_names_are_kept():
-    assert select_backend("auto", "cpu") == "sdpa"
-    assert select_backend("math") == "math"
+    assert default_backend("cpu") == "sdpa"
+    assert check_backend("math") == "math"
     q, k, v = _qkv(32, 32)
     assert resolve("auto", q, k).name == "sdpa"
     out, _ = attn(q, k, v, CU, CU, True, backend="math")
@@ -119,7 +120,7 @@ def test_auto_is_sdpa_off_cuda_and_explicit_names_are_kept():
 def test_unknown_backend_name_lists_every_backend_and_what_is_here():
     with pytest.raises(UnavailableBackend, match=r"unknown attention backend 'nope'; choose from auto, varlen, flash, "
                        r"sdpa, math \(available here: auto.*sdpa, math\)"):
-        select_backend("nope")
+        check_backend("nope")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
@@ -132,8 +133,7 @@ def test_a_backend_this_machine_lacks_is_an_error_listing_what_it_has():
 
 def test_a_call_the_backend_cannot_serve_falls_back_with_one_line_saying_why(monkeypatch, caplog):
     varlen = attention.BACKENDS["varlen"]
-    monkeypatch.setitem(attention.BACKENDS, "varlen", attention.Backend(
-        "varlen", varlen.attn, lambda: None, varlen.refuses, varlen.fallback, varlen.block, varlen.lse_grad))
+    monkeypatch.setitem(attention.BACKENDS, "varlen", dataclasses.replace(varlen, missing=lambda: None))
     attention._warn_once.cache_clear()
     q, k, v = _qkv(32, 32)
     with caplog.at_level("WARNING", logger="omniweave.attention"):

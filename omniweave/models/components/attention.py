@@ -49,8 +49,7 @@ import torch
 from omniweave.models.components import attention_cuda as cuda
 from omniweave.models.components.attention_ref import (  # noqa: F401  (re-exported: the kernels' helpers)
     chunked_lse, doc_bounds, masked_scores, math_attn, math_attn_fp32, math_block_backward, math_block_forward,
-    math_decode,
-    scaled_dot, sdpa_attn, visible_mask,
+    math_decode, scaled_dot, sdpa_attn, visible_mask,
 )
 from omniweave.models.components.attention_cuda import flash_available  # noqa: F401
 from omniweave.errors import UserError
@@ -75,7 +74,6 @@ class Backend:
     refuses: Callable[..., str | None]  # (q, k) -> why it cannot serve this call; None when it can
     fallback: str | None  # where a refused call goes
     block: BlockKernel | None = None  # ring attention's kernels; None: no backward from a given lse
-    lse_grad: bool = True  # its lse is differentiable
     decode: Callable = math_decode  # KV-cache decoding over cache slots (see decode())
 
 
@@ -85,10 +83,9 @@ def _never(*_) -> None:
 
 BACKENDS: dict[str, Backend] = {
     "varlen": Backend("varlen", cuda.varlen_attn, cuda.varlen_missing, cuda.fa2_refuses, "sdpa",
-                      BlockKernel(cuda.varlen_block_forward, cuda.varlen_block_backward), lse_grad=False,
-                      decode=cuda.varlen_decode),
+                      BlockKernel(cuda.varlen_block_forward, cuda.varlen_block_backward), decode=cuda.varlen_decode),
     "flash": Backend("flash", cuda.flash_attn, cuda.flash_missing, cuda.fa2_refuses, "sdpa",
-                     BlockKernel(cuda.flash_block_forward, cuda.flash_block_backward), lse_grad=False),
+                     BlockKernel(cuda.flash_block_forward, cuda.flash_block_backward)),
     "sdpa": Backend("sdpa", sdpa_attn, _never, _never, None),
     "math": Backend("math", math_attn, _never, _never, None, BlockKernel(math_block_forward, math_block_backward)),
 }
@@ -99,7 +96,7 @@ class UnavailableBackend(UserError, ValueError):
     """A backend name that does not exist, or that this machine cannot run."""
 
 
-def available(device: torch.device | str | None = None) -> list[str]:
+def available() -> list[str]:
     """Backend names this machine can run (``auto`` first)."""
     return ["auto", *(n for n, b in BACKENDS.items() if b.missing() is None)]
 
@@ -144,12 +141,6 @@ def resolve(name: str, q: torch.Tensor, k: torch.Tensor, *, block: bool = False)
         _warn_once(f"attention: {chosen} has no block kernel for ring attention; ring blocks use math")
         backend = BACKENDS["math"]
     return backend
-
-
-def select_backend(name: str = "auto", device: torch.device | str | None = None) -> str:
-    """The name ``auto`` stands for on ``device`` (explicit names are checked and returned)."""
-    check_backend(name)
-    return default_backend(device or "cpu") if name == "auto" else name
 
 
 def autocast_inputs(q, k, v):

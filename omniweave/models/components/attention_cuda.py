@@ -47,6 +47,11 @@ def max_len(cu_seqlens: torch.Tensor) -> int:
     return longest
 
 
+def _empty_rows_plus_inf(lse: torch.Tensor) -> torch.Tensor:
+    """The interface's lse back to FlashAttention's convention (``+inf``: saw nothing) for its backward."""
+    return lse.masked_fill(lse == float("-inf"), float("inf")).contiguous()
+
+
 def _empty_rows_minus_inf(lse: torch.Tensor, heads: int, rows: int) -> torch.Tensor:
     if lse.shape != (heads, rows):  # the interface is [H, Tq]; anything else would merge wrongly
         raise RuntimeError(f"FlashAttention returned a log-sum-exp of shape {tuple(lse.shape)}, expected "
@@ -85,12 +90,13 @@ def fa2_refuses(q: torch.Tensor, k: torch.Tensor) -> str | None:
     return None
 
 
-def _varlen(q, k, v, cu_q, cu_k, mq, mk, window_size, scale):
+def _varlen(q, k, v, cu_q, cu_k, mq, mk, window_size, scale, seqused_k=None):
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
     out, lse = varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), mq, mk,
                            return_aux=AuxRequest(lse=True), scale=scale, window_size=window_size,
-                           enable_gqa=q.shape[1] != k.shape[1])  # fmt: skip
+                           enable_gqa=q.shape[1] != k.shape[1],
+                           seqused_k=None if seqused_k is None else seqused_k.to(torch.int32))  # fmt: skip
     return out, _empty_rows_minus_inf(lse, q.shape[1], q.shape[0])
 
 
@@ -103,17 +109,12 @@ def varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=
 def varlen_decode(q, k_cache, v_cache, slots, lengths, scale=None):
     """Inference (see ``attention_ref.math_decode``): the cache slots stay where they are; each query
     reads its slot through ``cu_seqlens_k`` (slot offsets) and ``seqused_k`` (its length), no copy."""
-    from torch.nn.attention.varlen import AuxRequest, varlen_attn as _fa
-
     n_slots, slot = k_cache.shape[:2]
     starts = slots.to(torch.int32) * slot
     cu_k = torch.cat([starts, starts[-1:] + slot])  # only the starts are read when seqused_k is given
     cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    out, lse = _fa(q, k_cache.view(n_slots * slot, *k_cache.shape[2:]), v_cache.view(n_slots * slot, *v_cache.shape[2:]),
-                   cu_q, cu_k, 1, slot, return_aux=AuxRequest(lse=True), scale=scale,
-                   window_size=(-1, -1), enable_gqa=q.shape[1] != k_cache.shape[2],
-                   seqused_k=lengths.to(torch.int32))  # fmt: skip
-    return out, _empty_rows_minus_inf(lse, q.shape[1], q.shape[0])
+    k, v = (c.view(n_slots * slot, *c.shape[2:]) for c in (k_cache, v_cache))
+    return _varlen(q, k, v, cu_q, cu_k, 1, slot, (-1, -1), scale, seqused_k=lengths)
 
 
 def varlen_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -124,9 +125,8 @@ def varlen_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 def varlen_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
     """``(dq, dk, dv)`` of one ring block from the global ``out``/``lse`` (GQA summed by the kernel)."""
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: unused
-    lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # FlashAttention's "saw nothing"
     return torch.ops.torch_attn._varlen_attn_backward(
-        dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.contiguous(), cu_q.to(torch.int32),
+        dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(), _empty_rows_plus_inf(lse), cu_q.to(torch.int32),
         cu_k.to(torch.int32), max_q, max_k, causal, rng_state, scale, list(fa_window(causal, None)),
     )  # fmt: skip
 
@@ -174,10 +174,9 @@ def flash_block_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 def flash_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
-    lse = lse.masked_fill(lse == float("-inf"), float("inf")).contiguous()
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     _flash_attn_varlen_backward(
-        dout, q, k, v, out.to(q.dtype), lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
+        dout, q, k, v, out.to(q.dtype), _empty_rows_plus_inf(lse), dq, dk, dv, cu_q, cu_k, max_q, max_k,
         0.0, scale, causal, -1, -1, 0.0, None, False,  # dropout, scale, causal, window, softcap, alibi, deterministic
     )  # fmt: skip
     return dq, dk, dv
