@@ -216,7 +216,7 @@ def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) 
     path = recipe_path(name_or_path)
     overrides = list(overrides)
     try:
-        cfg = _compose(path, _component_field_overrides(path, overrides))
+        cfg = _compose_with_component_fields(path, overrides)
         OmegaConf.resolve(cfg)
     except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types; each becomes one line
         if isinstance(e, UserError):
@@ -232,17 +232,36 @@ def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) 
 _COMPONENT_KEY = re.compile(r"^(model\.(foundation|image_encoder|projector)\.(\w+))=")
 
 
-def _component_field_overrides(path: Path, overrides: list[str]) -> list[str]:
-    """``model.<component>.<field>=V`` where the component's YAML leaves ``field`` at its default:
-    the override becomes ``+model.…`` (Hydra refuses to override a key the YAML lacks), so every
-    field of a registered component's config can be set the same way."""
-    wanted = [(i, m) for i, o in enumerate(overrides) if (m := _COMPONENT_KEY.match(o))]
-    if not wanted:
-        return overrides
+def _component_fields(kind: str, section: Any) -> list[str]:
+    """Every field of the registered config class a component section names ([] if none)."""
     import dataclasses
 
     from omniweave.models import registry
 
+    if not isinstance(section, dict) or section.get("name") not in registry.names(kind):
+        return []
+    config_cls = registry.lookup(kind, section["name"])[1]
+    return [f.name for f in dataclasses.fields(config_cls)] if config_cls is not None else []
+
+
+def _compose_with_component_fields(path: Path, overrides: list[str]) -> DictConfig:
+    """Compose; when Hydra refuses an override ``model.<component>.<field>=V`` because the
+    component's YAML leaves ``field`` at its default, compose again with ``+model.…`` for it, so
+    every field of a registered component's config is set the same way. The second compose (and
+    importing the registry) happens only for such an override, not on every load."""
+    try:
+        return _compose(path, overrides)
+    except Exception:  # noqa: BLE001 - Hydra raises many types; load_recipe explains what stays wrong
+        fixed = _component_field_overrides(path, overrides)
+        if fixed == overrides:
+            raise
+        return _compose(path, fixed)
+
+
+def _component_field_overrides(path: Path, overrides: list[str]) -> list[str]:
+    """``overrides`` with ``+`` added to each ``model.<component>.<field>=V`` whose field is not in
+    the composed YAML but is a field of the component's registered config."""
+    wanted = [(i, m) for i, o in enumerate(overrides) if (m := _COMPONENT_KEY.match(o))]
     others = [o for i, o in enumerate(overrides) if i not in {j for j, _ in wanted}]
     try:
         model = OmegaConf.to_container(_compose(path, others).model)
@@ -250,11 +269,9 @@ def _component_field_overrides(path: Path, overrides: list[str]) -> list[str]:
         return overrides
     out = list(overrides)
     for i, m in wanted:
-        section, kind, key = model.get(m.group(2)) or {}, m.group(2), m.group(3)
-        if key in section or "name" not in section or section["name"] not in registry.names(kind):
-            continue
-        config_cls = registry.lookup(kind, section["name"])[1]
-        if config_cls is not None and key in {f.name for f in dataclasses.fields(config_cls)}:
+        kind, key = m.group(2), m.group(3)
+        section = model.get(kind) or {}
+        if key not in section and key in _component_fields(kind, section):
             out[i] = "+" + overrides[i]
     return out
 
@@ -276,10 +293,6 @@ def require(cfg: DictConfig, *keys: str) -> None:
 
 def _all_keys(path: Path) -> list[str]:
     """Valid dotted keys for suggestions: the schema's plus the recipe's model section."""
-    import dataclasses
-
-    from omniweave.models import registry
-
     keys = list(schema_defaults())
     try:
         model = OmegaConf.to_container(_compose(path, []).model)
@@ -287,10 +300,7 @@ def _all_keys(path: Path) -> list[str]:
         return keys
     keys += [f"model.{k}" for k in _flatten(model)]
     for kind, section in model.items():  # fields the component's YAML leaves at their defaults
-        if isinstance(section, dict) and section.get("name") in registry.names(kind):
-            config_cls = registry.lookup(kind, section["name"])[1]
-            if config_cls is not None:
-                keys += [f"model.{kind}.{f.name}" for f in dataclasses.fields(config_cls)]
+        keys += [f"model.{kind}.{name}" for name in _component_fields(kind, section)]
     return keys
 
 
