@@ -4,6 +4,11 @@ An adapter maps a HF ``config.json`` dict to our foundation config (and back) an
 in both directions. Our decoder's parameter names are the HF ones without the ``model.`` prefix
 (``lm_head.weight`` is the same on both sides). Families register themselves in the one
 registry under kind ``hf`` with their HF ``model_type``.
+
+Optional hooks, for a family whose tensors are not one-to-one renames (MoE experts: one HF tensor
+per expert, one 3-D tensor of ours), read by loading.py / export.py only where an adapter has them:
+``model_tensors_to_ours(tensors)`` (whole-model load), ``assemble(name, has, read)`` (sharded load),
+``model_tensors_to_hf(name, t) -> [(hf_name, tensor), ...]`` (export).
 """
 
 from __future__ import annotations
@@ -132,15 +137,6 @@ class DecoderAdapter:
         if not name.startswith("foundation."):
             raise KeyError(f"{self.model_type}: no HF name for {name!r}")
         return self.name_to_hf(name[len("foundation.") :])
-
-    def model_tensors_to_ours(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """Tensors renamed by ``model_name_to_ours`` -> our tensors (MoE families stack experts)."""
-        return tensors
-
-    def model_tensors_to_hf(self, name: str, t) -> list[tuple[str, Any]]:
-        """HF (name, tensor) pairs of one of our tensors (MoE families split experts)."""
-        hf_name = self.model_name_to_hf(name)
-        return [] if hf_name is None else [(hf_name, t)]
 
     def model_config_to_hf(self, model) -> dict[str, Any]:
         return self.config_to_hf(model.foundation.config)
