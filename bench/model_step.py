@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (also when im
 from quick import HELP as QUICK_HELP, note  # noqa: E402
 
 CONFIG = dict(PRESETS["small"], max_position_embeddings=32768, tie_word_embeddings=False)
-documents = document_lengths  # document lengths (64..2048 tokens) summing to a total
 
 
 
@@ -148,8 +147,8 @@ def clock_fn(name: str):
 def child(impl: str, hf_dir: str, size: int, device_name: str, repeats: int, clock: str = "wall",
           precision: str = "fp32") -> dict:
     device = torch.device(device_name)
-    lens = documents(size)
-    model, step = make_step(impl, hf_dir, documents(512, seed=9), device, precision)
+    lens = document_lengths(size)
+    model, step = make_step(impl, hf_dir, document_lengths(512, seed=9), device, precision)
     step()  # warm-up on a short row (kernels, allocator, lazy imports)
     del model, step
     gc.collect()
