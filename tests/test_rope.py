@@ -40,6 +40,23 @@ def test_mrope_equals_qwen2_vl_rotary_embedding():
     torch.testing.assert_close(apply_rope(q[0].transpose(0, 1), cos, sin), q_ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
+def test_interleaved_mrope_equals_qwen3_vl_rotary_embedding():
+    """Qwen3-VL: h on bands 1, 4, …, w on bands 2, 5, …; a non-default section [6, 5, 5]."""
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as hf3
+
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [6, 5, 5], "mrope_interleaved": True}
+    cfg = Qwen3VLConfig(text_config=dict(hidden_size=96, num_attention_heads=3, head_dim=32, rope_parameters=rope)).text_config
+    rot = hf3.Qwen3VLTextRotaryEmbedding(cfg)
+    pos = torch.randint(0, 500, (3, 1, 40), generator=torch.Generator().manual_seed(0))
+    cos_ref, sin_ref = rot(torch.zeros(1, dtype=torch.float32), pos)
+    cos, sin = rope_cos_sin(pos[:, 0], 32, 5e6, [6, 5, 5], mrope_interleaved=True)
+    torch.testing.assert_close(cos, cos_ref[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin, sin_ref[0], rtol=1e-6, atol=1e-6)
+    chunked, _ = rope_cos_sin(pos[:, 0], 32, 5e6, [6, 5, 5])
+    assert (chunked - cos).abs().max() > 1e-2  # the layout matters
+
+
 def test_mrope_with_equal_axes_is_plain_rope():
     pos = torch.arange(30)
     a = rope_cos_sin(pos.expand(3, -1), 16, 1e4, [2, 3, 3])

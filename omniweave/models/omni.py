@@ -8,9 +8,11 @@
 
 One encoder call covers every image and video of the micro-batch (varlen attention inside the
 encoder keeps them apart), so the encoder sees one large batch instead of many small ones.
-``media_spans [M, 2]`` (start, length) say where each item's features go; the i-th span takes
-the i-th item's features (``pixel_values`` and ``grid_thw`` are in span order). A span whose
-length differs from the item's feature count is a data bug and raises with the numbers.
+``media_spans [S, 2]`` (start, length) say where the features go: the spans take the items'
+features in order (``pixel_values`` and ``grid_thw`` are in span order), one span per item, or
+several consecutive spans per item where the tokenizer writes text inside an item (Qwen3-VL:
+a timestamp before each temporal patch of a video). Spans that do not add up to the items'
+feature counts, or cross from one item into the next, are a data bug and raise with the numbers.
 
 No-media micro-batches (``run_encoder_always``, default on): a row without any media still runs
 the encoder and projector on a tiny dummy item (one merge block of zero pixels) and adds
@@ -24,6 +26,11 @@ Two hook points let ``parallel/`` change how the row is computed without the mod
 context-parallel rank encodes a share of the media and the features are all-gathered), and the
 optional batch key ``feature_rows [L]`` (int64: for each row, the index of the media feature it
 takes, -1 for text), which replaces ``media_spans`` when the row is a shard of a longer one.
+
+DeepStack (Qwen3-VL): a projector with ``deepstack_levels = K`` returns ``[N, D·(1+K)]``; the
+first D columns go into the embeddings, the K levels reach the foundation as its ``deepstack``
+input, placed by the same rows (components/deepstack.py). The hooks above see one tensor and
+need no change; the no-media dummy pass covers the DeepStack mergers too.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from omniweave.models.components.deepstack import DeepStack, split_levels
 from omniweave.models.text import LMHeadMixin, _cu_seqlens, _positions
 
 
@@ -52,6 +60,15 @@ class OmniModel(LMHeadMixin, nn.Module):
         self.run_encoder_always = run_encoder_always
         self.loss_chunk = loss_chunk
         self.media_split = None  # set by parallel/context for the vision split; see the module doc
+        if image_encoder is not None and self.deepstack_levels != getattr(image_encoder, "deepstack_levels", 0):
+            raise ValueError(f"image_encoder gives {getattr(image_encoder, 'deepstack_levels', 0)} DeepStack levels "
+                             f"(deepstack_visual_indexes), projector merges {self.deepstack_levels} "
+                             "(projector deepstack_levels): they must agree")  # fmt: skip
+
+    @property
+    def deepstack_levels(self) -> int:
+        """DeepStack levels the projector returns beside the features (0: none)."""
+        return getattr(self.projector, "deepstack_levels", 0)
 
     def init_weights(self) -> None:
         """Re-initialise every component (e.g. after ``to_empty`` from the meta device)."""
@@ -60,8 +77,11 @@ class OmniModel(LMHeadMixin, nn.Module):
                 part.init_weights()
 
     def hf_model_type(self) -> str:
-        """HF family for ``omniweave hf export`` (the encoder decides: qwen2_vl / qwen2_5_vl)."""
-        return self.image_encoder.hf_model_type
+        """HF family for ``omniweave hf export``: the encoder decides (qwen2_vl / qwen2_5_vl), or,
+        where one tower serves several families, its ``hf_model_type(foundation_config)`` does
+        (qwen3_vl / qwen3_vl_moe)."""
+        kind = self.image_encoder.hf_model_type
+        return kind(self.foundation.config) if callable(kind) else kind
 
     # ------------------------------------------------------------------ media
 
@@ -79,7 +99,12 @@ class OmniModel(LMHeadMixin, nn.Module):
         return self.encode_media(pixel_values, grid_thw)
 
     def inputs_embeds(self, batch: dict) -> torch.Tensor:
-        """Token embeddings [L, D] with media features scattered into their placeholder spans.
+        """Token embeddings [L, D] with media features scattered into their placeholder spans."""
+        return self.foundation_inputs(batch)["inputs_embeds"]
+
+    def foundation_inputs(self, batch: dict) -> dict:
+        """The foundation's media-dependent inputs: ``inputs_embeds`` [L, D] and, for an encoder
+        with DeepStack levels (components/deepstack.py), ``deepstack``.
 
         This is the point where a context-parallel split of the sequence may happen."""
         ids = batch["input_ids"]
@@ -89,28 +114,39 @@ class OmniModel(LMHeadMixin, nn.Module):
         if self.image_encoder is None:
             if has_media:
                 raise ValueError("batch has media (grid_thw) but the model has no image_encoder")
-            return embeds
+            return {"inputs_embeds": embeds}
         if not has_media:
             if self.run_encoder_always:  # keep FSDP collectives matched; contributes exactly 0
                 embeds = embeds + 0.0 * self._dummy_features(embeds.device).sum().to(embeds.dtype)
-            return embeds
-        if batch.get("feature_rows") is not None:
-            return self._scatter_rows(embeds, batch["feature_rows"], self.encode_media(batch["pixel_values"], grid_thw))
-        spans = self.check_media_spans(batch.get("media_spans"), grid_thw, ids.shape[0])
-        features = self.encode_media(batch["pixel_values"], grid_thw)  # [N, D]
-        if features.shape[0] != int(spans[:, 1].sum()):
+            return {"inputs_embeds": embeds}
+        rows = batch.get("feature_rows")
+        if rows is None:
+            spans = self.check_media_spans(batch.get("media_spans"), grid_thw, ids.shape[0])
+            rows = torch.full((ids.shape[0],), -1, dtype=torch.long, device=ids.device)
+            index = torch.cat([torch.arange(s, s + n, device=ids.device) for s, n in spans.tolist()])
+            rows[index] = torch.arange(index.numel(), device=ids.device)
+        features = self.encode_media(batch["pixel_values"], grid_thw)  # [N, D·(1+K)]
+        levels = self.deepstack_levels
+        if levels:
+            features, stacked = split_levels(features, levels)
+        if batch.get("feature_rows") is None and features.shape[0] != int(spans[:, 1].sum()):
             raise ValueError(f"projector produced {features.shape[0]} features, spans need {int(spans[:, 1].sum())}")
-        index = torch.cat([torch.arange(s, s + n, device=ids.device) for s, n in spans.tolist()])
-        return embeds.index_put((index,), features.to(embeds.dtype))  # out of place: autograd-safe
+        out = {"inputs_embeds": self._scatter_rows(embeds, rows, features)}
+        if levels:
+            out["deepstack"] = DeepStack(rows.to(device=embeds.device, dtype=torch.long), stacked)
+        return out
 
     def check_media_spans(self, spans: torch.Tensor | None, grid_thw: torch.Tensor, length: int) -> torch.Tensor:
-        """media_spans [M, 2] (int64) after checking them against the media: one span per item, each
-        as long as the item's feature count, all inside the row of ``length`` tokens."""
+        """media_spans [S, 2] (int64) after checking them against the media: the spans take the
+        items' features in order, each item's features filling one span or several consecutive
+        ones (S >= M: a Qwen3-VL video has one span per temporal patch, timestamps between), no span
+        crossing from one item into the next, all inside the row of ``length`` tokens."""
         if spans is None:
             raise ValueError("batch has grid_thw but no media_spans to place the features")
         spans = spans.to(torch.long).reshape(-1, 2)
         expected = self.projector.num_tokens(grid_thw).to(spans.device)
-        if spans.shape[0] != grid_thw.shape[0] or not torch.equal(spans[:, 1], expected):
+        item_ends, span_ends = set(expected.cumsum(0).tolist()), set(spans[:, 1].cumsum(0).tolist())
+        if spans.shape[0] < grid_thw.shape[0] or int(spans[:, 1].sum()) != int(expected.sum()) or not item_ends <= span_ends:
             raise ValueError(
                 f"media features do not match placeholder spans: grid_thw {grid_thw.tolist()} gives "
                 f"{expected.tolist()} feature tokens per item, media_spans lengths are {spans[:, 1].tolist()}"
@@ -133,10 +169,6 @@ class OmniModel(LMHeadMixin, nn.Module):
     # ------------------------------------------------------------------ the model contract
 
     def hidden(self, batch: dict) -> torch.Tensor:
-        embeds = self.inputs_embeds(batch)
-        L, device = embeds.shape[0], embeds.device
-        return self.foundation(
-            inputs_embeds=embeds,
-            position_ids=_positions(batch, L, device),
-            cu_seqlens=_cu_seqlens(batch, L, device),
-        )
+        inputs = self.foundation_inputs(batch)
+        L, device = inputs["inputs_embeds"].shape[0], inputs["inputs_embeds"].device
+        return self.foundation(**inputs, position_ids=_positions(batch, L, device), cu_seqlens=_cu_seqlens(batch, L, device))

@@ -39,6 +39,8 @@ COMPONENT_MODULES = [
     "omniweave.models.components.projector",
     "omniweave.models.hf.qwen2_vl",
     "omniweave.models.hf.qwen2_5_vl",
+    "omniweave.models.components.qwen3_vit",
+    "omniweave.models.hf.qwen3_vl",
     "omniweave.rl.rewards",
 ]
 

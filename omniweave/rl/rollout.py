@@ -207,12 +207,13 @@ def pack_prompts(prompts: list[Prompt]) -> dict:
 # ---------------------------------------------------------------------------- engines
 
 
-def prompt_embeds(model, batch: dict) -> torch.Tensor:
-    """[L, D] token embeddings with the media features in place (an OmniModel encodes its media
-    here); a text-only CausalLM just embeds the ids."""
-    if hasattr(model, "inputs_embeds"):
-        return model.inputs_embeds(batch)
-    return model.foundation.embed(batch["input_ids"])
+def prompt_inputs(model, batch: dict) -> dict:
+    """The foundation's prompt inputs: ``inputs_embeds`` [L, D] with the media features in place
+    (an OmniModel encodes its media here, and adds its DeepStack levels, if any); a text-only
+    CausalLM just embeds the ids."""
+    if hasattr(model, "foundation_inputs"):
+        return model.foundation_inputs(batch)
+    return {"inputs_embeds": model.foundation.embed(batch["input_ids"])}
 
 
 class TorchRollout:
@@ -237,9 +238,8 @@ class TorchRollout:
         local = {k: v.to(device) if torch.is_tensor(v) else v for k, v in local.items()}
         cache = GroupKVCache(len(foundation.layers), group_size, params.max_new_tokens, counts, keep,
                              self.cp_group if self.cp > 1 else None)
-        embeds = prompt_embeds(self.model, local)
-        hidden = foundation(inputs_embeds=embeds, position_ids=local["position_ids"], cu_seqlens=local["cu_seqlens"],
-                            kv_cache=cache)
+        hidden = foundation(**prompt_inputs(self.model, local), position_ids=local["position_ids"],
+                            cu_seqlens=local["cu_seqlens"], kv_cache=cache)
         logits = self._prompt_logits(foundation, hidden, last_rows)  # [N, V]
         n, g = len(prompts), group_size
         gens = [sample_generator(seed, p.uid, j) for p in prompts for j in range(g)]
@@ -312,8 +312,7 @@ class NaiveRollout:
             for j in range(group_size):
                 gen = sample_generator(seed, p.uid, j)
                 cache = KVCache(len(foundation.layers))
-                embeds = prompt_embeds(self.model, batch)
-                hidden = foundation(inputs_embeds=embeds, position_ids=pos, kv_cache=cache)
+                hidden = foundation(**prompt_inputs(self.model, batch), position_ids=pos, kv_cache=cache)
                 r, next_pos = Rollout(p.uid, j, [], [], True), int(pos.max()) + 1
                 for t in range(params.max_new_tokens):
                     tok, lp = sample_tokens(foundation.logits(hidden[-1:]), params, [gen])

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from omniweave.models.components.attention import attn
+from omniweave.models.components.deepstack import DeepStack
 from omniweave.models.components.mlp import SwiGLU
 from omniweave.models.components.moe import MoE, MoEConfig
 from omniweave.models.components.norm import RMSNorm
@@ -35,6 +36,7 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": ..., ...}
     mrope_section: list[int] | None = None  # M-RoPE bands over (t, h, w); sums to head_dim/2
+    mrope_interleaved: bool = False  # Qwen3-VL's interleaved band layout (rope.rope_cos_sin)
     qkv_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
@@ -205,7 +207,8 @@ class Decoder(nn.Module):
 
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        return rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.mrope_section, c.rope_scaling)
+        return rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.mrope_section, c.rope_scaling,
+                            c.mrope_interleaved)
 
     def forward(
         self,
@@ -214,8 +217,10 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        deepstack: DeepStack | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states [L, D] of a packed row (or new tokens, with ``kv_cache``)."""
+        """Final-norm hidden states [L, D] of a packed row (or new tokens, with ``kv_cache``).
+        ``deepstack``: per-level vision features added at the media rows after the first layers."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         L = x.shape[0]
         if position_ids is None:
@@ -226,8 +231,10 @@ class Decoder(nn.Module):
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, L], dtype=torch.int32, device=x.device)
         cos, sin = self.rope(position_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cu_seqlens, kv_cache)
+            if deepstack is not None and i < deepstack.num_levels:
+                x = deepstack.add(x, i)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -40,11 +40,15 @@ def rope_cos_sin(
     theta: float,
     mrope_section: list[int] | None = None,
     scaling: dict | None = None,
+    mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [L, head_dim] for ``position_ids`` [L], [1, L] or [3, L] (M-RoPE).
 
     M-RoPE (Qwen2-VL): frequency band ``f`` of ``head_dim/2`` takes its angle from axis
     ``i % 3`` (t, h, w) where ``i`` is the index of the ``mrope_section`` chunk holding ``f``.
+    Interleaved M-RoPE (Qwen3-VL, ``mrope_interleaved``): bands start as t; h takes bands
+    1, 4, 7, … below ``3·section[1]`` and w bands 2, 5, 8, … below ``3·section[2]`` (transformers'
+    ``recomposition_frequencies``), so every axis spans low and high frequencies.
     Without ``mrope_section`` only the first row of position_ids is used.
     """
     inv_freq = rope_inv_freq(head_dim, theta, scaling, position_ids.device)
@@ -56,8 +60,14 @@ def rope_cos_sin(
             raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim/2 = {head_dim // 2}")
         pos = pos.expand(3, -1) if pos.shape[0] == 1 else pos
         all_freqs = pos[:, :, None] * inv_freq  # [3, L, hd/2]
-        chunks = all_freqs.split(list(mrope_section), dim=-1)
-        freqs = torch.cat([c[i % 3] for i, c in enumerate(chunks)], dim=-1)
+        if mrope_interleaved:
+            freqs = all_freqs[0].clone()
+            for axis in (1, 2):
+                band = slice(axis, 3 * mrope_section[axis], 3)
+                freqs[:, band] = all_freqs[axis][:, band]
+        else:
+            chunks = all_freqs.split(list(mrope_section), dim=-1)
+            freqs = torch.cat([c[i % 3] for i, c in enumerate(chunks)], dim=-1)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 

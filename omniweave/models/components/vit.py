@@ -51,11 +51,12 @@ class Qwen2ViTConfig:
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     norm: str = "layernorm"  # layernorm | rmsnorm
-    mlp: str = "quick_gelu"  # quick_gelu (fc1/fc2) | swiglu (gate/up/down)
+    mlp: str = "quick_gelu"  # quick_gelu | gelu_tanh (fc1/fc2) | swiglu (gate/up/down)
     window_size: int | None = None  # pixels; None = no window attention
     fullatt_block_indexes: list[int] = field(default_factory=list)
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    patch_bias: bool = False  # the patch embedding's Conv3d has a bias (Qwen3-VL)
     attn_backend: str = "auto"  # attention.BACKENDS name; auto = varlen on CUDA, else sdpa
 
     @property
@@ -154,12 +155,12 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = _norm(cfg, cfg.hidden_size), _norm(cfg, cfg.hidden_size)
         self.attn = VisionAttention(cfg)
-        if cfg.mlp == "quick_gelu":
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act="quick_gelu", bias=True)
+        if cfg.mlp in ("quick_gelu", "gelu_tanh"):
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.mlp, bias=True)
         elif cfg.mlp == "swiglu":
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=True, act="silu")
         else:
-            raise ValueError(f"vision mlp {cfg.mlp!r}: choose quick_gelu or swiglu")
+            raise ValueError(f"vision mlp {cfg.mlp!r}: choose quick_gelu, gelu_tanh or swiglu")
 
     def forward(self, x, cu_seqlens, cos, sin):
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -167,18 +168,18 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """transformers' Conv3d(kernel = stride = (t, p, p), no bias) over one patch = a linear map of
-    the flattened patch. The weight keeps the Conv3d shape [D, C, t, p, p] (same tensor as HF's
-    ``patch_embed.proj.weight``); the forward is a plain matmul."""
+    """transformers' Conv3d(kernel = stride = (t, p, p)) over one patch = a linear map of the
+    flattened patch. The weight keeps the Conv3d shape [D, C, t, p, p] (same tensor as HF's
+    ``patch_embed.proj.weight``); the forward is a plain matmul. Bias: Qwen3-VL only."""
 
-    def __init__(self, cfg: Qwen2ViTConfig):
+    def __init__(self, cfg: Qwen2ViTConfig, bias: bool = False):
         super().__init__()
         k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=False)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [P, C·t·p·p] -> [P, D]
         w = self.proj.weight
-        return F.linear(pixel_values.to(w.dtype), w.flatten(1))
+        return F.linear(pixel_values.to(w.dtype), w.flatten(1), self.proj.bias)
 
 
 class VisionTransformer(nn.Module):
@@ -190,7 +191,7 @@ class VisionTransformer(nn.Module):
         self.hf_model_type = "qwen2_5_vl" if cfg.window_size else "qwen2_vl"  # the HF family it exports as
         self.out_dim = cfg.hidden_size
         self.merge_size = cfg.spatial_merge_size
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg, bias=cfg.patch_bias)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.rotary = VisionRotaryEmbedding((cfg.hidden_size // cfg.num_heads) // 2, cfg.rope_theta)  # no buffers
 
