@@ -22,8 +22,11 @@ def render_pack(pack: dict, tokenizer, color: bool, max_chars: int | None = 4000
     target = np.zeros(len(ids), bool)
     target[1:] = labels[:-1] != IGNORE_INDEX  # token j is predicted when labels[j-1] is set
     vision = np.full(len(ids), -1)
+    run_length = {}  # first row of a run of pad tokens -> its length
     for k, m in enumerate(pack["media"]):
-        vision[m["start"] : m["start"] + m["length"]] = k
+        for start, n in m.get("pieces") or [(m["start"], m["length"])]:
+            vision[start : start + n] = k
+            run_length[start] = n
     out = []
     for d in range(len(cu) - 1):
         a, b = int(cu[d]), int(cu[d + 1])
@@ -33,8 +36,8 @@ def render_pack(pack: dict, tokenizer, color: bool, max_chars: int | None = 4000
         while j < b:
             if vision[j] >= 0:
                 m = pack["media"][vision[j]]
-                out.append(f"{CYAN if color else ''}<{m['kind']}×{m['length']}>{RESET if color else ''}")
-                j += m["length"]
+                out.append(f"{CYAN if color else ''}<{m['kind']}×{run_length[j]}>{RESET if color else ''}")
+                j += run_length[j]
                 continue
             e = j
             while e < b and vision[e] < 0 and target[e] == target[j]:

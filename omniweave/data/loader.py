@@ -75,7 +75,8 @@ def collate_pack(pack: dict, data_cfg: dict) -> dict:
         "pixel_values": torch.from_numpy(np.concatenate(pixels).astype(np.float32)) if pixels
         else torch.zeros(0, patch_dim, dtype=torch.float32),  # [P, C*t*p*p]
         "grid_thw": torch.tensor([m["grid_thw"] for m in media], dtype=torch.int64).reshape(-1, 3),  # [M, 3]
-        "media_spans": torch.tensor([[m["start"], m["length"]] for m in media], dtype=torch.int64).reshape(-1, 2),
+        "media_spans": torch.tensor([r for m in media for r in m.get("pieces") or [[m["start"], m["length"]]]],
+                                    dtype=torch.int64).reshape(-1, 2),  # [S, 2]: S >= M when items are split
         "num_loss_tokens": int(pack["num_loss_tokens"]),
     }
 

@@ -154,6 +154,7 @@ class MediaPlan:
     resized_hw: tuple[int, int]
     frame_indices: tuple[int, ...] | None = None  # videos: source frames, padded
     second_per_grid: float | None = None  # videos: seconds per temporal grid step
+    source_fps: float | None = None  # videos: the stream's frame rate (Qwen3-VL timestamps)
 
     def num_tokens(self, merge_size: int) -> int:
         t, h, w = self.grid_thw
@@ -218,7 +219,17 @@ def plan_video(info: VideoInfo, cfg: VisionConfig) -> MediaPlan:
     h, w = smart_resize(info.height, info.width, cfg.factor, cfg.video_min_pixels, max_pixels)
     sample_fps = n / info.num_frames * info.fps
     grid = (len(indices) // tp, h // cfg.patch_size, w // cfg.patch_size)
-    return MediaPlan("video", grid, (h, w), indices, tp / sample_fps)
+    return MediaPlan("video", grid, (h, w), indices, tp / sample_fps, info.fps)
+
+
+def video_timestamps(frame_indices: tuple[int, ...], fps: float, temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal patch (Qwen3-VL's ``<t seconds>``): the mean of its first and last
+    frame's time, frames padded with the last to a multiple of the temporal patch (transformers'
+    ``Qwen3VLProcessor._calculate_timestamps``)."""
+    idx = list(frame_indices)
+    idx += [idx[-1]] * (-len(idx) % temporal_patch_size)
+    times = [i / fps for i in idx]
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
 
 
 def patchify(frames: np.ndarray, cfg: VisionConfig) -> np.ndarray:

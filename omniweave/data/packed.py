@@ -87,6 +87,7 @@ class PackedShardWriter:
                     "grid_thw": list(span.grid_thw), "frame_indices": span.frame_indices,
                     "second_per_grid": span.second_per_grid, "start": doc_start + span.start,
                     "length": span.length, "offset": self._file.tell(), "size": len(data),
+                    **({"pieces": [[doc_start + a, n] for a, n in span.pieces]} if span.pieces else {}),
                 })
                 self._file.write(data)
         record = {

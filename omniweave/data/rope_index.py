@@ -1,4 +1,4 @@
-"""Position ids for a tokenized sample: M-RoPE (Qwen2-VL, Qwen2.5-VL) or plain 1-D RoPE.
+"""Position ids for a tokenized sample: M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or plain 1-D RoPE.
 
 M-RoPE gives every token three coordinates (temporal, height, width):
 - text tokens: all three equal, counting up by one;
@@ -7,7 +7,12 @@ M-RoPE gives every token three coordinates (temporal, height, width):
   ``interval`` is 1, except for Qwen2.5-VL videos: ``tokens_per_second · second_per_grid``,
   multiplied in float32 and truncated, as the model does with its float32 tensor.
 
-This reproduces ``get_rope_index`` of transformers 5.23's Qwen2-VL / Qwen2.5-VL models
+Qwen3-VL (``mrope_qwen3vl``) writes a timestamp before each temporal patch of a video, so each
+run of its pad tokens (``MediaSpan.ranges()``) is a block of its own with grid (1, h, w): the
+temporal coordinate restarts at the block's start, as transformers splits ``video_grid_thw``
+per frame. Images are as in Qwen2-VL.
+
+This reproduces ``get_rope_index`` of transformers 5.23's Qwen2-VL / Qwen2.5-VL / Qwen3-VL models
 (tests/test_tokenize.py compares against them). Note that transformers 5 continues text at
 ``s + max(h, w)`` (not at max-position + 1 as 4.x did); the two differ only for videos whose
 temporal extent exceeds their spatial one.
@@ -15,11 +20,13 @@ temporal extent exceeds their spatial one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from omniweave.data.sample import MediaSpan
 
-ROPE_KINDS = ("mrope", "mrope_qwen25", "rope1d")
+ROPE_KINDS = ("mrope", "mrope_qwen25", "mrope_qwen3vl", "rope1d")
 
 
 def vision_block_positions(
@@ -59,14 +66,32 @@ def mrope_position_ids(
     return pos.astype(np.int32)
 
 
+def split_pieces(media: list[MediaSpan]) -> list[MediaSpan]:
+    """Each run of an item's pad tokens as an item of its own: a video of t temporal patches in t
+    runs becomes t blocks of grid (1, h, w)."""
+    out = []
+    for span in media:
+        runs = span.ranges()
+        if len(runs) == 1:
+            out.append(span)
+            continue
+        t, h, w = span.grid_thw
+        if len(runs) != t:
+            raise ValueError(f"a media item of grid {span.grid_thw} has {len(runs)} runs of pad tokens, expected {t}")
+        out += [dataclasses.replace(span, grid_thw=(1, h, w), start=s, length=n, pieces=None) for s, n in runs]
+    return out
+
+
 def position_ids(
     rope: str, length: int, media: list[MediaSpan], merge_size: int, tokens_per_second: float
 ) -> np.ndarray:
-    """int32 [3, L] for ``mrope`` / ``mrope_qwen25``, int32 [1, L] for ``rope1d``."""
+    """int32 [3, L] for ``mrope`` / ``mrope_qwen25`` / ``mrope_qwen3vl``, int32 [1, L] for ``rope1d``."""
     if rope == "mrope":
         return mrope_position_ids(length, media, merge_size)
     if rope == "mrope_qwen25":
         return mrope_position_ids(length, media, merge_size, tokens_per_second)
+    if rope == "mrope_qwen3vl":
+        return mrope_position_ids(length, split_pieces(media), merge_size)
     if rope == "rope1d":
         return np.arange(length, dtype=np.int32)[None, :]
     raise ValueError(f"unknown rope {rope!r}; choose one of {ROPE_KINDS}")

@@ -88,6 +88,20 @@ class MediaSpan:
     length: int  # number of pad tokens = t*h*w // merge_size**2
     frame_indices: list[int] | None = None  # videos: source frames sampled, after padding
     second_per_grid: float | None = None  # videos: seconds covered by one temporal grid step
+    # where text sits between the item's pad tokens (Qwen3-VL videos: a timestamp before each
+    # temporal patch), the (start, length) of each run of pads; ``start`` is then the first run's
+    # start and ``length`` the sum. None: one run, (start, length).
+    pieces: list[tuple[int, int]] | None = None
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """(start, length) of every run of this item's pad tokens, in order."""
+        return [tuple(p) for p in self.pieces] if self.pieces else [(self.start, self.length)]
+
+    @property
+    def end(self) -> int:
+        """One past the item's last pad token."""
+        start, length = self.ranges()[-1]
+        return start + length
 
 
 @dataclass

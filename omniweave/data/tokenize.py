@@ -51,7 +51,7 @@ def _plain(cfg) -> dict:
 
 def overflow_reason(spans: list[MediaSpan], max_len: int) -> str:
     """Why a sample longer than max_len cannot simply be cut there."""
-    cuts_vision = any(s.start <= max_len <= s.start + s.length for s in spans)
+    cuts_vision = any(s.start <= max_len <= s.end for s in spans)
     return "vision_span_exceeds_max_len" if cuts_vision else "too_long"
 
 
@@ -72,6 +72,9 @@ class SampleProcessor:
             raise ValueError(f"data.max_len must be positive, got {self.max_len}")
         self.image_pad_id = self.tokenizer.token_id(self.template.image_pad)
         self.video_pad_id = self.tokenizer.token_id(self.template.video_pad)
+        if self.rope == "mrope_qwen3vl":  # video timestamps: each temporal patch in its own vision block
+            self.vision_start_id = self.tokenizer.token_id("<|vision_start|>")
+            self.vision_end_id = self.tokenizer.token_id("<|vision_end|>")
 
     # ------------------------------------------------------------------ identity
 
@@ -148,28 +151,44 @@ class SampleProcessor:
             raise SampleRejected("placeholder_mismatch", f"pad tokens {pad_kinds} != placeholders {kinds}")
         next_item = {"image": iter(plans["image"]), "video": iter(plans["video"])}
         ordered = [next(next_item[k]) for k in kinds]  # (part, plan) in reading order
-        repeats = np.ones(len(ids), dtype=np.int64)
-        repeats[pad_at] = [plan.num_tokens(self.vision.merge_size) for _, plan in ordered]
-        starts = np.cumsum(repeats) - repeats  # index of each original token after expansion
-        spans = [
-            MediaSpan(
-                kind=plan.kind,
-                part=part,
-                grid_thw=tuple(plan.grid_thw),
-                resized_hw=tuple(plan.resized_hw),
-                start=int(starts[i]),
-                length=int(repeats[i]),
+        id_parts, label_parts, spans = [], [], []
+        cursor, out_len = 0, 0  # next original token to copy; tokens written so far
+        for i, (part, plan) in zip(pad_at.tolist(), ordered):
+            id_parts.append(ids[cursor:i])
+            label_parts.append(labels[cursor:i])
+            out_len += i - cursor
+            tokens, runs = self._media_tokens(plan, int(ids[i]))
+            runs = [(out_len + start, n) for start, n in runs]
+            spans.append(MediaSpan(
+                kind=plan.kind, part=part, grid_thw=tuple(plan.grid_thw), resized_hw=tuple(plan.resized_hw),
+                start=runs[0][0], length=sum(n for _, n in runs),
                 frame_indices=list(plan.frame_indices) if plan.frame_indices is not None else None,
-                second_per_grid=plan.second_per_grid,
-            )
-            for i, (part, plan) in zip(pad_at, ordered)
-        ]
-        input_ids = np.repeat(ids, repeats)
-        label_ids = np.repeat(labels, repeats)
-        for span in spans:  # vision tokens never carry loss
-            label_ids[span.start : span.start + span.length] = IGNORE_INDEX
+                second_per_grid=plan.second_per_grid, pieces=runs if len(runs) > 1 else None,
+            ))  # fmt: skip
+            id_parts.append(tokens.astype(ids.dtype))
+            label_parts.append(np.full(len(tokens), IGNORE_INDEX, dtype=labels.dtype))  # media tokens carry no loss
+            out_len += len(tokens)
+            cursor = i + 1
+        input_ids = np.concatenate(id_parts + [ids[cursor:]])
+        label_ids = np.concatenate(label_parts + [labels[cursor:]])
         pos = position_ids(self.rope, len(input_ids), spans, self.vision.merge_size, self.vision.tokens_per_second)
         return TokenizedSample(id=sample_id, input_ids=input_ids, labels=label_ids, position_ids=pos, media=spans)
+
+    def _media_tokens(self, plan: M.MediaPlan, pad_id: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """What one media pad token becomes, and the (start, length) runs of pads in it: the pad
+        repeated once per feature; with ``rope: mrope_qwen3vl`` a video is, per temporal patch,
+        ``<{t:.1f} seconds>`` + vision_start + pads + vision_end (transformers' Qwen3VLProcessor,
+        which keeps the template's own vision_start / vision_end around the whole video)."""
+        n = plan.num_tokens(self.vision.merge_size)
+        if self.rope != "mrope_qwen3vl" or plan.kind != "video":
+            return np.full(n, pad_id, dtype=np.int64), [(0, n)]
+        per_patch = n // plan.grid_thw[0]
+        seq, runs = [], []
+        for sec in M.video_timestamps(plan.frame_indices, plan.source_fps, self.vision.temporal_patch_size):
+            seq += self.tokenizer.encode(f"<{sec:.1f} seconds>") + [self.vision_start_id]
+            runs.append((len(seq), per_patch))
+            seq += [pad_id] * per_patch + [self.vision_end_id]
+        return np.asarray(seq, dtype=np.int64), runs
 
     def _drop_turns(self, sample_id: str, messages: list[Message], plans: dict, full: TokenizedSample):
         """Longest message prefix ending in an assistant turn that fits max_len (≥ 1 assistant turn)."""

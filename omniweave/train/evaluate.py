@@ -84,7 +84,7 @@ def prompt_batch(processor: SampleProcessor, raw: RawSample) -> dict:
         "cu_seqlens": torch.tensor([0, length], dtype=torch.int32),
         "pixel_values": torch.as_tensor(pixel_values, dtype=torch.float32),
         "grid_thw": torch.tensor([s.grid_thw for s in sample.media], dtype=torch.long).reshape(-1, 3),
-        "media_spans": torch.tensor([(s.start, s.length) for s in sample.media], dtype=torch.long).reshape(-1, 2),
+        "media_spans": torch.tensor([r for s in sample.media for r in s.ranges()], dtype=torch.long).reshape(-1, 2),
         "num_loss_tokens": 0,
     }
 

@@ -95,16 +95,21 @@ def _sample(args, hf_dir: Path, hf_cfg: dict):
         videos=[k for k in media if k.startswith("vid")],
     )
     qwen25 = hf_cfg["model_type"] == "qwen2_5_vl"
+    rope = "mrope_qwen25" if qwen25 else "mrope_qwen3vl" if hf_cfg["model_type"] in QWEN3_VL else "mrope"
     vision: dict = {}
     if (hf_dir / "preprocessor_config.json").exists():
         vision["preprocessor_config"] = str(hf_dir)
+    else:  # patch sizes from the model itself (e.g. Qwen3-VL's 16)
+        vc = hf_cfg.get("vision_config") or {}
+        vision |= {k: vc[k] for k in ("patch_size", "temporal_patch_size") if k in vc}
+        vision |= {"merge_size": vc["spatial_merge_size"]} if "spatial_merge_size" in vc else {}
     if (hf_dir / "video_preprocessor_config.json").exists():
         vision |= video_settings_from_hf(hf_dir)
     if qwen25:
         vision["tokens_per_second"] = float(hf_cfg.get("vision_config", {}).get("tokens_per_second", 2))
     tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else "demo"
     proc = SampleProcessor({"tokenizer": tokenizer, "template": args.template, "max_len": 1 << 20,
-                            "rope": "mrope_qwen25" if qwen25 else "mrope", "vision": vision})  # fmt: skip
+                            "rope": rope, "vision": vision})  # fmt: skip
     raw = RawSample(key="verify", conversation=conv, media=media)
     return proc, raw, proc.tokenize(raw)
 
@@ -124,10 +129,10 @@ def _hf_image_inputs(hf_dir: Path, raw, sample):
     return torch.as_tensor(np.asarray(out["pixel_values"])), torch.as_tensor(np.asarray(out["image_grid_thw"]))
 
 
-def _hf_rendered_ids(hf_dir: Path, raw, proc, counts: list[int]) -> torch.Tensor | None:
+def _hf_rendered_ids(hf_dir: Path, raw, proc, replacements: list[str]) -> torch.Tensor | None:
     """[1, L] ids from transformers' tokenizer and the directory's chat template (content-part
-    messages, as Qwen's own template expects), each pad token repeated ``counts[i]`` times for
-    the i-th media item, as Qwen2VLProcessor does; None when the directory has no chat template."""
+    messages, as Qwen's own template expects), the i-th media item's pad token replaced by
+    ``replacements[i]`` (see _hf_replacements); None when the directory has no chat template."""
     if not (hf_dir / "tokenizer.json").exists():
         return None
     from transformers import AutoTokenizer
@@ -143,9 +148,32 @@ def _hf_rendered_ids(hf_dir: Path, raw, proc, counts: list[int]) -> torch.Tensor
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     pads = {proc.template.image_pad, proc.template.video_pad}
     pieces = re.split("(" + "|".join(map(re.escape, sorted(pads))) + ")", text)
-    counts = iter(counts)
-    text = "".join(p * next(counts, 1) if p in pads else p for p in pieces)  # extra pads show as DIFFER
+    replacements = iter(replacements)
+    text = "".join(next(replacements, p) if p in pads else p for p in pieces)  # extra pads show as DIFFER
     return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
+QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")  # videos written with timestamps (rope: mrope_qwen3vl)
+
+
+def _hf_replacements(hf_cfg: dict, proc, raw, sample, counts: list[int]) -> list[str]:
+    """What transformers' processor writes for each media item's pad token: the pad repeated
+    ``counts[i]`` times; for a Qwen3-VL video, per temporal patch ``<t seconds>`` + vision_start +
+    pads + vision_end, t from transformers' own ``Qwen3VLProcessor._calculate_timestamps`` (its
+    video processor needs torchvision; the frames and the stream's fps are ours)."""
+    out = []
+    for span, n in zip(sample.media, counts):
+        pad = proc.template.image_pad if span.kind == "image" else proc.template.video_pad
+        if span.kind != "video" or hf_cfg["model_type"] not in QWEN3_VL:
+            out.append(pad * n)
+            continue
+        from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+        fps = proc.plan_media("video", raw.media[span.part]).source_fps
+        times = Qwen3VLProcessor._calculate_timestamps(None, list(span.frame_indices), fps, proc.vision.temporal_patch_size)
+        per = n // len(times)
+        out.append("".join(f"<{t:.1f} seconds><|vision_start|>{pad * per}<|vision_end|>" for t in times))
+    return out
 
 
 TEXT_DOCS = (7, 23, 12)  # documents of the packed row a text-only model is checked on
@@ -209,13 +237,16 @@ def verify(args) -> int:
     hf_grids |= {i: ours_grid[i].tolist() for i in vid}
     counts = [t * h * w // merge**2 for t, h, w in (hf_grids[i] for i in range(len(sample.media)))]
     ids = torch.from_numpy(sample.input_ids.astype(np.int64))
-    hf_ids = _hf_rendered_ids(hf_dir, raw, proc, counts)
+    hf_ids = _hf_rendered_ids(hf_dir, raw, proc, _hf_replacements(hf_cfg, proc, raw, sample, counts))
     how = "HF renders the directory's chat template" if hf_ids is not None else "HF given our text"
     if hf_ids is None:  # our rendered ids with each pad run replaced by HF's count for that item
         pieces, cursor = [], 0
         for s, n in zip(sample.media, counts):
-            pieces += [ids[cursor : s.start], ids[s.start : s.start + 1].repeat(n)]
-            cursor = s.start + s.length
+            if s.pieces:  # a Qwen3-VL video: HF is given our grid, so our runs are its runs
+                pieces.append(ids[cursor : s.end])
+            else:
+                pieces += [ids[cursor : s.start], ids[s.start : s.start + 1].repeat(n)]
+            cursor = s.end
         hf_ids = torch.cat(pieces + [ids[cursor:]])[None]
     tt = torch.zeros_like(hf_ids)
     tt[hf_ids == proc.image_pad_id], tt[hf_ids == proc.video_pad_id] = 1, 2
@@ -247,7 +278,7 @@ def verify(args) -> int:
     rows.append(("position_ids", (pos_hf[:, 0] - pos_ours).abs().max().item(), "M-RoPE [3, L]"))
     batch = {"input_ids": ids, "position_ids": pos_ours, "grid_thw": ours_grid,
              "pixel_values": torch.cat(ours_pv),  # span order
-             "media_spans": torch.tensor([[s.start, s.length] for s in sample.media], dtype=torch.long),
+             "media_spans": torch.tensor([r for s in sample.media for r in s.ranges()], dtype=torch.long),
              "cu_seqlens": torch.tensor([0, ids.numel()], dtype=torch.int32)}  # fmt: skip
     with torch.no_grad():
         ref = hf_model(input_ids=hf_ids, **hf_kw).logits[0]
