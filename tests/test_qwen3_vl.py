@@ -158,3 +158,27 @@ def test_moe_file_in_runtime_layout_is_refused_by_name(tmp_path):
     model.save_pretrained(tmp_path / "runtime")
     with pytest.raises(ValueError, match=r"experts\.(gate_up|down)_proj"):
         load_hf(tmp_path / "runtime")
+
+
+def test_cli_export_loads_in_transformers_and_verifies(pair, tmp_path, capsys):
+    """``omniweave hf export`` of a plain checkpoint dir, then ``omniweave hf verify`` on the export
+    (with an image processor config of patch 16, mean/std 0.5: images through transformers' own)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from omniweave.cli import main
+    from omniweave.models.hf.export import save_checkpoint_dir
+
+    family, _, ours, cfg = pair
+    ckpt = save_checkpoint_dir(ours, cfg, tmp_path / "ckpt")
+    assert main(["hf", "export", str(ckpt), "--output", str(tmp_path / "hf")]) == 0
+    again = hf_class(family).from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    sample = make_sample(MEDIA_CASES["mixed"], seed=12)
+    with torch.no_grad():
+        assert (again(**hf_inputs(sample)).logits[0] - ours.logits(ours_batch(sample))).abs().max().item() <= TOL
+    Qwen2VLImageProcessorPil(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3, min_pixels=32 * 32 * 2,
+                             max_pixels=32 * 32 * 64).save_pretrained(tmp_path / "hf")  # fmt: skip
+    capsys.readouterr()
+    assert main(["hf", "verify", str(tmp_path / "hf")]) == 0  # a random image and a random video
+    out = capsys.readouterr().out
+    for what in ("input_ids", "pixel_values", "position_ids", "logits", "OK"):
+        assert what in out

@@ -11,7 +11,7 @@ rules of ``data.vision`` (:class:`omniweave.data.media.VisionConfig`), so that
     chat_template.jinja                         data.template as Jinja
     preprocessor_config.json                    Qwen2VLImageProcessor: min/max_pixels, patch, merge, mean/std
     video_preprocessor_config.json              Qwen2VLVideoProcessor: video_min/max_pixels, fps, min/max_frames
-    processor_config.json                       processor_class (Qwen2VLProcessor / Qwen2_5_VLProcessor)
+    processor_config.json                       processor_class (Qwen2VLProcessor / Qwen2_5_VLProcessor / Qwen3VLProcessor)
 
 The image and video configs are written as separate files with both the ``size`` dict
 (transformers 5) and the ``min_pixels`` / ``max_pixels`` keys (transformers 4, serving engines);
@@ -26,7 +26,10 @@ from pathlib import Path
 
 from omniweave.data.media import VisionConfig
 
-PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                     "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor"}  # fmt: skip
+# Qwen3-VL's processor writes video timestamps and needs its own video processor (metadata)
+VIDEO_PROCESSOR_TYPES = {"Qwen3VLProcessor": "Qwen3VLVideoProcessor"}
 
 
 def _normalisation(vision: VisionConfig, processor_class: str) -> dict:
@@ -69,7 +72,7 @@ def video_processor_config(vision: VisionConfig, processor_class: str) -> dict:
     """
     budget_tokens = vision.video_total_pixels / (vision.factor**2 * 0.9)
     return {
-        "video_processor_type": "Qwen2VLVideoProcessor",
+        "video_processor_type": VIDEO_PROCESSOR_TYPES.get(processor_class, "Qwen2VLVideoProcessor"),
         **_normalisation(vision, processor_class),
         "size": {"shortest_edge": vision.video_min_pixels, "longest_edge": vision.video_max_pixels},
         "min_pixels": vision.video_min_pixels,
