@@ -19,6 +19,8 @@ REAL = {
     "qwen2_5_vl_72b": 73.41e9,
 }
 TINY = ["tiny_qwen2_vl", "tiny_qwen2_5_vl"]
+# Qwen3-VL-8B-Instruct / Qwen3-VL-30B-A3B-Instruct safetensors parameter totals
+REAL_QWEN3_VL = {"qwen3_vl_8b": (8_767_123_696, "qwen3_vl"), "qwen3_vl_30b_a3b": (31_070_754_032, "qwen3_vl_moe")}
 
 
 def _params(model) -> int:
@@ -110,3 +112,43 @@ def test_hub_style_flat_config_maps_to_the_shipped_recipe():
     with torch.device("meta"):
         model = build_model(ours)
     assert abs(_params(model) - REAL["qwen2_vl_7b"]) / REAL["qwen2_vl_7b"] < 0.01
+
+
+@pytest.mark.parametrize("name", list(REAL_QWEN3_VL))
+def test_qwen3_vl_recipes_build_on_meta_with_the_published_parameter_count(name):
+    cfg = load_recipe(name)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    count, family = REAL_QWEN3_VL[name]
+    assert _params(model) == count
+    assert model.hf_model_type() == family and cfg.data.rope == "mrope_qwen3vl"
+    assert len(model.image_encoder.blocks) == 27 and len(model.projector.deepstack_merger_list) == 3
+    assert model.foundation.config.mrope_interleaved and model.foundation.config.rope_theta == 5e6
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3_vl", "tiny_qwen3_vl_moe"])
+def test_tiny_qwen3_vl_recipe_trains_on_packed_data(name, tmp_path):
+    """Pack images + videos with the recipe (timestamped videos: several media spans per video),
+    load a pack through the loader's collate, forward + backward through every part."""
+    from omniweave.cli import main
+    from omniweave.config import to_dict
+    from omniweave.data.loader import LOADER_ONLY_KEYS, collate_pack
+    from omniweave.data.packed import PackedDataset
+    from tests.fakes_data import make_samples, write_raw
+
+    raw = write_raw(tmp_path / "raw", make_samples(n_text=2, n_image=3, n_video=2, rejects=False))
+    assert main(["data", "pack", "--input", str(raw), "--output", str(tmp_path / "packed"), "--recipe", name,
+                 "--workers", "1", "data.max_len=2048"]) == 0  # fmt: skip
+    cfg = load_recipe(name, [f"data.path={tmp_path / 'packed'}", "data.max_len=2048"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    data_cfg = {k: v for k, v in to_dict(cfg.data).items() if k not in LOADER_ONLY_KEYS}
+    packs = [collate_pack(p, data_cfg) for p in PackedDataset(tmp_path / "packed")]
+    batch = next(b for b in packs if b["media_spans"].shape[0] > b["grid_thw"].shape[0])  # holds a video
+    assert batch["pixel_values"].shape[1] == 3 * 2 * 16 * 16
+    out = model(batch)
+    out.loss_sum.backward()
+    assert torch.isfinite(out.loss_sum) and int(out.num_tokens) > 0
+    for part in ("image_encoder.pos_embed.weight", "projector.deepstack_merger_list.1.linear_fc1.weight",
+                 "foundation.layers.0.self_attn.q_proj.weight"):  # fmt: skip
+        assert model.get_parameter(part).grad.abs().sum() > 0, part
