@@ -182,3 +182,27 @@ def test_cli_export_loads_in_transformers_and_verifies(pair, tmp_path, capsys):
     out = capsys.readouterr().out
     for what in ("input_ids", "pixel_values", "position_ids", "logits", "OK"):
         assert what in out
+
+
+def test_generation_prefills_with_deepstack_and_matches_transformers(pair):
+    """TorchRollout (eval, RL) prefills through foundation_inputs, DeepStack included: greedy
+    tokens equal a recompute loop over OmniModel.logits and transformers' own generate."""
+    from omniweave.rl.rollout import Prompt, SamplingParams, TorchRollout
+
+    _, hf, ours, _ = pair
+    sample = make_sample(MEDIA_CASES["mixed"], seed=13)
+    batch = ours_batch(sample)
+    other = ours_batch(make_sample(MEDIA_CASES["video"], seed=14))  # decoded beside it, in the same row
+    params = SamplingParams(temperature=0.0, max_new_tokens=5)
+    got = TorchRollout(ours).generate([Prompt(0, other), Prompt(1, batch)], 1, params, seed=0)[1].tokens
+    ids, pos, want = batch["input_ids"], batch["position_ids"], []
+    with torch.no_grad():
+        for _ in range(5):
+            b = dict(batch, input_ids=ids, position_ids=pos, cu_seqlens=torch.tensor([0, ids.numel()], dtype=torch.int32))
+            tok = int(ours.logits(b)[-1].argmax())
+            want.append(tok)
+            ids = torch.cat([ids, torch.tensor([tok])])
+            pos = torch.cat([pos, torch.full((3, 1), int(pos.max()) + 1)], dim=1)
+    assert got == want
+    hf_out = hf.generate(**hf_inputs(sample), max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert hf_out[0, sample["input_ids"].numel():].tolist() == want

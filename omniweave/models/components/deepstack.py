@@ -39,7 +39,7 @@ class DeepStack:
     def add(self, x: torch.Tensor, level: int) -> torch.Tensor:
         """x [L, D] + level ``level``'s feature at every media row (out of place)."""
         if self.rows.shape[0] != x.shape[0]:
-            raise ValueError(f"DeepStack rows ({self.rows.shape[0]}) do not match the decoder's {x.shape[0]} rows "
-                             "(a tensor-parallel foundation with DeepStack is not supported)")  # fmt: skip
+            raise ValueError(f"DeepStack rows ({self.rows.shape[0]}) do not match the decoder's {x.shape[0]} rows: "
+                             "the feature rows must describe the rows this rank's decoder holds")  # fmt: skip
         feats = self.levels[level].to(x.dtype)[self.rows.clamp_min(0)]
         return x + torch.where((self.rows >= 0)[:, None], feats, torch.zeros_like(feats))

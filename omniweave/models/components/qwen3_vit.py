@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 
 from omniweave.models.components.rope import vision_position_ids
-from omniweave.models.components.vit import Qwen2ViTConfig, VisionTransformer, _init, vision_cu_seqlens
+from omniweave.models.components.vit import (Qwen2ViTConfig, VisionTransformer, _init, check_patch_count,
+                                             vision_cu_seqlens)  # fmt: skip
 from omniweave.models.registry import register
 
 
@@ -113,10 +114,7 @@ class Qwen3VisionTransformer(VisionTransformer):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [P, C·t·p·p], grid_thw int [M, 3] -> [P, D·(1+K)]: final hidden states,
         then those after each DeepStack block."""
-        grid_thw = grid_thw.to(torch.long)
-        expected = int(grid_thw.prod(-1).sum()) if grid_thw.numel() else 0
-        if pixel_values.shape[0] != expected:
-            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but grid_thw {grid_thw.tolist()} needs {expected}")
+        grid_thw = check_patch_count(pixel_values, grid_thw)
         x = self.patch_embed(pixel_values)  # [P, D]
         grid = grid_thw.to(x.device)
         index, weight = pos_embed_taps(grid, self.side, self.merge_size)

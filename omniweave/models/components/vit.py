@@ -84,6 +84,15 @@ def vision_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
     return F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
 
 
+def check_patch_count(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """grid_thw as int64 after checking that ``pixel_values`` holds exactly its patches."""
+    grid_thw = grid_thw.to(torch.long)
+    expected = int(grid_thw.prod(-1).sum()) if grid_thw.numel() else 0
+    if pixel_values.shape[0] != expected:
+        raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but grid_thw {grid_thw.tolist()} needs {expected}")
+    return grid_thw
+
+
 def window_index(grid_thw: torch.Tensor, merge: int, window_merged: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen2.5-VL window layout over merge units.
 
@@ -197,10 +206,7 @@ class VisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [P, C·t·p·p], grid_thw int [M, 3] -> hidden [P, D] (original patch order)."""
-        grid_thw = grid_thw.to(torch.long)
-        expected = int(grid_thw.prod(-1).sum()) if grid_thw.numel() else 0
-        if pixel_values.shape[0] != expected:
-            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but grid_thw {grid_thw.tolist()} needs {expected}")
+        grid_thw = check_patch_count(pixel_values, grid_thw)
         x = self.patch_embed(pixel_values)  # [P, D]
         cos, sin = self.rotary(grid_thw.to(x.device), self.merge_size)  # fp32 [P, Dh]
         cu_seqlens = vision_cu_seqlens(grid_thw).to(x.device)
