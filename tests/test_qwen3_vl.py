@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from omniweave.models.hf.export import export_hf, hf_model_type
 from omniweave.models.hf.loading import adapter_for, load_hf
-from omniweave.parallel.context.sharding import feature_rows_from_spans
+from omniweave.models.omni import feature_rows_from_spans
 from qwen3_vl_factory import (FAMILIES, IN_DIM, MEDIA_CASES, hf_class, hf_inputs, hf_position_ids, make_sample,
                               ours_batch, pack, save_tiny)  # fmt: skip
 

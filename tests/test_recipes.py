@@ -124,6 +124,13 @@ def test_qwen3_vl_recipes_build_on_meta_with_the_published_parameter_count(name)
     assert model.hf_model_type() == family and cfg.data.rope == "mrope_qwen3vl"
     assert len(model.image_encoder.blocks) == 27 and len(model.projector.deepstack_merger_list) == 3
     assert model.foundation.config.mrope_interleaved and model.foundation.config.rope_theta == 5e6
+    from omniweave.config import to_dict
+    from omniweave.parallel.cost_model import CostModel
+
+    model_cfg = to_dict(cfg.model)  # the DP balancer's FLOP model knows the merger and its DeepStack mergers
+    with_deepstack = CostModel.from_model_config(model_cfg).p
+    model_cfg["projector"]["deepstack_levels"] = 0
+    assert with_deepstack > CostModel.from_model_config(model_cfg).p > 0
 
 
 @pytest.mark.parametrize("name", ["tiny_qwen3_vl", "tiny_qwen3_vl_moe"])

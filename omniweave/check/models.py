@@ -15,6 +15,7 @@ import torch
 
 from omniweave.check import Row, rel_err, verdict
 from omniweave.models.components.decoder import Decoder, DecoderConfig
+from omniweave.models.components.qwen3_vit import Qwen3VisionTransformer, Qwen3ViTConfig
 from omniweave.models.components.vit import (
     Qwen2ViTConfig,
     Qwen25ViTConfig,
@@ -41,10 +42,13 @@ DECODERS: dict[str, Callable[[], DecoderConfig]] = {
 # another expert: MoE gradients agree less (measured 1.2-1.6e-2 on CPU) than dense ones (5-9e-3).
 MOE_GRAD_LIMIT = 5e-2
 _VIT = dict(depth=2, hidden_size=128, num_heads=4, intermediate_size=192)
-TOWERS: dict[str, Callable[[], Qwen2ViTConfig]] = {
-    "qwen2-vl vision tower": lambda: Qwen2ViTConfig(**_VIT),
-    "qwen2.5-vl vision tower (windows)": lambda: Qwen25ViTConfig(**_VIT, window_size=56, fullatt_block_indexes=[1]),
-}
+TOWERS: dict[str, Callable[[], VisionTransformer]] = {
+    "qwen2-vl vision tower": lambda: VisionTransformer(Qwen2ViTConfig(**_VIT)),
+    "qwen2.5-vl vision tower (windows)": lambda: VisionTransformer(
+        Qwen25ViTConfig(**_VIT, window_size=56, fullatt_block_indexes=[1])),
+    "qwen3-vl vision tower (position table, DeepStack)": lambda: Qwen3VisionTransformer(
+        Qwen3ViTConfig(**_VIT, num_position_embeddings=64, deepstack_visual_indexes=[0])),
+}  # fmt: skip
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -113,11 +117,12 @@ def tower_rows(device, quick: bool) -> Iterator[Row]:
     grid = torch.tensor(grids, device=device)
     for name, make in TOWERS.items():
         torch.manual_seed(0)
-        tower = VisionTransformer(make()).to(device)
+        tower = make().to(device)
         tower.init_weights()
         g = torch.Generator().manual_seed(1)
         pixels = torch.randn(int(grid.prod(-1).sum()), tower.cfg.in_dim, generator=g).to(device)
-        probe = torch.randn(pixels.shape[0], tower.cfg.hidden_size, generator=g).to(device)
+        width = tower.cfg.hidden_size * (1 + getattr(tower, "deepstack_levels", 0))  # DeepStack levels ride along
+        probe = torch.randn(pixels.shape[0], width, generator=g).to(device)
         def step():
             out = tower(pixels, grid).float()
             return (out * probe).sum(), out

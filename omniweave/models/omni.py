@@ -42,6 +42,21 @@ from omniweave.models.components.deepstack import DeepStack, split_levels
 from omniweave.models.text import LMHeadMixin, _cu_seqlens, _positions
 
 
+def feature_rows_from_spans(media_spans: torch.Tensor, row_len: int) -> torch.Tensor:
+    """int64 [L] on the spans' device: for each row inside media span i (start, length) at offset
+    o, Σ_{j<i} len_j + o (its media feature in span order); -1 elsewhere. Shared by the model (spans ->
+    rows), CP sharding and the TP sequence-parallel hand-off."""
+    spans = media_spans.to(torch.long).reshape(-1, 2)
+    rows = torch.full((row_len,), -1, dtype=torch.int64, device=spans.device)
+    first_feature = 0
+    for start, length in spans.tolist():
+        if start < 0 or length < 0 or start + length > row_len:
+            raise ValueError(f"media span (start {start}, length {length}) falls outside the row of {row_len} tokens")
+        rows[start:start + length] = torch.arange(first_feature, first_feature + length, device=spans.device)
+        first_feature += length
+    return rows
+
+
 class OmniModel(LMHeadMixin, nn.Module):
     def __init__(
         self,
@@ -122,9 +137,7 @@ class OmniModel(LMHeadMixin, nn.Module):
         rows = batch.get("feature_rows")
         if rows is None:
             spans = self.check_media_spans(batch.get("media_spans"), grid_thw, ids.shape[0])
-            rows = torch.full((ids.shape[0],), -1, dtype=torch.long, device=ids.device)
-            index = torch.cat([torch.arange(s, s + n, device=ids.device) for s, n in spans.tolist()])
-            rows[index] = torch.arange(index.numel(), device=ids.device)
+            rows = feature_rows_from_spans(spans, ids.shape[0])
         features = self.encode_media(batch["pixel_values"], grid_thw)  # [N, D·(1+K)]
         levels = self.deepstack_levels
         if levels:

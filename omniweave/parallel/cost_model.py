@@ -169,10 +169,15 @@ def projector_params_per_patch(proj: dict, vit_dim: int, dec_dim: int, vit: dict
         merge = int(proj.get("merge_size") or vit.get("spatial_merge_size", 2))
         merged = vit_dim * merge**2
         return (vit_dim + merged * merged + merged + merged * dec_dim + dec_dim) / merge**2
+    if name == "qwen3_merger":  # the merger and one DeepStack merger per level, each fc1 -> fc2 on merged tokens
+        merge = int(proj.get("merge_size") or vit.get("spatial_merge_size", 2))
+        merged = vit_dim * merge**2
+        one = merged * merged + merged + merged * dec_dim + dec_dim
+        return (1 + int(proj.get("deepstack_levels", 0))) * one / merge**2
     if name == "mlp_adapter":
         hidden = int(proj.get("hidden_dim") or dec_dim)
         return vit_dim * hidden + hidden + hidden * dec_dim + dec_dim
-    raise ValueError(f"projector {name!r}: the cost model knows patch_merger and mlp_adapter")
+    raise ValueError(f"projector {name!r}: the cost model knows patch_merger, qwen3_merger and mlp_adapter")
 
 
 def nnls(a: np.ndarray, y: np.ndarray, max_iter: int | None = None) -> np.ndarray:

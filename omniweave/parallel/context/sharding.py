@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omniweave.models.omni import feature_rows_from_spans  # noqa: F401 (the one implementation; tp.py imports it here)
+
 # keys of a micro-batch (loader.collate_pack) that shard_batch rewrites / passes through
 _REWRITTEN_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "media_spans", "feature_rows", "token_data")
 _WHOLE_ROW_KEYS = ("pixel_values", "grid_thw", "num_loss_tokens")  # passed through unchanged
@@ -131,21 +133,6 @@ def unshard_rows(shards: list[torch.Tensor], plan: CPShardPlan, dim: int = 0) ->
         source[index[held]] = rank * plan.local_len + torch.nonzero(held).squeeze(1)
     stacked = torch.cat(shards, dim)
     return stacked.index_select(dim, source.to(stacked.device))
-
-
-def feature_rows_from_spans(media_spans: torch.Tensor, row_len: int) -> torch.Tensor:
-    """int64 [L] on the spans' device: for each row inside media span i (start, length) at offset
-    o, Σ_{j<i} len_j + o (its media feature in span order); -1 elsewhere. Shared by CP sharding and
-    the TP sequence-parallel hand-off."""
-    spans = media_spans.to(torch.long).reshape(-1, 2)
-    rows = torch.full((row_len,), -1, dtype=torch.int64, device=spans.device)
-    first_feature = 0
-    for start, length in spans.tolist():
-        if start < 0 or length < 0 or start + length > row_len:
-            raise ValueError(f"media span (start {start}, length {length}) falls outside the row of {row_len} tokens")
-        rows[start:start + length] = torch.arange(first_feature, first_feature + length, device=spans.device)
-        first_feature += length
-    return rows
 
 
 def _shard_positions(position_ids: torch.Tensor, plan: CPShardPlan, rank: int) -> torch.Tensor:
