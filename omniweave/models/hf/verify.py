@@ -5,8 +5,10 @@ runs the same conversation through both, printing max|Δ| for every stage:
 
     input_ids     ours (SampleProcessor, ``--template``) vs transformers' tokenizer rendering
                   the directory's chat template, each pad token repeated as Qwen2VLProcessor
-                  does (grid / merge², grids from HF's image processor); without a chat
-                  template in the directory, our rendered text with HF's pad counts
+                  does (grid / merge², grids from HF's image processor; a Qwen3-VL video as
+                  ``<t seconds>`` + vision_start + pads + vision_end per temporal patch, t from
+                  transformers' ``_calculate_timestamps``); without a chat template in the
+                  directory, our rendered text with HF's pad counts
     grid_thw      per media item
     pixel_values  images: ours (omniweave.data.media) vs transformers' Qwen2VLImageProcessorPil,
                   when the directory has a preprocessor_config.json
