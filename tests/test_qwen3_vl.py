@@ -206,3 +206,24 @@ def test_generation_prefills_with_deepstack_and_matches_transformers(pair):
     assert got == want
     hf_out = hf.generate(**hf_inputs(sample), max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert hf_out[0, sample["input_ids"].numel():].tolist() == want
+
+
+def test_export_processor_files_name_the_qwen3_vl_processors(tmp_path):
+    """With the recipe's data section an export names Qwen3VLProcessor / Qwen3VLVideoProcessor and
+    carries patch 16 and mean/std 0.5, which transformers' image processor then uses."""
+    import json
+
+    from transformers import AutoImageProcessor
+
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.models.hf.processor_files import write_processor_files
+
+    data_cfg = to_dict(load_recipe("tiny_qwen3_vl_moe").data)
+    hf_cfg = {"model_type": "qwen3_vl_moe", "vision_config": {"patch_size": 16, "temporal_patch_size": 2,
+                                                              "spatial_merge_size": 2}}  # fmt: skip
+    write_processor_files(tmp_path, data_cfg, hf_cfg, None)
+    assert json.loads((tmp_path / "processor_config.json").read_text())["processor_class"] == "Qwen3VLProcessor"
+    video = json.loads((tmp_path / "video_preprocessor_config.json").read_text())
+    assert video["video_processor_type"] == "Qwen3VLVideoProcessor" and video["patch_size"] == 16
+    image = AutoImageProcessor.from_pretrained(tmp_path)
+    assert image.patch_size == 16 and list(image.image_mean) == list(image.image_std) == [0.5] * 3
