@@ -34,9 +34,12 @@ def test_ep_must_divide_the_experts():
         _dims(3, ep=3)
 
 
-def test_ep_must_divide_dp():
-    with pytest.raises(ValueError, match=r"parallel.ep=4 must divide the data-parallel ranks parallel.dp=2"):
+def test_ep_must_divide_dp_times_cp():
+    with pytest.raises(ValueError, match=r"parallel.ep=4 must divide parallel.dp x parallel.cp = 2 x 1"):
         _dims(2, ep=4)
+    with pytest.raises(ValueError, match=r"parallel.ep=4 must divide parallel.dp x parallel.cp = 1 x 2"):
+        _dims(2, ep=4, cp=2)
+    assert _dims(4, ep=4, cp=2).dp == 2  # an EP group spans data- and context-parallel ranks
 
 
 def test_ep_needs_moe_layers():
@@ -49,9 +52,7 @@ def test_ep_needs_moe_layers():
         _dims(2, model=dense, ep=2)
 
 
-def test_ep_with_cp_or_tp_is_refused_for_now():
-    with pytest.raises(NotImplementedError, match=r"parallel.ep=2 with parallel.cp=2"):
-        _dims(4, ep=2, cp=2)
+def test_ep_with_tp_is_refused_for_now():
     with pytest.raises(NotImplementedError, match=r"model.foundation.tp=2"):
         _dims(4, model=_model(tp=2), ep=2)
 

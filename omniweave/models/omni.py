@@ -139,4 +139,5 @@ class OmniModel(LMHeadMixin, nn.Module):
             inputs_embeds=embeds,
             position_ids=_positions(batch, L, device),
             cu_seqlens=_cu_seqlens(batch, L, device),
+            token_valid=batch.get("token_valid"),
         )

@@ -16,9 +16,10 @@ same packs but different tokens: for the gradients they are just more data-paral
 the encoder + projector over (dp, cp, tp_rep).
 
 Expert parallelism (``parallel.ep``, parallel/expert.py): the experts of every MoE layer are split
-over ``ep`` consecutive data-parallel ranks (dp = dp/ep x ep, ``ep`` inner); the ranks holding the
-same experts (``expert_dp``, dp/ep of them) sum the expert gradients. For now ep > 1 needs
-cp = tp = 1.
+over ``ep`` consecutive ranks of the flattened (dp, cp) mesh, the ranks FSDP shards the foundation
+over (each holds different tokens: other rows, or other shards of a row), so dp x cp = dp x cp /
+ep x ep with ``ep`` inner; the ranks holding the same experts (``expert_dp``, dp x cp / ep of
+them) sum the expert gradients. For now ep > 1 needs tp = 1.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ class ParallelDims:
 
         cp_mesh = flat(cp_names, "cp") if hybrid else mesh["cp"]
         ep_mesh = expert_dp = None
-        if self.ep > 1:  # cp = tp = 1 (from_config): the world is the dp mesh, split (dp/ep, ep)
-            ep_world = init_device_mesh(device_type, (self.dp // self.ep, self.ep), mesh_dim_names=("expert_dp", "ep"))
+        if self.ep > 1:  # tp = 1 (from_config): the world is the (dp, cp) mesh, split (dp x cp / ep, ep)
+            ep_world = init_device_mesh(device_type, (self.dp * self.cp // self.ep, self.ep),
+                                        mesh_dim_names=("expert_dp", "ep"))
             ep_mesh, expert_dp = ep_world["ep"], ep_world["expert_dp"]
         split = (*cp_names, "tp_rep") if self.vision_split else ("tp_rep",)
         split_size = (self.cp if self.vision_split else 1) * (self.tp // self.tp_encoder)
@@ -117,12 +119,12 @@ def check_ep(ep: int, dp: int, cp: int, tp: int, foundation: Any) -> None:
     """``parallel.ep`` against the layout and the foundation's MoE layers (errors name the keys)."""
     if ep < 1:
         raise ValueError(f"parallel.ep={ep} must be >= 1")
-    if cp != 1 or tp != 1:
-        raise NotImplementedError(f"parallel.ep={ep} with parallel.cp={cp} / model.foundation.tp={tp}: expert "
-                                  "parallelism runs over data-parallel ranks only for now (set cp and tp to 1)")
-    if dp % ep:
-        raise ValueError(f"parallel.ep={ep} must divide the data-parallel ranks parallel.dp={dp} "
-                         "(an EP group is ep data-parallel ranks)")
+    if tp != 1:
+        raise NotImplementedError(f"parallel.ep={ep} with model.foundation.tp={tp}: expert parallelism runs over "
+                                  "data- and context-parallel ranks only for now (set model.foundation.tp to 1)")
+    if (dp * cp) % ep:
+        raise ValueError(f"parallel.ep={ep} must divide parallel.dp x parallel.cp = {dp} x {cp} "
+                         "(an EP group is ep of the data- and context-parallel ranks)")
     get = foundation.get
     experts = int(get("num_experts", 0) or 0)
     skip, step = set(get("mlp_only_layers", None) or []), int(get("decoder_sparse_step", 1) or 1)
@@ -148,5 +150,5 @@ class Meshes:
     cp_rank: int
     ring_group: Any = None  # hybrid only
     ulysses_group: Any = None  # hybrid only
-    ep: Any = None  # ep > 1: 1-D mesh of this rank's EP group (ep consecutive dp ranks)
-    expert_dp: Any = None  # ep > 1: 1-D mesh of the dp / ep ranks holding the same experts
+    ep: Any = None  # ep > 1: 1-D mesh of this rank's EP group (ep consecutive dp x cp ranks)
+    expert_dp: Any = None  # ep > 1: 1-D mesh of the dp x cp / ep ranks holding the same experts

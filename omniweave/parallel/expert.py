@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from omniweave.models.components.moe import MoE
+from omniweave.models.components.router_loss import recomputing
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -64,6 +65,10 @@ def ep_dispatch(moe: MoE, xs: torch.Tensor, counts: torch.Tensor, group) -> torc
     recv_counts = recv_counts.view(ep, n_local)
     send_splits = counts.view(ep, n_local).sum(1).tolist()
     recv_splits = recv_counts.sum(1).tolist()
+    if not recomputing():  # rows leaving this rank: dispatched now, combined back below
+        me = dist.get_rank(group)
+        moved = sum(send_splits) - send_splits[me] + sum(recv_splits) - recv_splits[me]
+        moe.stats.a2a_bytes += moved * xs.shape[1] * xs.element_size()
     recv = all_to_all_single_autograd(xs, recv_splits, send_splits, group)
     # source-rank-major -> expert-major (stable: sources in rank order within an expert)
     expert_of_row = torch.arange(n_local, device=xs.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
@@ -92,6 +97,26 @@ def apply_ep(model: nn.Module, ep_mesh) -> int:
             setattr(moe.experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
         moe.experts_fn = lambda m, xs, counts, g=group: ep_dispatch(m, xs, counts, g)
     return len(layers)
+
+
+def _sum_over(group):
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    return reduce
+
+
+def set_router_groups(model: nn.Module, fsdp_mesh, cp_mesh) -> None:
+    """Where the router losses sum their statistics (components/router_loss.py): a ``global``
+    loss over the data x context-parallel ranks of a micro-step (``fsdp_mesh``), a ``sequence``
+    loss over the context-parallel shards of a row (``cp_mesh``)."""
+    for moe in moe_layers(model):
+        for mesh, kind in ((fsdp_mesh, "global"), (cp_mesh, "sequence")):
+            if mesh is not None and mesh.size() > 1:
+                setattr(moe, f"reduce_{kind}", _sum_over(mesh.get_group()))
+                setattr(moe, f"{kind}_size", mesh.size())
 
 
 def sync_expert_grads(model: nn.Module, expert_dp_mesh) -> None:

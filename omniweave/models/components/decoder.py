@@ -54,6 +54,11 @@ class DecoderConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     moe_backend: str = "auto"  # auto | grouped_mm | loop (components/moe.py)
+    # router training signals (components/router_loss.py, docs/moe.md); 0 turns each off
+    router_aux_loss_coef: float = 0.0  # load-balancing loss (HF Qwen3-MoE's name; its checkpoints say 0.001)
+    aux_loss_level: str = "global"  # global (data-parallel micro-step) | sequence (per document)
+    router_z_loss_coef: float = 0.0
+    bias_update_speed: float = 0.0  # aux-loss-free bias update (sigmoid router)
     extra_hf: dict = field(default_factory=dict)  # HF config keys kept for export
 
     def __post_init__(self):
@@ -80,7 +85,9 @@ def layer_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
     if cfg.is_moe_layer(layer):
         return MoE(MoEConfig(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                              router="softmax", norm_topk_prob=cfg.norm_topk_prob, hidden_act=cfg.hidden_act,
-                             backend=cfg.moe_backend))  # fmt: skip
+                             backend=cfg.moe_backend, aux_loss_coef=cfg.router_aux_loss_coef,
+                             aux_loss_level=cfg.aux_loss_level, z_loss_coef=cfg.router_z_loss_coef,
+                             bias_update_speed=cfg.bias_update_speed))  # fmt: skip
     return SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=False, act=cfg.hidden_act)
 
 
@@ -164,10 +171,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = layer_mlp(cfg, layer)
+        self.routed = isinstance(self.mlp, MoE)
 
-    def forward(self, x, cos, sin, cu_seqlens, kv_cache=None):
+    def forward(self, x, cos, sin, cu_seqlens, kv_cache=None, token_valid=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, cu_seqlens, token_valid) if self.routed else self.mlp(h))
 
 
 @register("foundation", "decoder", DecoderConfig)
@@ -214,8 +223,11 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        token_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states [L, D] of a packed row (or new tokens, with ``kv_cache``)."""
+        """Final-norm hidden states [L, D] of a packed row (or new tokens, with ``kv_cache``).
+        ``token_valid`` bool [L]: False at padding rows (context-parallel shards); the MoE
+        layers' router statistics skip them."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         L = x.shape[0]
         if position_ids is None:
@@ -227,7 +239,7 @@ class Decoder(nn.Module):
             cu_seqlens = torch.tensor([0, L], dtype=torch.int32, device=x.device)
         cos, sin = self.rope(position_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, cu_seqlens, kv_cache)
+            x = layer(x, cos, sin, cu_seqlens, kv_cache, token_valid)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

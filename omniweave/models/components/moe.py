@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from omniweave.models.components.mlp import SwiGLU, activation
+from omniweave.models.components.router_loss import (AUX_LEVELS, RouterStats, RouterStep, attach_loss, balance_probs,
+                                                     global_aux, recomputing, sequence_aux, z_loss_sum)
 
 ROUTERS = ("softmax", "sigmoid")
 BACKENDS = ("auto", "grouped_mm", "loop")
@@ -54,6 +56,11 @@ class MoEConfig:
     n_shared_experts: int = 0
     hidden_act: str = "silu"
     backend: str = "auto"  # auto | grouped_mm | loop
+    # training signals (components/router_loss.py); 0 turns each off
+    aux_loss_coef: float = 0.0
+    aux_loss_level: str = "global"  # global | sequence
+    z_loss_coef: float = 0.0
+    bias_update_speed: float = 0.0  # aux-loss-free balancing of the sigmoid router's selection bias
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -65,6 +72,13 @@ class MoEConfig:
         if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
             raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} "
                              f"and topk_group={self.topk_group} be in 1..n_group")  # fmt: skip
+        if self.aux_loss_level not in AUX_LEVELS:
+            raise ValueError(f"aux_loss_level {self.aux_loss_level!r}: choose from {', '.join(AUX_LEVELS)}")
+        if min(self.aux_loss_coef, self.z_loss_coef, self.bias_update_speed) < 0:
+            raise ValueError("router_aux_loss_coef, router_z_loss_coef and bias_update_speed must be >= 0")
+        if self.bias_update_speed and self.router != "sigmoid":
+            raise ValueError("bias_update_speed > 0 needs the sigmoid router (DeepSeek-V3's selection bias); "
+                             "the softmax router balances with router_aux_loss_coef")
         if self.router == "sigmoid" and self.n_group > 1 and self.num_experts // self.n_group < 2:
             raise ValueError("the sigmoid router scores a group by its two best experts: needs >= 2 experts per group")
 
@@ -171,6 +185,13 @@ class MoE(nn.Module):
         # the routed experts' computation: None runs all experts here (run_experts); set from
         # outside (parallel/expert.py) as fn(moe, xs, counts) -> ys with xs sorted by expert
         self.experts_fn = None
+        # router losses (router_loss.py): the step set by the trainer, the statistics' SUM over
+        # the data x context-parallel ranks (global) / a row's context-parallel ranks (sequence),
+        # set from outside (parallel/expert.set_router_groups), and the group sizes
+        self.step = RouterStep()
+        self.stats = RouterStats()
+        self.reduce_global = self.reduce_sequence = None
+        self.global_size = self.sequence_size = 1
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -202,9 +223,12 @@ class MoE(nn.Module):
         gate, up = expert_matmul(xs, gate_up.to(xs.dtype), counts, grouped).chunk(2, dim=-1)
         return expert_matmul(self.act(gate) * up, down.to(xs.dtype), counts, grouped)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``cu_seqlens``: the row's documents (sequence-level aux loss); ``valid`` bool [T]: False
+        for rows that are padding (context-parallel shards), which no statistic counts."""
         T, k = x.shape[0], self.cfg.num_experts_per_tok
-        _, weights, idx = self.gate(x)
+        logits, weights, idx = self.gate(x)
         flat = idx.reshape(-1)  # [T·k]
         order = flat.argsort(stable=True)  # rows sorted by expert, tokens in order within one
         token = order // k
@@ -219,6 +243,34 @@ class MoE(nn.Module):
         out = out.to(x.dtype)
         if self.cfg.n_shared_experts:
             out = out + self.shared_experts(x)
+        if torch.is_grad_enabled():  # training: counts for the metrics / bias update, the losses
+            out = self._router_signals(out, logits, idx, counts, cu_seqlens, valid)
+        return out
+
+    def _router_signals(self, out, logits, idx, counts, cu_seqlens, valid) -> torch.Tensor:
+        c, step = self.cfg, self.step
+        counting = not recomputing()  # a checkpointed forward's second run counts nothing
+        if counting:
+            self.stats.add_counts(counts if valid is None else
+                                  torch.bincount(idx[valid].reshape(-1), minlength=c.num_experts))
+        if c.aux_loss_coef:
+            probs = balance_probs(logits, c.router)
+            if c.aux_loss_level == "global":
+                term, value = global_aux(probs, idx, valid, self.reduce_global)
+                scale, share = c.aux_loss_coef / (step.micro_steps * step.layers), value / self.global_size
+            else:
+                if cu_seqlens is None:
+                    cu_seqlens = torch.tensor([0, logits.shape[0]], device=logits.device)
+                term, value = sequence_aux(probs, idx, cu_seqlens, valid, self.reduce_sequence)
+                scale, share = c.aux_loss_coef / (step.documents * step.layers), value / self.sequence_size
+            out = attach_loss(out, term, scale)
+            if counting:
+                self.stats.aux = self.stats.aux + share
+        if c.z_loss_coef:
+            z = z_loss_sum(logits, valid)
+            out = attach_loss(out, z, c.z_loss_coef / (step.tokens * step.layers))
+            if counting:
+                self.stats.z = self.stats.z + z.detach()
         return out
 
     def active_fraction(self) -> float:
