@@ -1,4 +1,4 @@
-"""``parallel.ep`` validation (ParallelDims.from_config) and the MoE ``experts_fn`` seam, one process.
+"""``parallel.ep`` validation (ParallelDims.from_config) and the MoE ``Experts.dispatch`` seam, one process.
 The multi-rank equality checks are in tests/dist/test_ep.py."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_ep_with_tp_is_refused_for_now():
         _dims(4, model=_model(tp=2), ep=2)
 
 
-def test_experts_fn_seam_replaces_the_expert_computation():
+def test_experts_dispatch_seam_replaces_the_expert_computation():
     from omniweave.models.components.moe import MoE, MoEConfig
 
     torch.manual_seed(0)
@@ -67,10 +67,10 @@ def test_experts_fn_seam_replaces_the_expert_computation():
     ref = moe(x)
     seen = []
 
-    def fn(m, xs, counts):
+    def fn(experts, xs, counts):
         seen.append((xs.shape, counts.tolist()))
-        return m.run_experts(xs, counts, m.experts.gate_up_proj, m.experts.down_proj)
+        return experts.run(xs, counts, experts.gate_up_proj, experts.down_proj)
 
-    moe.experts_fn = fn
+    moe.experts.dispatch = fn
     assert torch.equal(moe(x), ref)
     assert seen[0][0] == (10, 16) and sum(seen[0][1]) == 10

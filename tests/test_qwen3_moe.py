@@ -114,7 +114,7 @@ def test_tiny_yaml_builds_and_trains_a_step():
     out = model({"input_ids": ids, "labels": ids.roll(-1)})
     out.loss_sum.backward()
     assert all(p.grad is not None for p in model.parameters())
-    assert dec.layers[0].mlp.use_grouped_mm(torch.zeros(1, 64))
+    assert dec.layers[0].mlp.experts.use_grouped_mm(torch.zeros(1, 64))
     # FLOPs count the routed experts a token uses (2 of 8)
     e = dec.layers[0].mlp.experts
     dense = sum(p.numel() for n, p in dec.named_parameters() if "embed_tokens" not in n)
@@ -135,3 +135,45 @@ def test_moe_refuses_tensor_parallel():
     cfg = build_component("foundation", yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())).config
     with pytest.raises(ValueError, match="MoE"):
         check_decoder_tp(cfg, 2)
+
+
+def test_checkpoint_with_another_expert_count_is_refused(tmp_path):
+    """A DCP checkpoint saved with 8 experts and a recipe asking for 4: a UserError naming the
+    tensors and the key, before anything is read (training resume and ``load_model`` alike)."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from omniweave.errors import UserError
+    from omniweave.models.registry import build_model
+    from omniweave.train import checkpoint
+
+    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    model = build_model({"foundation": f})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        checkpoint.save(tmp_path, 1, model, None, {"step": 1}, OmegaConf.to_yaml({"model": {"foundation": f}}))
+        fewer = build_model({"foundation": {**f, "num_experts": 4}})
+        with pytest.raises(UserError, match=r"num_experts.*experts.gate_up_proj: checkpoint \[8, 64, 64\], recipe \[4, 64, 64\]"):
+            checkpoint.load(checkpoint.find_latest(tmp_path), fewer)
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(UserError, match="num_experts"):
+        checkpoint.load_model(tmp_path, {"foundation": {**f, "num_experts": 4}})
+
+
+def test_flop_counts_use_active_parameters():
+    """MFU (Decoder.num_flops_per_token) and the DP balancing cost model (decoder_params) count the
+    k experts a token uses, not all E: equal to the dense model with the same active MLP width."""
+    from omniweave.models.registry import build_model
+    from omniweave.parallel.cost_model import decoder_params
+
+    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    moe = build_model({"foundation": f}).foundation
+    routed = sum(m.experts.gate_up_proj.numel() + m.experts.down_proj.numel() for m in moe.modules()
+                 if hasattr(m, "experts"))
+    total = sum(p.numel() for n, p in moe.named_parameters() if "embed_tokens" not in n)
+    active = moe.num_flops_per_token(0) / 6
+    assert active == total - routed * (1 - 2 / 8) == decoder_params(f)
+    # one MoE layer (8 experts of 32, top-2) does the MLP work of a dense width-64 layer plus the router
+    dense = {**f, "num_experts": 0, "intermediate_size": 64, "mlp_only_layers": []}
+    assert decoder_params(f) - decoder_params(dense) == 8 * 64 + 3 * 64 * (128 - 64)  # router; layer 1's dense 128

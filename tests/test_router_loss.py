@@ -169,3 +169,33 @@ def test_bias_update_lowers_overloaded_and_raises_idle_experts():
 def test_bad_router_loss_settings_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         MoEConfig(D, I, E, K, **kw)
+
+
+def test_model_gradients_match_transformers_with_its_aux_loss(tmp_path):
+    """A Qwen3-MoE checkpoint with ``output_router_logits`` (transformers then adds
+    ``router_aux_loss_coef`` x its balancing loss to the LM loss): loaded, our model trains on the
+    same loss — every gradient within 1e-4 relative (one MoE layer, where the two definitions
+    coincide; transformers concatenates layers before the product)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from omniweave.models.hf.loading import adapter_for, load_hf
+    from tests.hf_factory import QWEN3_MOE
+
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**QWEN3_MOE, "mlp_only_layers": [0, 2]}, output_router_logits=True,
+                                            router_aux_loss_coef=0.3)).float()
+    hf.save_pretrained(tmp_path)
+    ours, cfg = load_hf(tmp_path)
+    assert cfg["foundation"]["router_aux_loss_coef"] == 0.3
+    ids = torch.randint(0, 1024, (41,), generator=torch.Generator().manual_seed(1))
+    out = hf(input_ids=ids[None], labels=ids[None])
+    assert float(out.aux_loss) > 0
+    out.loss.backward()
+    labels = torch.cat([ids[1:], ids.new_full((1,), -100)])
+    start_router_step(ours, micro_steps=1, tokens=41, documents=1)
+    (ours({"input_ids": ids, "labels": labels}).loss_sum / 40).backward()
+    assert abs(finish_router_step(ours)["moe_aux_loss"] - float(out.aux_loss)) < 1e-5
+    adapter, hf_params = adapter_for("qwen3_moe"), dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        ref = hf_params[adapter.model_name_to_hf(name)].grad
+        assert _rel(p.grad, ref) < 1e-4, name

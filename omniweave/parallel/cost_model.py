@@ -144,14 +144,21 @@ class CostModel:
         return CostModel(*coefficients.tolist())
 
 def decoder_params(dec: dict) -> int:
-    """Non-embedding parameters of a ``decoder`` config, the LM head counted even when tied
-    (its matmul runs either way)."""
+    """Non-embedding parameters a token of a ``decoder`` config computes with, the LM head
+    counted even when tied (its matmul runs either way); a MoE layer counts its router and the
+    k experts a token uses (plus shared experts), not all of them."""
+    from omniweave.models.components.decoder import moe_layer_indices
+
     h, heads, kv, inter = (int(dec[k]) for k in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size"))
     hd = int(dec.get("head_dim") or h // heads)
     qkv = (heads + 2 * kv) * hd * (h + bool(dec.get("qkv_bias", False)))
     norms = 2 * h + (2 * hd if dec.get("qk_norm", False) else 0)
-    per_layer = qkv + heads * hd * h + 3 * h * inter + norms
-    return int(dec["num_layers"]) * per_layer + h + int(dec["vocab_size"]) * h
+    layers, moe = int(dec["num_layers"]), len(moe_layer_indices(dec))
+    dense_mlp = 3 * h * inter
+    active = int(dec.get("num_experts_per_tok", 0) or 0) + int(dec.get("n_shared_experts", 0) or 0)
+    moe_mlp = 3 * h * int(dec.get("moe_intermediate_size") or 0) * active + int(dec.get("num_experts", 0) or 0) * h
+    mlp = (layers - moe) * dense_mlp + moe * moe_mlp
+    return layers * (qkv + heads * hd * h + norms) + mlp + h + int(dec["vocab_size"]) * h
 
 
 def vit_params(vit: dict) -> int:

@@ -125,11 +125,10 @@ def check_ep(ep: int, dp: int, cp: int, tp: int, foundation: Any) -> None:
     if (dp * cp) % ep:
         raise ValueError(f"parallel.ep={ep} must divide parallel.dp x parallel.cp = {dp} x {cp} "
                          "(an EP group is ep of the data- and context-parallel ranks)")
-    get = foundation.get
-    experts = int(get("num_experts", 0) or 0)
-    skip, step = set(get("mlp_only_layers", None) or []), int(get("decoder_sparse_step", 1) or 1)
-    n_moe = sum(1 for i in range(int(get("num_layers", 0) or 0)) if i not in skip and (i + 1) % step == 0) if experts else 0
-    if not n_moe:  # the rule of DecoderConfig.is_moe_layer
+    from omniweave.models.components.decoder import moe_layer_indices
+
+    experts = int(foundation.get("num_experts", 0) or 0)
+    if not moe_layer_indices(foundation):
         raise ValueError(f"parallel.ep={ep}: the foundation has no MoE layers (model.foundation.num_experts="
                          f"{experts}); expert parallelism needs a Mixture-of-Experts model")
     if experts % ep:

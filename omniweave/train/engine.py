@@ -65,14 +65,15 @@ def with_process_group(fn: Callable[[], Any]) -> Any:
 def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_INIT_PARAMS) -> nn.Module:
     """The model, parallelised from outside in DESIGN's order: (vision split) -> TP -> CP -> EP -> AC
     -> FSDP2 (foundation over dp x cp, a smaller-tp encoder over dp x cp x tp_rep, MoE experts split
-    over the EP group and left out of FSDP; see parallel/dims.py and parallel/expert.py).
+    over the EP group and sharded over the ranks holding the same ones; see parallel/dims.py and
+    parallel/expert.py).
     A model of more than ``meta_init_params`` parameters on more than one rank is built on the
     meta device and each rank materialises and initialises only its shards (``omniweave check``
     passes 0 to take that path with a tiny model)."""
     from omniweave.config import to_dict
     from omniweave.models.registry import build_model
     from omniweave.parallel.context import apply_cp, apply_vision_split
-    from omniweave.parallel.expert import apply_ep, expert_params, set_router_groups
+    from omniweave.parallel.expert import apply_ep, expert_modules, set_router_groups
     from omniweave.parallel.fsdp import apply_ac, apply_fsdp
     from omniweave.parallel.tp import apply_tp
 
@@ -100,7 +101,7 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
     if dims.world_size > 1:
         apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")),
                    encoder_mesh=meshes.encoder_fsdp if dims.tp_encoder < dims.tp else None,
-                   ignored_params=set(expert_params(model)) if dims.ep > 1 else None)
+                   experts=expert_modules(model) if dims.ep > 1 else (), experts_mesh=meshes.expert_dp)
     if meta_init:  # materialise each rank's shards only, then initialise them
         model.to_empty(device=device)
         seed_sharded_init(int(cfg.train.seed), device)
@@ -281,7 +282,6 @@ class Engine:
         micro-batches and ranks (a tp group's replicated values counted once)."""
         from omniweave.models.components.router_loss import finish_router_step
         from omniweave.parallel.context import shard_micro_batch
-        from omniweave.parallel.expert import sync_expert_grads
         from omniweave.train.optim import clip_grad_norm
 
         scale = 1.0 / max(normaliser, 1)
@@ -299,8 +299,6 @@ class Engine:
             loss_sum += loss.detach().double()
             for k, v in extra.items():
                 stats[k] = stats.get(k, 0.0) + v.detach().double()
-        if self.dims.ep > 1:  # FSDP summed the rest over dp; the experts over their replicas
-            sync_expert_grads(self.model, self.meshes.expert_dp)
         compute_s = time.perf_counter() - t0
         totals = torch.stack([loss_sum, *(torch.as_tensor(v, dtype=torch.float64, device=self.device)
                                           for v in stats.values())])

@@ -76,8 +76,17 @@ class DecoderConfig:
             raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
 
     def is_moe_layer(self, layer: int) -> bool:
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)  # fmt: skip
+        return layer in moe_layer_indices(vars(self))
+
+
+def moe_layer_indices(cfg) -> list[int]:
+    """The layers whose MLP is a MoE block, from a decoder config (dataclass fields or its YAML
+    mapping): HF Qwen3-MoE's rule, see DecoderConfig."""
+    get = cfg.get
+    if not int(get("num_experts", 0) or 0):
+        return []
+    skip, step = set(get("mlp_only_layers", None) or []), int(get("decoder_sparse_step", 1) or 1)
+    return [i for i in range(int(get("num_layers", 0) or 0)) if i not in skip and (i + 1) % step == 0]
 
 
 def layer_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:

@@ -160,13 +160,44 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts' weights, 3-D (see the module docstring for the layout)."""
+    """The routed experts' weights, 3-D (see the module docstring for the layout), and their
+    computation over rows sorted by expert. ``dispatch`` is the seam through which
+    ``parallel/expert.py`` sends the rows to the ranks owning their experts; being a module call,
+    FSDP gathers the weights around it when the experts are sharded."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.cfg = cfg
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
+        self.act = activation(cfg.hidden_act)
+        self.dispatch = None  # fn(experts, xs, counts) -> ys; None: every expert is here
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows ``xs`` [N, D] sorted by expert, ``counts[e]`` of them for expert e -> [N, D]."""
+        if self.dispatch is not None:
+            return self.dispatch(self, xs, counts)
+        return self.run(xs, counts, self.gate_up_proj, self.down_proj)
+
+    def use_grouped_mm(self, x: torch.Tensor) -> bool:
+        backend = self.cfg.backend
+        if backend == "loop":
+            return False
+        probe = x.new_empty(0, dtype=_compute_dtype(x))
+        ok = grouped_mm_supported(probe, self.cfg.hidden_size, self.cfg.moe_intermediate_size)
+        if backend == "grouped_mm" and not ok:
+            raise ValueError(f"moe backend grouped_mm: torch._grouped_mm does not run {probe.dtype} on "
+                             f"{x.device.type} with hidden {self.cfg.hidden_size} / intermediate "
+                             f"{self.cfg.moe_intermediate_size} (needs 16-byte aligned dims); use auto or loop")  # fmt: skip
+        return ok
+
+    def run(self, xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Rows ``xs`` [N, D] sorted by expert (``counts[e]`` rows for expert e of ``gate_up`` /
+        ``down``, which may be a slice of the experts) -> [N, D], unweighted, in ``xs``'s dtype."""
+        grouped = self.use_grouped_mm(xs)
+        gate, up = expert_matmul(xs, gate_up.to(xs.dtype), counts, grouped).chunk(2, dim=-1)
+        return expert_matmul(self.act(gate) * up, down.to(xs.dtype), counts, grouped)
 
 
 class MoE(nn.Module):
@@ -181,10 +212,6 @@ class MoE(nn.Module):
         if cfg.n_shared_experts:
             self.shared_experts = SwiGLU(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size,
                                          bias=False, act=cfg.hidden_act)  # fmt: skip
-        self.act = activation(cfg.hidden_act)
-        # the routed experts' computation: None runs all experts here (run_experts); set from
-        # outside (parallel/expert.py) as fn(moe, xs, counts) -> ys with xs sorted by expert
-        self.experts_fn = None
         # router losses (router_loss.py): the step set by the trainer, the statistics' SUM over
         # the data x context-parallel ranks (global) / a row's context-parallel ranks (sequence),
         # set from outside (parallel/expert.set_router_groups), and the group sizes
@@ -203,26 +230,6 @@ class MoE(nn.Module):
         if self.cfg.router == "sigmoid":
             self.gate.e_score_correction_bias.zero_()
 
-    def use_grouped_mm(self, x: torch.Tensor) -> bool:
-        backend = self.cfg.backend
-        if backend == "loop":
-            return False
-        probe = x.new_empty(0, dtype=_compute_dtype(x))
-        ok = grouped_mm_supported(probe, self.cfg.hidden_size, self.cfg.moe_intermediate_size)
-        if backend == "grouped_mm" and not ok:
-            raise ValueError(f"moe backend grouped_mm: torch._grouped_mm does not run {probe.dtype} on "
-                             f"{x.device.type} with hidden {self.cfg.hidden_size} / intermediate "
-                             f"{self.cfg.moe_intermediate_size} (needs 16-byte aligned dims); use auto or loop")  # fmt: skip
-        return ok
-
-    def run_experts(self, xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
-        """Rows ``xs`` [N, D] sorted by expert (``counts[e]`` rows for expert e of ``gate_up`` /
-        ``down``, which may be a slice of the experts) -> [N, D], unweighted, in ``xs``'s dtype."""
-        grouped = self.use_grouped_mm(xs)
-        gate, up = expert_matmul(xs, gate_up.to(xs.dtype), counts, grouped).chunk(2, dim=-1)
-        return expert_matmul(self.act(gate) * up, down.to(xs.dtype), counts, grouped)
-
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None) -> torch.Tensor:
         """``cu_seqlens``: the row's documents (sequence-level aux loss); ``valid`` bool [T]: False
@@ -234,10 +241,7 @@ class MoE(nn.Module):
         token = order // k
         counts = torch.bincount(flat, minlength=self.cfg.num_experts)
         xs = x[token].to(_compute_dtype(x))  # [T·k, D]
-        if self.experts_fn is not None:  # e.g. expert parallelism (parallel/expert.py)
-            ys = self.experts_fn(self, xs, counts)
-        else:
-            ys = self.run_experts(xs, counts, self.experts.gate_up_proj, self.experts.down_proj)  # [T·k, D]
+        ys = self.experts(xs, counts)  # [T·k, D]
         ys = ys.float() * weights.reshape(-1)[order, None].float()
         out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, ys)
         out = out.to(x.dtype)

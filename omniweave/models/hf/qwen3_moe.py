@@ -45,7 +45,8 @@ class Qwen3MoeAdapter(DecoderAdapter):
             "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
             "decoder_sparse_step": hf.get("decoder_sparse_step", 1),
             "mlp_only_layers": list(hf.get("mlp_only_layers") or []),
-            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0) or 0.0),
+            # transformers adds the aux loss only with output_router_logits (off in released configs)
+            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0) if hf.get("output_router_logits") else 0.0,
         }
 
     def family_config_to_hf(self, cfg):
@@ -56,7 +57,7 @@ class Qwen3MoeAdapter(DecoderAdapter):
             "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
             "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
             "decoder_sparse_step": cfg.decoder_sparse_step, "mlp_only_layers": list(cfg.mlp_only_layers),
-            "output_router_logits": False, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+            "output_router_logits": cfg.router_aux_loss_coef > 0, "router_aux_loss_coef": cfg.router_aux_loss_coef or 0.001,
         }  # fmt: skip
 
     # ---- expert tensors: per-expert on disk <-> 3-D in the model ----------------------------

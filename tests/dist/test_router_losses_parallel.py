@@ -73,7 +73,6 @@ def _body(rank: int, world: int, ep: int, cp: int, level: str):
     from omniweave.models.components.router_loss import finish_router_step, start_router_step
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.parallel.expert import sync_expert_grads
     from omniweave.train.engine import build
 
     cfg = _cfg(ep, cp, level)
@@ -89,7 +88,6 @@ def _body(rank: int, world: int, ep: int, cp: int, level: str):
         loss = model(shard_micro_batch(r, cp, meshes.cp_rank)).loss_sum / n_loss
         loss.backward()
         total += loss.detach()
-    sync_expert_grads(model, meshes.expert_dp)
     dist.all_reduce(total)
 
     def reduce(t):
