@@ -52,9 +52,10 @@ def test_ep_needs_moe_layers():
         _dims(2, model=dense, ep=2)
 
 
-def test_ep_with_tp_is_refused_for_now():
-    with pytest.raises(NotImplementedError, match=r"model.foundation.tp=2"):
-        _dims(4, model=_model(tp=2), ep=2)
+def test_ep_with_tp_groups_the_data_and_context_parallel_ranks():
+    assert _dims(4, model=_model(tp=2), ep=2).dp == 2
+    with pytest.raises(ValueError, match=r"parallel.ep=4 must divide parallel.dp x parallel.cp = 2 x 1"):
+        _dims(4, model=_model(tp=2), ep=4)  # the tp ranks do not count
 
 
 def test_experts_dispatch_seam_replaces_the_expert_computation():

@@ -129,12 +129,20 @@ def test_dense_model_is_unchanged():
     assert not any("experts" in n or ".gate." in n for n in dec.state_dict())
 
 
-def test_moe_refuses_tensor_parallel():
-    from omniweave.parallel.tp import check_decoder_tp
+def test_tp_plan_keeps_moe_layers_whole():
+    """Under a tp foundation the MoE layers are gathered over the sequence and run unsharded on
+    every tp rank (tests/dist/test_router_losses_parallel.py checks the numbers); only the dense
+    layers' MLPs are split, so only their width must divide tp."""
+    from omniweave.parallel.tp import MOE_UNDER_TP, decoder_plan
 
-    cfg = build_component("foundation", yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())).config
-    with pytest.raises(ValueError, match="MoE"):
-        check_decoder_tp(cfg, 2)
+    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    plan = decoder_plan(build_component("foundation", f).config, 2)  # layer 0 MoE, layer 1 dense
+    assert plan["layers.0.mlp"] is MOE_UNDER_TP and "layers.0.mlp.gate_proj" not in plan
+    assert "layers.1.mlp.gate_proj" in plan and "layers.1.mlp.down_proj" in plan
+    with pytest.raises(ValueError, match="intermediate_size=126 is not divisible by tp=4"):
+        decoder_plan(build_component("foundation", {**f, "intermediate_size": 126}).config, 4)
+    all_moe = build_component("foundation", {**f, "intermediate_size": 126, "mlp_only_layers": []}).config
+    assert decoder_plan(all_moe, 4)["layers.1.mlp"] is MOE_UNDER_TP  # no dense MLP to split
 
 
 def test_checkpoint_with_another_expert_count_is_refused(tmp_path):

@@ -311,4 +311,8 @@ def test_train_demo_moe_ep2_like_single_process(demo_packed, tmp_path):
         assert len(rows) == len(ref) == 4
         assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(rows, ref)) < RTOL  # measured 3e-8
         assert max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(rows, ref)) < 1e-4  # 6e-6
+        # the router metrics (sequence-level balancing in qwen3_moe_tiny: layout independent)
+        assert max(abs(a["moe_aux_loss"] - b["moe_aux_loss"]) / b["moe_aux_loss"] for a, b in zip(rows, ref)) < RTOL
+        assert all(a["moe_load_max_mean"] == pytest.approx(b["moe_load_max_mean"], rel=RTOL) for a, b in zip(rows, ref))
+        assert all(a["moe_a2a_bytes"] > 0 for a in rows) and all("moe_a2a_bytes" not in b for b in ref)
         assert max_abs_diff(final_state(runs[nproc]), final_state(runs[1])) < 3e-5  # 2e-6; AdamW, see test_train_dist
