@@ -31,12 +31,14 @@ class Qwen3MoeAdapter(PerExpertTensors, DecoderAdapter):
         }
 
     def family_config_to_hf(self, cfg):
-        if not cfg.qk_norm or not cfg.num_experts:
-            raise ValueError("a qwen3_moe export needs qk_norm=true and num_experts > 0")
+        if not cfg.qk_norm or not cfg.num_experts or cfg.moe_router != "softmax" or cfg.n_shared_experts:
+            raise ValueError("a qwen3_moe export needs qk_norm=true, num_experts > 0, the softmax router and "
+                             "no shared experts")
         return {
             "attention_bias": cfg.qkv_bias, "use_sliding_window": False, "sliding_window": None,
             "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
             "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
-            "decoder_sparse_step": cfg.decoder_sparse_step, "mlp_only_layers": list(cfg.mlp_only_layers),
+            # (HF Qwen3-MoE has no first_k_dense_replace: the first dense layers are mlp_only_layers)
+            "decoder_sparse_step": cfg.decoder_sparse_step, "mlp_only_layers": sorted({*cfg.mlp_only_layers, *range(cfg.first_k_dense_replace)}),
             "output_router_logits": False, "router_aux_loss_coef": 0.001,
         }  # fmt: skip
