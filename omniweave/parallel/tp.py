@@ -75,6 +75,9 @@ def check_decoder_tp(cfg, tp: int) -> str:
     if tp > 1 and getattr(cfg, "num_experts", 0):
         raise ValueError(f"foundation tp={tp}: tensor parallelism of MoE layers (num_experts={cfg.num_experts}) "
                          "is not supported yet; use tp: 1")  # fmt: skip
+    if tp > 1 and getattr(cfg, "mla", False):
+        raise ValueError(f"foundation tp={tp}: tensor parallelism of multi-head latent attention (family "
+                         f"{cfg.family}) is not supported yet; use tp: 1")  # fmt: skip
     layout = kv_head_layout(cfg.num_heads, cfg.num_kv_heads, tp)
     _divisible("vocab_size", cfg.vocab_size, tp)
     _divisible("intermediate_size", cfg.intermediate_size, tp)
