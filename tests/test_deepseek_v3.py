@@ -233,6 +233,16 @@ def test_real_size_yaml_has_the_published_parameter_count():
     assert dec.layers[0].self_attn.head_dim == 192 and dec.layers[0].self_attn.q_scale != 1.0  # yarn mscale folded in q
 
 
+def test_vl_recipe_with_the_deepseek_backbone_refuses_hf_export(tmp_path):
+    """tiny_deepseek_v3_vl trains (test_recipes.py) but transformers has no Qwen2.5-VL with an MLA
+    backbone: export says so instead of writing a Qwen2 text config."""
+    from omniweave.config import load_recipe
+
+    model = build_model(load_recipe("tiny_deepseek_v3_vl").model)
+    with pytest.raises(ValueError, match="qwen2 export needs a foundation of family qwen2; this one is deepseek_v3"):
+        export_hf(model, {}, tmp_path / "out")
+
+
 def test_mla_and_moe_refuse_tensor_parallel():
     from omniweave.parallel.tp import check_decoder_tp
 

@@ -85,6 +85,9 @@ class DecoderAdapter:
 
     def config_to_hf(self, cfg) -> dict[str, Any]:
         """HF config.json dict of a DecoderConfig."""
+        if cfg.family != self.family:  # e.g. a Qwen2.5-VL recipe with the DeepSeek-V3 backbone swapped in
+            raise ValueError(f"a {self.model_type} export needs a foundation of family {self.family}; this one is "
+                             f"{cfg.family} (transformers has no such combination to load it)")  # fmt: skip
         out = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
