@@ -156,6 +156,26 @@ def test_mtp_layer_is_dropped_and_quantized_checkpoints_are_refused(pair):
         load_hf(tmp_path / "src")
 
 
+def test_released_config_layout_loads_and_exports_rope_type(pair):
+    """The released config.json's 4.x keys (rope_theta, rope_scaling.type = yarn, n_routed_experts, no
+    head_dim) give the same model; the export names the rope type as transformers 5 reads it."""
+    import json
+
+    hf, ours, _, tmp_path = pair
+    cfg = json.loads((tmp_path / "src/config.json").read_text())
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    cfg.pop("head_dim", None)
+    (tmp_path / "src/config.json").write_text(json.dumps(cfg))
+    legacy, model_cfg = load_hf(tmp_path / "src")
+    ids = torch.arange(30) * 7
+    torch.testing.assert_close(legacy.logits({"input_ids": ids}), ours.logits({"input_ids": ids}), rtol=0, atol=0)
+    export_hf(legacy, model_cfg, tmp_path / "out")
+    params = read_hf_config(tmp_path / "out")["rope_parameters"]
+    assert params["rope_type"] == "yarn" and "type" not in params and params["factor"] == 4.0
+
+
 _TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=4,
              family="deepseek_v3", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)  # fmt: skip
 

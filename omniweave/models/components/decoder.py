@@ -75,11 +75,8 @@ class DecoderConfig:
     extra_hf: dict = field(default_factory=dict)  # HF config keys kept for export
 
     def __post_init__(self):
-        if self.family not in ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3"):
-            raise ValueError(f"family {self.family!r}: expected qwen2, llama, qwen3, qwen3_moe or deepseek_v3")
         if self.head_dim is None:
-            mla = self.qk_nope_head_dim + self.qk_rope_head_dim
-            self.head_dim = mla if self.mla else self.hidden_size // self.num_heads
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.hidden_size // self.num_heads
         if self.mla:
             check_mla_config(self)
         if self.moe_router is None:
@@ -91,6 +88,8 @@ class DecoderConfig:
         if self.mrope_section is not None and sum(self.mrope_section) != self.rope_dim // 2:
             raise ValueError(f"mrope_section {self.mrope_section} must sum to {self.rope_dim // 2} "
                              f"(half the {'qk_rope_head_dim' if self.mla else 'head_dim'} {self.rope_dim})")  # fmt: skip
+        if self.family not in ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3"):
+            raise ValueError(f"family {self.family!r}: expected qwen2, llama, qwen3, qwen3_moe or deepseek_v3")
         if self.num_experts and (not self.num_experts_per_tok or not self.moe_intermediate_size):
             raise ValueError("num_experts > 0 needs num_experts_per_tok and moe_intermediate_size")
         if self.decoder_sparse_step < 1:
@@ -284,8 +283,8 @@ class Decoder(nn.Module):
             if isinstance(m, MoE):
                 routed = m.experts.gate_up_proj.numel() + m.experts.down_proj.numel()
                 n -= routed * (1 - m.active_fraction())
-        qk, v = (c.head_dim, c.v_head_dim) if c.mla else (c.head_dim, c.head_dim)
-        return 6 * n + 6 * c.num_layers * c.num_heads * (qk + v) * seq_len
+        v_dim = c.v_head_dim if c.mla else c.head_dim
+        return 6 * n + 6 * c.num_layers * c.num_heads * (c.head_dim + v_dim) * seq_len
 
 
 def param_count(module: nn.Module) -> int:

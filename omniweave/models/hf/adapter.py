@@ -30,7 +30,9 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict | None, list[int] | No
     merged.pop("rope_theta", None)
     mrope = merged.pop("mrope_section", None)
     merged.pop("mrope_interleaved", None)
-    kind = merged.get("rope_type", merged.get("type", "default"))
+    if "type" in merged:  # the 4.x name (DeepSeek-V3's released config: rope_scaling.type = yarn)
+        merged.setdefault("rope_type", merged.pop("type"))
+    kind = merged.get("rope_type", "default")
     scaling = None if kind == "default" else merged
     return theta, scaling, (list(mrope) if mrope else None)
 

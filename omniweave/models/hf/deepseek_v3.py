@@ -39,7 +39,7 @@ class DeepseekV3Adapter(PerExpertTensors, DecoderAdapter):
         if hf.get("moe_layer_freq", 1) != 1:
             raise NotImplementedError(f"deepseek_v3: moe_layer_freq={hf['moe_layer_freq']} (transformers, and we, assume 1)")
         self.num_layers = hf["num_hidden_layers"]
-        get = lambda key: hf.get(key, HF_DEFAULTS[key])  # noqa: E731
+        get = lambda key: hf.get(key, HF_DEFAULTS[key])
         return {
             "head_dim": None,  # HF's head_dim is the rope dim; ours is derived (qk_nope + qk_rope)
             "qkv_bias": bool(get("attention_bias")),

@@ -19,7 +19,7 @@ one 3-D tensor of ours. Three layouts:
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
