@@ -213,12 +213,17 @@ def test_mrope_positions_reach_the_rope_dims():
 
 
 def test_kv_cache_greedy_equals_recompute(pair):
-    """Generation on the packed-prompt KV cache (GroupKVCache: keys and padded values per head)."""
+    """Generation on the packed-prompt KV cache (GroupKVCache) and on the one-sequence KVCache
+    (NaiveRollout), both holding keys and padded values per head, equals recomputing the row."""
+    from omniweave.rl.rollout import NaiveRollout, Prompt, SamplingParams
     from tests.test_decoder_parity import _greedy
 
     _, ours, _, _ = pair
     prompts = [{"input_ids": torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(n))} for n in (9, 4)]
     got = _greedy(ours, prompts, 5)
+    naive = NaiveRollout(ours).generate([Prompt(i, p) for i, p in enumerate(prompts)], 1,
+                                        SamplingParams(temperature=0.0, max_new_tokens=5), seed=0)  # fmt: skip
+    assert [r.tokens for r in naive] == got
     for prompt, tokens in zip(prompts, got):
         ids = prompt["input_ids"]
         with torch.no_grad():
