@@ -18,7 +18,7 @@ REAL = {
     "qwen2_5_vl_32b": 33.45e9,
     "qwen2_5_vl_72b": 73.41e9,
 }
-TINY = ["tiny_qwen2_vl", "tiny_qwen2_5_vl"]
+TINY = ["tiny_qwen2_vl", "tiny_qwen2_5_vl", "tiny_deepseek_v3_vl"]
 
 
 def _params(model) -> int:

@@ -73,6 +73,9 @@ def _divisible(what: str, n: int, tp: int) -> None:
 
 def check_decoder_tp(cfg, tp: int) -> str:
     """Validate a DecoderConfig for tp ranks; returns the KV head layout."""
+    if tp > 1 and getattr(cfg, "mla", False):
+        raise ValueError(f"foundation tp={tp}: tensor parallelism of multi-head latent attention (family "
+                         f"{cfg.family}) is not supported yet; use tp: 1")  # fmt: skip
     layout = kv_head_layout(cfg.num_heads, cfg.num_kv_heads, tp)
     _divisible("vocab_size", cfg.vocab_size, tp)
     if len(_moe_layers(cfg)) < cfg.num_layers:  # some dense MLPs to shard

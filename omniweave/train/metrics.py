@@ -50,11 +50,20 @@ def device_peak_flops(device: torch.device, precision: str = "fp32") -> float:
 
 
 def model_flop_counts(model: nn.Module) -> tuple[int, int, int]:
-    """(non-embedding parameters, decoder layers, hidden size) for the FLOP estimate."""
+    """(non-embedding parameters a token uses, decoder layers, attention width) for the FLOP
+    estimate: routed MoE experts count k of E (DeepSeek-V3: 37B of 671B), the width is
+    heads · (qk + v head dims) / 2 (= hidden for most decoders; MLA's qk 192 and v 128 differ)."""
+    from omniweave.models.components.moe import MoE
+
     f = model.foundation
     emb = f.embed_tokens.weight.numel() if hasattr(f, "embed_tokens") else 0
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) - emb
-    return n, len(f.layers), int(f.config.hidden_size)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            n -= int((m.experts.gate_up_proj.numel() + m.experts.down_proj.numel()) * (1 - m.active_fraction()))
+    c = f.config
+    v_dim = c.v_head_dim if c.mla else c.head_dim
+    return n, len(f.layers), c.num_heads * (c.head_dim + v_dim) // 2
 
 
 def step_flops(counts: tuple[int, int, int], tokens: int, sum_len2: int) -> float:

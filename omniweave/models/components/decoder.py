@@ -1,5 +1,6 @@
 """The foundation decoder: Qwen2 / Qwen2.5 (qkv bias, M-RoPE), Llama-3 (llama3 rope scaling),
-Qwen3 (QK-norm, free head_dim), Qwen3-MoE (Qwen3 with Mixture-of-Experts MLPs, components/moe.py).
+Qwen3 (QK-norm, free head_dim), Qwen3-MoE (Qwen3 with Mixture-of-Experts MLPs, components/moe.py),
+DeepSeek-V3 (multi-head latent attention, components/mla.py; sigmoid-routed MoE with shared experts).
 One class, the differences are config fields.
 
 It works on one packed row: ``[L, D]`` activations, documents delimited by ``cu_seqlens``,
@@ -15,8 +16,9 @@ import torch
 from torch import nn
 
 from omniweave.models.components.attention import attn
+from omniweave.models.components.mla import MLAttention, check_mla_config
 from omniweave.models.components.mlp import SwiGLU
-from omniweave.models.components.moe import MoE, MoEConfig
+from omniweave.models.components.moe import ROUTERS, MoE, MoEConfig
 from omniweave.models.components.norm import RMSNorm
 from omniweave.models.components.rope import apply_rope, rope_cos_sin
 from omniweave.models.registry import register
@@ -31,7 +33,7 @@ class DecoderConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int | None = None  # default hidden_size // num_heads (Qwen3 sets it)
-    family: str = "qwen2"  # qwen2 | llama | qwen3 | qwen3_moe: which HF family exports it
+    family: str = "qwen2"  # qwen2 | llama | qwen3 | qwen3_moe | deepseek_v3: which HF family exports it
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": ..., ...}
     mrope_section: list[int] | None = None  # M-RoPE bands over (t, h, w); sums to head_dim/2
@@ -44,6 +46,14 @@ class DecoderConfig:
     attn_backend: str = "auto"  # auto | varlen | flash | sdpa | math (components/attention.py)
     initializer_range: float = 0.02
     hidden_act: str = "silu"
+    # Multi-head latent attention (family deepseek_v3, components/mla.py; HF's field names):
+    # head_dim is then qk_nope_head_dim + qk_rope_head_dim and RoPE covers the qk_rope_head_dim dims
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True  # the rope dims hold interleaved pairs (DeepSeek's released weights)
     # Mixture of Experts (HF Qwen3-MoE's fields and rule): layer i's MLP is a MoE block when
     # num_experts > 0, i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; other
     # layers keep the dense SwiGLU of intermediate_size. num_experts = 0: a dense model.
@@ -54,6 +64,14 @@ class DecoderConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     moe_backend: str = "auto"  # auto | grouped_mm | loop (components/moe.py)
+    # DeepSeek-V3 MoE (components/moe.py): layers before first_k_dense_replace are dense too; the
+    # router (default: sigmoid for deepseek_v3, else softmax), its groups and shared experts
+    first_k_dense_replace: int = 0
+    moe_router: str | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
     # router training signals (components/router_loss.py, docs/moe.md); 0 turns each off
     router_aux_loss_coef: float = 0.0  # load-balancing loss (HF Qwen3-MoE's name; its checkpoints say 0.001)
     aux_loss_level: str = "global"  # global (data-parallel micro-step) | sequence (per document)
@@ -63,17 +81,34 @@ class DecoderConfig:
 
     def __post_init__(self):
         if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_heads
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.hidden_size // self.num_heads
+        if self.mla:
+            check_mla_config(self)
+        if self.moe_router is None:
+            self.moe_router = "sigmoid" if self.family == "deepseek_v3" else "softmax"
+        if self.moe_router not in ROUTERS:
+            raise ValueError(f"moe_router {self.moe_router!r}: choose from {', '.join(ROUTERS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.mrope_section is not None and sum(self.mrope_section) != self.head_dim // 2:
-            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
-        if self.family not in ("qwen2", "llama", "qwen3", "qwen3_moe"):
-            raise ValueError(f"family {self.family!r}: expected qwen2, llama, qwen3 or qwen3_moe")
+        if self.mrope_section is not None and sum(self.mrope_section) != self.rope_dim // 2:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to {self.rope_dim // 2} "
+                             f"(half the {'qk_rope_head_dim' if self.mla else 'head_dim'} {self.rope_dim})")  # fmt: skip
+        if self.family not in ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3"):
+            raise ValueError(f"family {self.family!r}: expected qwen2, llama, qwen3, qwen3_moe or deepseek_v3")
         if self.num_experts and (not self.num_experts_per_tok or not self.moe_intermediate_size):
             raise ValueError("num_experts > 0 needs num_experts_per_tok and moe_intermediate_size")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3) instead of GQA."""
+        return self.family == "deepseek_v3"
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a q / k head that RoPE rotates."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in moe_layer_indices(vars(self))
@@ -81,19 +116,23 @@ class DecoderConfig:
 
 def moe_layer_indices(cfg) -> list[int]:
     """The layers whose MLP is a MoE block, from a decoder config (dataclass fields or its YAML
-    mapping): HF Qwen3-MoE's rule, see DecoderConfig."""
+    mapping): HF's rule (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``, DeepSeek-V3's
+    ``first_k_dense_replace``), see DecoderConfig."""
     get = cfg.get
     if not int(get("num_experts", 0) or 0):
         return []
     skip, step = set(get("mlp_only_layers", None) or []), int(get("decoder_sparse_step", 1) or 1)
-    return [i for i in range(int(get("num_layers", 0) or 0)) if i not in skip and (i + 1) % step == 0]
+    first = int(get("first_k_dense_replace", 0) or 0)
+    return [i for i in range(first, int(get("num_layers", 0) or 0)) if i not in skip and (i + 1) % step == 0]
 
 
 def layer_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
     """Layer ``layer``'s feed-forward block: a MoE block or the dense SwiGLU (see DecoderConfig)."""
     if cfg.is_moe_layer(layer):
         return MoE(MoEConfig(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                             router="softmax", norm_topk_prob=cfg.norm_topk_prob, hidden_act=cfg.hidden_act,
+                             router=cfg.moe_router, norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group,
+                             topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
+                             n_shared_experts=cfg.n_shared_experts, hidden_act=cfg.hidden_act,
                              backend=cfg.moe_backend, aux_loss_coef=cfg.router_aux_loss_coef,
                              aux_loss_level=cfg.aux_loss_level, z_loss_coef=cfg.router_z_loss_coef,
                              bias_update_speed=cfg.bias_update_speed))  # fmt: skip
@@ -177,7 +216,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = MLAttention(cfg, layer) if cfg.mla else Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = layer_mlp(cfg, layer)
         self.routed = isinstance(self.mlp, MoE)
@@ -223,7 +262,7 @@ class Decoder(nn.Module):
 
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        return rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.mrope_section, c.rope_scaling)
+        return rope_cos_sin(position_ids, c.rope_dim, c.rope_theta, c.mrope_section, c.rope_scaling)
 
     def forward(
         self,
@@ -253,19 +292,6 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def num_flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs/token (6·N + attention), as in the PaLM / torchtitan MFU estimate; N counts
-        the routed experts' parameters a token uses (k of E), not all of them."""
-        c = self.config
-        n = sum(p.numel() for n_, p in self.named_parameters() if "embed_tokens" not in n_)
-        if c.tie_word_embeddings:
-            n += self.lm_head.weight.numel()
-        for m in self.modules():
-            if isinstance(m, MoE):
-                routed = m.experts.gate_up_proj.numel() + m.experts.down_proj.numel()
-                n -= routed * (1 - m.active_fraction())
-        return 6 * n + 12 * c.num_layers * c.num_heads * c.head_dim * seq_len
 
 
 def param_count(module: nn.Module) -> int:
