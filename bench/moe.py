@@ -3,8 +3,8 @@
 Three measurements, each against its baseline in the same run:
 
 (a) **one MoE layer**, forward + backward (``--experts`` 64, top-``--topk`` 8, renormalised
-    softmax router, ``--tokens`` tokens, each ``--hidden`` size with ``--moe-intermediate`` =
-    hidden / 2), with the same weights and input in three implementations:
+    softmax router, ``--tokens`` tokens, each ``--hidden`` size with experts of width hidden / 2),
+    with the same weights and input in three implementations:
 
     - ``grouped_mm``: ``MoEConfig.backend="grouped_mm"``, rows sorted by expert, one
       ``torch._grouped_mm`` per projection (what omniweave runs where it can);
@@ -22,12 +22,14 @@ Three measurements, each against its baseline in the same run:
 
 (c) **demo_moe vs demo**: ``omniweave train`` of ``configs/recipes/demo_moe.yaml`` and
     ``demo.yaml`` (equal active parameters: top-2 of 8 experts of width 64 vs a dense MLP of 128)
-    on the same packed demo data, round-robin ``--repeats`` times, ``--steps`` steps each; median of
-    the per-step ``tokens_per_s`` from ``metrics.jsonl`` after ``--warmup`` steps.
+    on the same packed demo data (the same batches), each run a fresh process, round-robin
+    ``--repeats`` times: the median over the steps after ``--warmup`` of the step's tokens per
+    CPU second of the training process (the recipes train on one thread) and, for reference, of
+    ``metrics.jsonl``'s ``tokens_per_s`` (wall clock, which other jobs on a shared box move).
 
 Layer timings use ``--threads`` intra-op threads and ``--clock`` (cpu: the process's CPU seconds,
 which other jobs on a shared box barely move; wall: elapsed time); medians over ``--repeats``
-after one warm-up step. The demo runs use the recipe's one thread and the trainer's wall clock.
+after one warm-up step.
 
     python bench/moe.py [--tokens 4096] [--hidden 256 512] [--experts 64] [--topk 8] [--ep 1 2 4]
                         [--steps 30] [--warmup 5] [--repeats 3] [--threads 1] [--clock cpu]
@@ -168,12 +170,16 @@ def ep_rows(args) -> list[dict]:
 # ---------------------------------------------------------------------------- (c) demo_moe vs demo
 
 
-def om(*argv: str) -> None:
+def om(*argv: str, child: list[str] | None = None) -> str:
+    """``python -m omniweave ARGV`` (or this script with ``child`` arguments) quietly, one thread;
+    its output is shown if it fails; returns its stdout."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "omniweave", *argv], env=env, capture_output=True, text=True)
+    cmd = [sys.executable, __file__, *child] if child else [sys.executable, "-m", "omniweave", *argv]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if res.returncode:
         print(res.stdout[-3000:], res.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(f"omniweave {' '.join(argv[:2])} failed (exit {res.returncode})")
+        raise SystemExit(f"{' '.join(cmd[1:4])} failed (exit {res.returncode})")
+    return res.stdout
 
 
 def demo_packs(args, work: Path) -> Path:
@@ -193,32 +199,53 @@ def param_counts(recipe: str) -> dict:
 
     model = build_model(load_recipe(recipe).model)
     total = sum(p.numel() for p in model.parameters())
-    inactive = sum(m.experts.gate_up_proj.numel() + m.experts.down_proj.numel()
-                   for m in model.modules() if isinstance(m, MoE)) * 1.0  # fmt: skip
-    inactive *= next((1 - m.active_fraction() for m in model.modules() if isinstance(m, MoE)), 0.0)
-    return {"total": total, "active": int(total - inactive)}
+    unused = sum((m.experts.gate_up_proj.numel() + m.experts.down_proj.numel()) * (1 - m.active_fraction())
+                 for m in model.modules() if isinstance(m, MoE))  # fmt: skip
+    return {"total": total, "active": round(total - unused)}
+
+
+def train_child(recipe: str, packed: str, run: str, steps: int) -> list[float]:
+    """In a fresh process: ``omniweave.train`` of ``recipe``; the process CPU seconds of each step
+    but the last, from one step's first micro-batch to the next's (``train``'s per-micro-batch
+    ``fault_hook``, here a probe that returns the output unchanged)."""
+    from omniweave.config import load_recipe
+    from omniweave.train.trainer import train
+
+    marks: dict[int, float] = {}
+
+    def probe(step, out):
+        marks.setdefault(step, time.process_time())
+        return out
+
+    cfg = load_recipe(recipe, [f"data.path={packed}", f"output_dir={run}", f"train.steps={steps}",
+                               "train.log_interval=1", "train.save_interval=0", "train.eval_interval=0"])  # fmt: skip
+    train(cfg, fault_hook=probe)
+    t = [marks[k] for k in sorted(marks)]
+    return [b - a for a, b in zip(t, t[1:])]
 
 
 def demo_rows(args, work: Path) -> list[dict]:
     packed = demo_packs(args, work)
-    recipes = ("demo", "demo_moe")
-    per_step: dict[str, list[float]] = {r: [] for r in recipes}
-    per_repeat: dict[str, list[float]] = {r: [] for r in recipes}
+    recipes, total = ("demo", "demo_moe"), args.warmup + args.steps + 1  # the last step is not timed
+    cpu_tps: dict[str, list[float]] = {r: [] for r in recipes}
+    wall_tps: dict[str, list[float]] = {r: [] for r in recipes}
     for rep in range(args.repeats):  # round-robin: slow phases of the shared box hit both recipes
         for recipe in recipes:
             run = work / f"run-{recipe}-{rep}"
-            om("train", recipe, f"data.path={packed}", f"output_dir={run}", f"train.steps={args.steps}",
-               "train.log_interval=1", "train.save_interval=0", "train.eval_interval=0")
+            out = om(child=["--train-child", recipe, str(packed), str(run), str(total)])
+            cpu = json.loads(out.strip().splitlines()[-1])  # steps 1 .. total - 1
             metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-            tps = [m["tokens_per_s"] for m in metrics if m["step"] > args.warmup]
-            per_step[recipe] += tps
-            per_repeat[recipe].append(statistics.median(tps))
-            print(f"  repeat {rep + 1}/{args.repeats} {recipe}: median {per_repeat[recipe][-1]:.0f} tokens/s "
-                  f"over steps {args.warmup + 1}..{args.steps}", flush=True)
-    rows = [{"recipe": r, **param_counts(r), "tokens_per_s": statistics.median(per_step[r]),
-             "per_repeat": per_repeat[r]} for r in recipes]  # fmt: skip
+            timed = [m for m in metrics if args.warmup < m["step"] < total]
+            cpu_tps[recipe].append(statistics.median(m["tokens"] / cpu[m["step"] - 1] for m in timed))
+            wall_tps[recipe].append(statistics.median(m["tokens_per_s"] for m in timed))
+            print(f"  repeat {rep + 1}/{args.repeats} {recipe}: median {cpu_tps[recipe][-1]:.0f} tokens per CPU "
+                  f"second, {wall_tps[recipe][-1]:.0f} tokens/s by the wall clock over {len(timed)} steps", flush=True)
+    rows = [{"recipe": r, **param_counts(r), "cpu_tokens_per_s": statistics.median(cpu_tps[r]),
+             "wall_tokens_per_s": statistics.median(wall_tps[r]), "cpu_per_repeat": cpu_tps[r],
+             "wall_per_repeat": wall_tps[r]} for r in recipes]  # fmt: skip
     for r in rows:
-        r["x_demo"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+        r["x_demo_cpu"] = r["cpu_tokens_per_s"] / rows[0]["cpu_tokens_per_s"]
+        r["x_demo_wall"] = r["wall_tokens_per_s"] / rows[0]["wall_tokens_per_s"]
     return rows
 
 
@@ -235,11 +262,14 @@ def tables(args, layer: list[dict], ep: list[dict], demo: list[dict]) -> str:
     out += ["", f"(b) expert parallelism, hidden {args.hidden[0]}, gloo ranks, {args.tokens} tokens per rank", "",
             "| EP | experts per rank | expert MB per rank | x EP=1 | step s (slowest rank) |", "|---:|---:|---:|---:|---:|"]
     out += [f"| {r['ep']} | {r['local_experts']} | {r['local_mb']:.2f} | {r['x_ep1']:.3f} | {r['step_s']:.3f} |" for r in ep]
-    out += ["", f"(c) training on the packed demo data, {args.steps} steps, median tokens/s after step {args.warmup}, "
-            f"{args.repeats} repeat(s) round-robin", "",
-            "| recipe | parameters | active per token | tokens/s | x demo | per repeat |", "|---|---:|---:|---:|---:|---|"]
-    out += [f"| {r['recipe']} | {r['total'] / 1e6:.3f}M | {r['active'] / 1e6:.3f}M | {r['tokens_per_s']:.0f} | "
-            f"{r['x_demo']:.2f}x | {', '.join(f'{t:.0f}' for t in r['per_repeat'])} |" for r in demo]  # fmt: skip
+    out += ["", f"(c) training on the packed demo data (one thread), steps {args.warmup + 1}..{args.warmup + args.steps}, "
+            f"median of {args.repeats} repeat(s) round-robin", "",
+            "| recipe | parameters | active per token | tokens per CPU s | x demo | tokens/s wall (median) | x demo | "
+            "per repeat (CPU; wall) |", "|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    out += [f"| {r['recipe']} | {r['total'] / 1e6:.3f}M | {r['active'] / 1e6:.3f}M | {r['cpu_tokens_per_s']:.0f} | "
+            f"{r['x_demo_cpu']:.2f}x | {r['wall_tokens_per_s']:.0f} | {r['x_demo_wall']:.2f}x | "
+            f"{', '.join(f'{t:.0f}' for t in r['cpu_per_repeat'])}; {', '.join(f'{t:.0f}' for t in r['wall_per_repeat'])} |"
+            for r in demo]  # fmt: skip
     return "\n".join(out)
 
 
@@ -262,8 +292,12 @@ def plot(layer: list[dict], ep: list[dict], demo: list[dict], path: Path) -> Non
     ax[1].plot(eps, [ep[0]["local_mb"] * ep[0]["ep"] / e for e in eps], "k--", label="1/EP")
     ax[1].set(xlabel="EP", ylabel="expert weights per rank (MB)", xticks=eps, title="expert memory per rank")
     ax[1].legend()
-    ax[2].bar([r["recipe"] for r in demo], [r["tokens_per_s"] for r in demo], color=["tab:gray", "tab:blue"])
-    ax[2].set(ylabel="tokens/s (median)", title="demo vs demo_moe (equal active params)")
+    names = [r["recipe"] for r in demo]
+    ax[2].bar([i - 0.2 for i in range(len(demo))], [r["cpu_tokens_per_s"] for r in demo], 0.4, label="per CPU second")
+    ax[2].bar([i + 0.2 for i in range(len(demo))], [r["wall_tokens_per_s"] for r in demo], 0.4, label="per wall second")
+    ax[2].set(xticks=range(len(demo)), xticklabels=names, ylabel="training tokens/s",
+              title="demo vs demo_moe (equal active params)")
+    ax[2].legend()
     for a in ax:
         a.grid(alpha=0.3)
     fig.tight_layout()
@@ -278,8 +312,8 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4], help="expert-parallel sizes (gloo ranks)")
-    p.add_argument("--steps", type=int, default=30, help="training steps of each demo recipe")
-    p.add_argument("--warmup", type=int, default=5, help="first training steps left out of the medians")
+    p.add_argument("--steps", type=int, default=30, help="timed training steps of each demo recipe (after --warmup)")
+    p.add_argument("--warmup", type=int, default=5, help="training steps before the timed ones")
     p.add_argument("--demo-samples", type=int, default=400, help="demo samples generated and packed (without --packed)")
     p.add_argument("--packed", help="reuse a packed demo dataset (e.g. runs/demo/packed) instead of building one")
     p.add_argument("--repeats", type=int, default=3)
@@ -289,7 +323,12 @@ def main() -> int:
     p.add_argument("--work", help="scratch folder (default /tmp/omniweave-bench-moe)")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
     p.add_argument("--quick", action="store_true", help=QUICK_HELP + ": 256 tokens, hidden 64, 16 experts, 3 steps")
+    p.add_argument("--train-child", nargs=4, metavar=("RECIPE", "PACKED", "RUN", "STEPS"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.train_child:
+        recipe, packed, run, steps = args.train_child
+        print(json.dumps(train_child(recipe, packed, run, int(steps))))
+        return 0
     if args.quick:
         args.tokens, args.hidden, args.experts, args.topk, args.ep = 256, [64], 16, 4, [1, 2]
         args.steps, args.warmup, args.demo_samples, args.repeats, args.packed = 3, 1, 40, 1, None
