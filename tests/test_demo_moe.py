@@ -3,8 +3,10 @@ decoder of the same active size, training on the demo's packs (``make demo-moe``
 
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
 import torch
 
 from omniweave.config import load_recipe, to_dict
@@ -60,3 +62,19 @@ def test_demo_moe_trains_on_the_demo_packs(demo_packed, tmp_path):
     state = final_state(run)
     assert state["foundation.layers.1.mlp.experts.gate_up_proj"].shape == (8, 128, 64)
     assert not any(k.startswith("foundation.") and k.endswith("mlp.up_proj.weight") for k in state)
+
+
+@pytest.mark.slow
+def test_demo_command_with_recipe_demo_moe_trains_and_evaluates_the_moe_model(tmp_path):
+    """``make demo-moe`` = ``omniweave demo --recipe demo_moe``: the demo pipeline on the MoE recipe."""
+    from omniweave.cli import main
+    from omniweave.demo import load_trained_model
+
+    out = tmp_path / "demo_moe"
+    assert main(["demo", "--recipe", "demo_moe", "--out", str(out), "--samples", "60", "--eval-samples", "8",
+                 "--steps", "2", "--workers", "1", "--no-control", "train.save_interval=0"]) == 0
+    report = json.loads((out / "demo_report.json").read_text())
+    assert report["run_dir"] == str(out / "run") and report["steps"] == 2 and report["eval_samples"] == 8
+    assert 0.0 <= report["accuracy"] <= 1.0 and report["control_accuracy"] is None
+    model = load_trained_model(out / "run", load_recipe("demo_moe"))
+    assert all(type(layer.mlp).__name__ == "MoE" for layer in model.foundation.layers)
