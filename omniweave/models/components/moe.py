@@ -110,12 +110,8 @@ def expert_matmul(xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, group
     if grouped:
         offs = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
-    outs = []
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            outs.append(F.linear(xs[start : start + n], w[e]))
-        start += n
+    # split, not slices: a slice's backward writes a zero gradient the size of all rows, per expert
+    outs = [F.linear(rows, w[e]) for e, rows in enumerate(xs.split(counts.tolist())) if rows.shape[0]]
     if not outs:
         return xs.new_zeros(0, w.shape[1])
     return torch.cat(outs)
