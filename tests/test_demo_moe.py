@@ -11,7 +11,7 @@ import torch
 
 from omniweave.config import load_recipe, to_dict
 from omniweave.models.registry import build_model
-from tests.train_factory import final_state, losses, train_in_process
+from tests.train_factory import final_state, losses, read_metrics, train_in_process
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -62,6 +62,25 @@ def test_demo_moe_trains_on_the_demo_packs(demo_packed, tmp_path):
     state = final_state(run)
     assert state["foundation.layers.1.mlp.experts.gate_up_proj"].shape == (8, 128, 64)
     assert not any(k.startswith("foundation.") and k.endswith("mlp.up_proj.weight") for k in state)
+    rows = read_metrics(run)  # the router's metrics every step (docs/moe.md)
+    assert all(1.0 < r["moe_aux_loss"] < 8.0 and r["moe_load_max_mean"] >= 1.0 for r in rows)  # k=2: 2 balanced
+    assert all("moe_z_loss" not in r and "moe_a2a_bytes" not in r for r in rows)  # z-loss off, one process
+
+
+def test_deepseek_v3_backbone_trains_on_the_demo_packs_with_the_bias_update(demo_packed, tmp_path):
+    """The demo with its foundation swapped for DeepSeek-V3 (MLA, sigmoid group router, shared
+    expert): after 3 steps the aux-loss-free selection bias moved by 0.001 per step per expert
+    (each step: +0.001 below the mean load, -0.001 above, unchanged at it)."""
+    run = tmp_path / "run"
+    result = train_in_process(demo_packed, run, steps=3, **{"foundation@model__foundation": "deepseek_v3_tiny"})
+    assert result["steps"] == 3 and all(math.isfinite(x) for x in losses(run))
+    state = final_state(run)
+    for layer in (1, 2):  # layer 0 is dense (first_k_dense_replace)
+        bias = state[f"foundation.layers.{layer}.mlp.gate.e_score_correction_bias"]
+        steps = bias / 1e-3
+        assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 3 and steps.abs().sum() > 0
+        assert abs(float(bias.sum())) < float(bias.abs().sum())  # some experts up, some down
+    assert all(r["moe_aux_loss"] > 0 for r in read_metrics(run))
 
 
 @pytest.mark.slow
