@@ -80,7 +80,7 @@ def dense_all_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     _, weights, idx = moe.gate(x)
     full = torch.zeros(x.shape[0], moe.cfg.num_experts, dtype=weights.dtype).scatter(1, idx, weights)  # [T, E]
     gate, up = torch.einsum("td,efd->etf", x, moe.experts.gate_up_proj).chunk(2, dim=-1)
-    y = torch.einsum("eti,edi->etd", moe.act(gate) * up, moe.experts.down_proj)  # [E, T, D]
+    y = torch.einsum("eti,edi->etd", moe.experts.act(gate) * up, moe.experts.down_proj)  # [E, T, D]
     return torch.einsum("te,etd->td", full, y.float()).to(x.dtype)
 
 

@@ -189,3 +189,20 @@ def test_flop_counts_use_active_parameters():
     # one MoE layer (8 experts of 32, top-2) does the MLP work of a dense width-64 layer plus the router
     dense = {**f, "num_experts": 0, "intermediate_size": 64, "mlp_only_layers": []}
     assert decoder_params(f) - decoder_params(dense) == 8 * 64 + 3 * 64 * (128 - 64)  # router; layer 1's dense 128
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_tiny", "deepseek_v3", "qwen3_moe_demo", "qwen2_5_tiny", "llama3_8b"])
+def test_cost_model_counts_what_mfu_counts(name):
+    """The DP cost model's parameter formula (no weights) equals the model counted on the meta
+    device by the MFU estimate: MLA attention, MoE layers with shared experts, dense models
+    (DeepSeek-V3: 36.6B of 671B per token, the published '37B activated')."""
+    from omniweave.models.registry import build_component
+    from omniweave.parallel.cost_model import decoder_params
+    from omniweave.train.metrics import foundation_flop_counts
+
+    f = yaml.safe_load((REPO / f"configs/models/foundation/{name}.yaml").read_text())
+    with torch.device("meta"):
+        counts = foundation_flop_counts(build_component("foundation", f))
+    assert decoder_params(f) == counts[0]
+    if name == "deepseek_v3":
+        assert round(counts[0] / 1e9, 1) == 36.6
