@@ -1,5 +1,5 @@
 """Predicted compute cost of a pack: a linear model over five metadata features, FLOP-derived
-then refitted to measured step times. Pure numpy (no scipy, no torch): the decoder is counted
+then refitted to measured step times. Pure numpy (no scipy); the decoder is counted
 from its config (dense, MoE with k of E experts active, DeepSeek-V3 MLA), equal to what the MFU
 estimate counts on the built model (tests/test_qwen3_moe.py).
 
