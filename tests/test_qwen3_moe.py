@@ -206,3 +206,16 @@ def test_cost_model_counts_what_mfu_counts(name):
     assert decoder_params(f) == counts[0]
     if name == "deepseek_v3":
         assert round(counts[0] / 1e9, 1) == 36.6
+
+
+def test_qwen3_30b_a3b_yaml_has_the_published_sizes():
+    """30,532,122,624 parameters (the HF checkpoint's safetensors total); 3.3B active per token
+    (3.04B through the layers and LM head, plus the 0.31B embedding row lookup)."""
+    from omniweave.train.metrics import foundation_flop_counts
+
+    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_30b_a3b.yaml").read_text())
+    with torch.device("meta"):
+        dec = build_component("foundation", f)
+    assert sum(p.numel() for p in dec.parameters()) == 30_532_122_624
+    active = foundation_flop_counts(dec)[0] + dec.embed_tokens.weight.numel()
+    assert 3.3e9 <= active < 3.4e9 and all(layer.routed for layer in dec.layers)  # 3.353B
