@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install demo demo-rl test bench clean
+.PHONY: install demo demo-moe demo-rl test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/omniweave demo --out runs/demo
+
+# the demo with a Mixture-of-Experts decoder of the same active size (configs/recipes/demo_moe.yaml)
+demo-moe: install
+	$(VENV)/bin/omniweave demo --recipe demo_moe --out runs/demo_moe
 
 demo-rl: install
 	$(VENV)/bin/omniweave demo --rl --out runs/demo_rl

@@ -1,4 +1,4 @@
-"""``omniweave demo [--out DIR]``: the whole pipeline on the built-in synthetic dataset.
+"""``omniweave demo [--recipe demo] [--out DIR]``: the whole pipeline on the built-in synthetic dataset.
 
     generate (DIR/data) -> convert (DIR/raw) -> pack (DIR/packed) -> train (DIR/run)
     -> greedy eval on the held-out split -> the same recipe with every image/video blanked
@@ -7,7 +7,8 @@
 The demo dataset's questions can only be answered by looking at the media, so the gap between
 ``accuracy`` (model trained and evaluated with real media) and ``control_accuracy`` (same recipe,
 media replaced by flat grey files of the same size and length) measures what the model learned to
-see. Recipe: ``configs/recipes/demo.yaml`` (a tiny Qwen2.5-VL-shaped model).
+see. Recipe: ``configs/recipes/demo.yaml`` (a tiny Qwen2.5-VL-shaped model); ``--recipe demo_moe``
+(``make demo-moe``) runs it with the Mixture-of-Experts decoder of ``configs/recipes/demo_moe.yaml``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ RECIPE = "demo"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=None, help="output folder (default: runs/demo, with --rl runs/demo_rl)")
+    p.add_argument("--recipe", default=RECIPE, help="a recipe that trains on the demo's packs, e.g. demo_moe (default: demo)")
+    p.add_argument("--out", default=None, help="output folder (default: runs/<recipe>, with --rl runs/demo_rl)")
     p.add_argument("--rl", action="store_true", help="the GRPO demo instead (omniweave/demo_rl.py)")
     p.add_argument("--samples", type=int, default=None, help="training samples to generate (default: the recipe's demo.samples)")
     p.add_argument("--eval-samples", type=int, default=None, help="held-out eval samples (default: the recipe's demo.eval_samples)")
@@ -176,10 +178,10 @@ def run(args: argparse.Namespace) -> int:
 
         args.out = args.out or "runs/demo_rl"
         return demo_rl.run(args)
-    args.out = args.out or "runs/demo"
+    recipe = recipe_path(args.recipe)
+    args.out = args.out or f"runs/{recipe.stem}"
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    recipe = recipe_path(RECIPE)
     overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
     cfg = load_recipe(recipe, overrides)
     samples = args.samples or int(cfg.demo.samples)

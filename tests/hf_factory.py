@@ -2,6 +2,8 @@
 
 import torch
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -23,18 +25,35 @@ QWEN3_MOE = dict(vocab_size=1024, hidden_size=40, intermediate_size=56, moe_inte
                  num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=7, num_experts_per_tok=3,
                  norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=4096)  # fmt: skip
 
+# DeepSeek-V3: MLA (q_lora_rank 24, kv_lora_rank 20, qk dims 12 + 8 = 20 != v 16), 5 heads; yarn rope
+# with mscale_all_dim (softmax scale and cos/sin scaled); 8 experts in 4 groups of which 2 are
+# eligible, top-3, 2 shared experts; layer 0 dense (first_k_dense_replace 1).
+DEEPSEEK_V3 = dict(vocab_size=1024, hidden_size=48, intermediate_size=72, moe_intermediate_size=24, num_hidden_layers=3,
+                   num_attention_heads=5, num_key_value_heads=5, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12,
+                   qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                   n_shared_experts=2, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+                   max_position_embeddings=64, rms_norm_eps=1e-5,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.9,
+                                    "mscale_all_dim": 0.8, "original_max_position_embeddings": 16, "beta_fast": 32,
+                                    "beta_slow": 1})  # fmt: skip
+
 FAMILIES = {
     "qwen2": lambda tied: Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),  # noqa: E501
     "llama": lambda tied: LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tied, rope_parameters=LLAMA3_ROPE)),
     "qwen3": lambda tied: Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=tied)),
     "qwen3_moe": lambda tied: Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE, tie_word_embeddings=tied)),
+    "deepseek_v3": lambda tied, **kw: DeepseekV3ForCausalLM(DeepseekV3Config(**{**DEEPSEEK_V3, **kw}, tie_word_embeddings=tied)),
 }
 
 
-def tiny_hf_model(family: str, tied: bool = False, seed: int = 0):
+def tiny_hf_model(family: str, tied: bool = False, seed: int = 0, **config):
+    """``config``: overrides of the family's config keys (deepseek_v3)."""
     torch.manual_seed(seed)
-    model = FAMILIES[family](tied).float().eval()
+    model = FAMILIES[family](tied, **config).float().eval()
     with torch.no_grad():  # random (non-unit) norm weights and biases so every tensor matters
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # selection-only bias: must change the routing
+                b.copy_(0.3 * torch.randn_like(b))
         for n, p in model.named_parameters():
             if n.endswith("mlp.gate.weight"):  # decisive routing: no near-ties in the top-k between implementations
                 p.normal_(std=0.5)
@@ -43,8 +62,8 @@ def tiny_hf_model(family: str, tied: bool = False, seed: int = 0):
     return model
 
 
-def save_tiny(family: str, path, tied: bool = False, seed: int = 0, max_shard_size=None):
-    model = tiny_hf_model(family, tied, seed)
+def save_tiny(family: str, path, tied: bool = False, seed: int = 0, max_shard_size=None, **config):
+    model = tiny_hf_model(family, tied, seed, **config)
     kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kw)
     return model

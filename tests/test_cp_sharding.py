@@ -175,7 +175,17 @@ def test_cp_one_gives_back_the_row():
     for key in ("input_ids", "labels", "position_ids", "cu_seqlens", "num_loss_tokens"):
         assert torch.equal(torch.as_tensor(out[key]), torch.as_tensor(row[key])), key
     assert out["pixel_values"] is row["pixel_values"] and out["grid_thw"] is row["grid_thw"]
-    assert "media_spans" not in out and set(out) == set(row) - {"media_spans"} | {"feature_rows"}
+    assert "media_spans" not in out and set(out) == set(row) - {"media_spans"} | {"feature_rows", "token_valid"}
+    assert bool(out["token_valid"].all())  # no pads at cp=1
+
+
+def test_pads_are_marked_invalid_for_the_router_statistics():
+    row = _row([5, 1, 3])
+    plan = plan_cp_shard(row["cu_seqlens"], 2)
+    for r in range(2):
+        out = shard_batch(row, plan, r)
+        assert torch.equal(out["token_valid"], plan.local_index(r) >= 0)
+    assert sum(int(shard_batch(row, plan, r)["token_valid"].sum()) for r in range(2)) == 9
 
 
 def test_shard_rows_is_differentiable_along_any_dim():

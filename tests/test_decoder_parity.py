@@ -8,7 +8,8 @@ from omniweave.models.components.loss import chunked_ce_sum
 from omniweave.models.hf.loading import load_hf
 from tests.hf_factory import save_tiny
 
-FAMILIES = [("qwen2", False), ("qwen2", True), ("llama", False), ("qwen3", False), ("qwen3", True), ("qwen3_moe", False)]
+FAMILIES = [("qwen2", False), ("qwen2", True), ("llama", False), ("qwen3", False), ("qwen3", True), ("qwen3_moe", False),
+            ("deepseek_v3", False)]
 
 
 def _pair(tmp_path, family, tied):

@@ -1,4 +1,4 @@
-"""``parallel.ep`` validation (ParallelDims.from_config) and the MoE ``experts_fn`` seam, one process.
+"""``parallel.ep`` validation (ParallelDims.from_config) and the MoE ``Experts.dispatch`` seam, one process.
 The multi-rank equality checks are in tests/dist/test_ep.py."""
 
 from __future__ import annotations
@@ -34,9 +34,12 @@ def test_ep_must_divide_the_experts():
         _dims(3, ep=3)
 
 
-def test_ep_must_divide_dp():
-    with pytest.raises(ValueError, match=r"parallel.ep=4 must divide the data-parallel ranks parallel.dp=2"):
+def test_ep_must_divide_dp_times_cp():
+    with pytest.raises(ValueError, match=r"parallel.ep=4 must divide parallel.dp x parallel.cp = 2 x 1"):
         _dims(2, ep=4)
+    with pytest.raises(ValueError, match=r"parallel.ep=4 must divide parallel.dp x parallel.cp = 1 x 2"):
+        _dims(2, ep=4, cp=2)
+    assert _dims(4, ep=4, cp=2).dp == 2  # an EP group spans data- and context-parallel ranks
 
 
 def test_ep_needs_moe_layers():
@@ -49,14 +52,13 @@ def test_ep_needs_moe_layers():
         _dims(2, model=dense, ep=2)
 
 
-def test_ep_with_cp_or_tp_is_refused_for_now():
-    with pytest.raises(NotImplementedError, match=r"parallel.ep=2 with parallel.cp=2"):
-        _dims(4, ep=2, cp=2)
-    with pytest.raises(NotImplementedError, match=r"model.foundation.tp=2"):
-        _dims(4, model=_model(tp=2), ep=2)
+def test_ep_with_tp_groups_the_data_and_context_parallel_ranks():
+    assert _dims(4, model=_model(tp=2), ep=2).dp == 2
+    with pytest.raises(ValueError, match=r"parallel.ep=4 must divide parallel.dp x parallel.cp = 2 x 1"):
+        _dims(4, model=_model(tp=2), ep=4)  # the tp ranks do not count
 
 
-def test_experts_fn_seam_replaces_the_expert_computation():
+def test_experts_dispatch_seam_replaces_the_expert_computation():
     from omniweave.models.components.moe import MoE, MoEConfig
 
     torch.manual_seed(0)
@@ -66,10 +68,10 @@ def test_experts_fn_seam_replaces_the_expert_computation():
     ref = moe(x)
     seen = []
 
-    def fn(m, xs, counts):
+    def fn(experts, xs, counts):
         seen.append((xs.shape, counts.tolist()))
-        return m.run_experts(xs, counts, m.experts.gate_up_proj, m.experts.down_proj)
+        return experts.run(xs, counts, experts.gate_up_proj, experts.down_proj)
 
-    moe.experts_fn = fn
+    moe.experts.dispatch = fn
     assert torch.equal(moe(x), ref)
     assert seen[0][0] == (10, 16) and sum(seen[0][1]) == 10

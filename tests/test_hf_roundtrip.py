@@ -12,7 +12,8 @@ from omniweave.models.hf.loading import load_hf
 from tests.hf_factory import save_tiny
 
 
-@pytest.mark.parametrize("family,tied", [("qwen2", True), ("llama", False), ("qwen3", False), ("qwen3_moe", False)])
+@pytest.mark.parametrize("family,tied", [("qwen2", True), ("llama", False), ("qwen3", False), ("qwen3_moe", False),
+                                         ("deepseek_v3", False)])
 def test_export_round_trip_gives_identical_logits(tmp_path, family, tied):
     hf = save_tiny(family, tmp_path / "src", tied)
     ours, cfg = load_hf(tmp_path / "src")

@@ -128,11 +128,11 @@ def test_backend_choice_and_unaligned_fallback():
     assert not grouped_mm_supported(torch.zeros(1, 40, dtype=torch.float16), 40, 24)
     hf, ours = _qwen3(True, "auto", hidden=38, inter=15)  # unaligned: auto falls back to the loop
     _same_random_weights(hf, ours)
-    assert not ours.use_grouped_mm(torch.zeros(1, 38))
+    assert not ours.experts.use_grouped_mm(torch.zeros(1, 38))
     _compare(hf, ours)
     bad = MoE(MoEConfig(38, 15, 4, 2, backend="grouped_mm"))
     with pytest.raises(ValueError, match="16-byte"):
-        bad.use_grouped_mm(torch.zeros(1, 38))
+        bad.experts.use_grouped_mm(torch.zeros(1, 38))
 
 
 def test_loop_runs_only_experts_with_tokens(monkeypatch):

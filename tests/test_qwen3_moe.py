@@ -114,12 +114,14 @@ def test_tiny_yaml_builds_and_trains_a_step():
     out = model({"input_ids": ids, "labels": ids.roll(-1)})
     out.loss_sum.backward()
     assert all(p.grad is not None for p in model.parameters())
-    assert dec.layers[0].mlp.use_grouped_mm(torch.zeros(1, 64))
-    # FLOPs count the routed experts a token uses (2 of 8)
+    assert dec.layers[0].mlp.experts.use_grouped_mm(torch.zeros(1, 64))
+    # MFU counts the routed experts a token uses (2 of 8)
+    from omniweave.train.metrics import model_flop_counts
+
     e = dec.layers[0].mlp.experts
-    dense = sum(p.numel() for n, p in dec.named_parameters() if "embed_tokens" not in n)
+    dense = sum(p.numel() for n, p in model.foundation.named_parameters() if "embed_tokens" not in n)
     routed = e.gate_up_proj.numel() + e.down_proj.numel()
-    assert dec.num_flops_per_token(16) == pytest.approx(6 * (dense - routed * 6 / 8) + 12 * 2 * 4 * 32 * 16)
+    assert model_flop_counts(model) == (dense - routed * 6 // 8, 2, 4 * 32)
 
 
 def test_dense_model_is_unchanged():
@@ -129,9 +131,91 @@ def test_dense_model_is_unchanged():
     assert not any("experts" in n or ".gate." in n for n in dec.state_dict())
 
 
-def test_moe_refuses_tensor_parallel():
-    from omniweave.parallel.tp import check_decoder_tp
+def test_tp_plan_keeps_moe_layers_whole():
+    """Under a tp foundation the MoE layers are gathered over the sequence and run unsharded on
+    every tp rank (tests/dist/test_router_losses_parallel.py checks the numbers); only the dense
+    layers' MLPs are split, so only their width must divide tp."""
+    from omniweave.parallel.tp import MOE_UNDER_TP, decoder_plan
 
-    cfg = build_component("foundation", yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())).config
-    with pytest.raises(ValueError, match="MoE"):
-        check_decoder_tp(cfg, 2)
+    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    plan = decoder_plan(build_component("foundation", f).config, 2)  # layer 0 MoE, layer 1 dense
+    assert plan["layers.0.mlp"] is MOE_UNDER_TP and "layers.0.mlp.gate_proj" not in plan
+    assert "layers.1.mlp.gate_proj" in plan and "layers.1.mlp.down_proj" in plan
+    with pytest.raises(ValueError, match="intermediate_size=126 is not divisible by tp=4"):
+        decoder_plan(build_component("foundation", {**f, "intermediate_size": 126}).config, 4)
+    all_moe = build_component("foundation", {**f, "intermediate_size": 126, "mlp_only_layers": []}).config
+    assert decoder_plan(all_moe, 4)["layers.1.mlp"] is MOE_UNDER_TP  # no dense MLP to split
+
+
+def test_checkpoint_with_another_expert_count_is_refused(tmp_path):
+    """A DCP checkpoint saved with 8 experts and a recipe asking for 4: a UserError naming the
+    tensors and the key, before anything is read (training resume and ``load_model`` alike)."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from omniweave.errors import UserError
+    from omniweave.models.registry import build_model
+    from omniweave.train import checkpoint
+
+    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    model = build_model({"foundation": f})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        checkpoint.save(tmp_path, 1, model, None, {"step": 1}, OmegaConf.to_yaml({"model": {"foundation": f}}))
+        fewer = build_model({"foundation": {**f, "num_experts": 4}})
+        with pytest.raises(UserError, match=r"num_experts.*experts.gate_up_proj: checkpoint \[8, 64, 64\], recipe \[4, 64, 64\]"):
+            checkpoint.load(checkpoint.find_latest(tmp_path), fewer)
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(UserError, match="num_experts"):
+        checkpoint.load_model(tmp_path, {"foundation": {**f, "num_experts": 4}})
+
+
+def test_flop_counts_use_active_parameters():
+    """MFU (metrics.model_flop_counts) and the DP balancing cost model (decoder_params) count the
+    k experts a token uses, not all E: equal to the dense model with the same active MLP width."""
+    from omniweave.models.registry import build_model
+    from omniweave.parallel.cost_model import decoder_params
+    from omniweave.train.metrics import model_flop_counts
+
+    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    model = build_model({"foundation": f})
+    moe = model.foundation
+    routed = sum(m.experts.gate_up_proj.numel() + m.experts.down_proj.numel() for m in moe.modules()
+                 if hasattr(m, "experts"))
+    total = sum(p.numel() for n, p in moe.named_parameters() if "embed_tokens" not in n)
+    active = model_flop_counts(model)[0]
+    assert active == total - routed * (1 - 2 / 8) == decoder_params(f)
+    # one MoE layer (8 experts of 32, top-2) does the MLP work of a dense width-64 layer plus the router
+    dense = {**f, "num_experts": 0, "intermediate_size": 64, "mlp_only_layers": []}
+    assert decoder_params(f) - decoder_params(dense) == 8 * 64 + 3 * 64 * (128 - 64)  # router; layer 1's dense 128
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_tiny", "deepseek_v3", "qwen3_moe_demo", "qwen2_5_tiny", "llama3_8b"])
+def test_cost_model_counts_what_mfu_counts(name):
+    """The DP cost model's parameter formula (no weights) equals the model counted on the meta
+    device by the MFU estimate: MLA attention, MoE layers with shared experts, dense models
+    (DeepSeek-V3: 36.6B of 671B per token, the published '37B activated')."""
+    from omniweave.models.registry import build_component
+    from omniweave.parallel.cost_model import decoder_params
+    from omniweave.train.metrics import foundation_flop_counts
+
+    f = yaml.safe_load((REPO / f"configs/models/foundation/{name}.yaml").read_text())
+    with torch.device("meta"):
+        counts = foundation_flop_counts(build_component("foundation", f))
+    assert decoder_params(f) == counts[0]
+    if name == "deepseek_v3":
+        assert round(counts[0] / 1e9, 1) == 36.6
+
+
+def test_qwen3_30b_a3b_yaml_has_the_published_sizes():
+    """30,532,122,624 parameters (the HF checkpoint's safetensors total); 3.3B active per token
+    (3.04B through the layers and LM head, plus the 0.31B embedding row lookup)."""
+    from omniweave.train.metrics import foundation_flop_counts
+
+    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_30b_a3b.yaml").read_text())
+    with torch.device("meta"):
+        dec = build_component("foundation", f)
+    assert sum(p.numel() for p in dec.parameters()) == 30_532_122_624
+    active = foundation_flop_counts(dec)[0] + dec.embed_tokens.weight.numel()
+    assert 3.3e9 <= active < 3.4e9 and all(layer.routed for layer in dec.layers)  # 3.353B

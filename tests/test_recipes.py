@@ -18,7 +18,7 @@ REAL = {
     "qwen2_5_vl_32b": 33.45e9,
     "qwen2_5_vl_72b": 73.41e9,
 }
-TINY = ["tiny_qwen2_vl", "tiny_qwen2_5_vl"]
+TINY = ["tiny_qwen2_vl", "tiny_qwen2_5_vl", "tiny_deepseek_v3_vl"]
 # Qwen3-VL-8B-Instruct / Qwen3-VL-30B-A3B-Instruct safetensors parameter totals
 REAL_QWEN3_VL = {"qwen3_vl_8b": (8_767_123_696, "qwen3_vl"), "qwen3_vl_30b_a3b": (31_070_754_032, "qwen3_vl_moe")}
 

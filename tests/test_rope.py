@@ -1,5 +1,6 @@
 """RoPE variants against transformers: 1-D, Llama-3 scaling, Qwen2-VL M-RoPE, vision 2-D RoPE."""
 
+import pytest
 import torch
 from transformers import LlamaConfig, Qwen2VLConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -9,6 +10,7 @@ from transformers.vision_utils import get_vision_position_ids
 from omniweave.models.components.rope import (
     VisionRotaryEmbedding,
     apply_rope,
+    rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
     vision_position_ids,
@@ -22,6 +24,26 @@ def test_llama3_scaled_frequencies_equal_transformers():
                       rope_parameters={"rope_theta": 500000.0, **scaling})  # fmt: skip
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
     torch.testing.assert_close(rope_inv_freq(128, 500000.0, scaling), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("extra", [{"mscale": 1.0, "mscale_all_dim": 1.0},  # DeepSeek-V3's released values
+                                   {"mscale": 0.707, "mscale_all_dim": 1.0}, {}, {"truncate": False}])
+def test_yarn_cos_sin_equal_transformers(extra):
+    """YaRN frequencies and attention factor (cos/sin scaled) of the DeepSeek-V3 rotary embedding,
+    on its 64 rope dims with a factor of 40 over 4096 original positions."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    scaling = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+               "beta_slow": 1, **extra}  # fmt: skip
+    cfg = DeepseekV3Config(qk_rope_head_dim=64, max_position_embeddings=163840,
+                           rope_parameters={"rope_theta": 10000.0, **scaling})  # fmt: skip
+    pos = torch.tensor([[0, 1, 7, 4095, 4096, 100000]])
+    cos_ref, sin_ref = DeepseekV3RotaryEmbedding(cfg)(torch.zeros(1), pos)
+    cos, sin = rope_cos_sin(pos, 64, 10000.0, None, scaling)
+    assert rope_attention_factor(scaling) == pytest.approx(cos_ref[0, 0, 0].item(), abs=1e-6)  # cos(0)·factor
+    torch.testing.assert_close(cos, cos_ref[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(sin, sin_ref[0], rtol=0, atol=2e-6)
 
 
 def test_mrope_equals_qwen2_vl_rotary_embedding():

@@ -43,16 +43,17 @@ def overrides(packed: Path, out: Path, steps: int = 4, global_batch: int = 4, **
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in ov.items()]
 
 
-def recipe(packed: Path, out: Path, **kw):
+def recipe(packed: Path, out: Path, name: str = "demo", **kw):
+    """Recipe ``name`` (one that trains on the demo's packs: demo, demo_moe) with ``overrides``."""
     from omniweave.config import load_recipe
 
-    return load_recipe("demo", overrides(packed, out, **kw))
+    return load_recipe(name, overrides(packed, out, **kw))
 
 
-def train_in_process(packed: Path, out: Path, fault_hook=None, resume=None, **kw) -> dict:
+def train_in_process(packed: Path, out: Path, fault_hook=None, resume=None, name: str = "demo", **kw) -> dict:
     from omniweave.train.trainer import train
 
-    return train(recipe(packed, out, **kw), resume=resume, fault_hook=fault_hook)
+    return train(recipe(packed, out, name, **kw), resume=resume, fault_hook=fault_hook)
 
 
 def child_env(**extra: str) -> dict:

@@ -37,9 +37,14 @@ DECODERS: dict[str, Callable[[], DecoderConfig]] = {
     "qwen3-moe (8 experts, top-2)": lambda: DecoderConfig(
         **_SMALL, family="qwen3_moe", qk_norm=True, head_dim=64, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1]),
+    "deepseek-v3 (MLA qk 48 / v 32, sigmoid router)": lambda: DecoderConfig(
+        **{**_SMALL, "num_kv_heads": 4}, family="deepseek_v3", q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True),
 }  # fmt: skip
 # bf16 router logits flip a few near-tied top-k choices, and a flipped token's gradient goes to
 # another expert: MoE gradients agree less (measured 1.2-1.6e-2 on CPU) than dense ones (5-9e-3).
+# (DeepSeek-V3's routed_scaling_factor 2.5 would weigh those flips 2.5x: 4.4e-2; the row keeps 1.0: 2.1e-2.)
 MOE_GRAD_LIMIT = 5e-2
 _VIT = dict(depth=2, hidden_size=128, num_heads=4, intermediate_size=192)
 TOWERS: dict[str, Callable[[], VisionTransformer]] = {

@@ -231,7 +231,6 @@ def _layout_on_rank(rank: int, world: int, layout: Layout, rows: list[dict], wei
 
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.parallel.expert import sync_expert_grads
     from omniweave.parallel.spawn import rank_device
     from omniweave.train.engine import META_INIT_PARAMS, build, to_device
 
@@ -257,8 +256,6 @@ def _layout_on_rank(rank: int, world: int, layout: Layout, rows: list[dict], wei
             out = model(to_device(shard_micro_batch(row, dims.cp, meshes.cp_rank, dims.tp), device))
             (out.loss_sum / n).backward()  # FSDP sums the gradients over the ranks
             loss += out.loss_sum.detach().double()
-        if dims.ep > 1:  # as Engine.optimizer_step: expert gradients summed over their replicas
-            sync_expert_grads(model, meshes.expert_dp)
         dist.all_reduce(loss)  # a tp foundation's loss is replicated on its tp ranks
         grads = {}
         for name, p in model.named_parameters():

@@ -184,4 +184,5 @@ class OmniModel(LMHeadMixin, nn.Module):
     def hidden(self, batch: dict) -> torch.Tensor:
         inputs = self.foundation_inputs(batch)
         L, device = inputs["inputs_embeds"].shape[0], inputs["inputs_embeds"].device
-        return self.foundation(**inputs, position_ids=_positions(batch, L, device), cu_seqlens=_cu_seqlens(batch, L, device))
+        return self.foundation(**inputs, position_ids=_positions(batch, L, device), cu_seqlens=_cu_seqlens(batch, L, device),
+                               token_valid=batch.get("token_valid"))

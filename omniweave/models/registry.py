@@ -35,6 +35,7 @@ COMPONENT_MODULES = [
     "omniweave.models.hf.llama",
     "omniweave.models.hf.qwen3",
     "omniweave.models.hf.qwen3_moe",
+    "omniweave.models.hf.deepseek_v3",
     "omniweave.models.components.vit",
     "omniweave.models.components.projector",
     "omniweave.models.hf.qwen2_vl",

@@ -73,4 +73,5 @@ class CausalLM(LMHeadMixin, nn.Module):
             input_ids=ids,
             position_ids=_positions(batch, ids.shape[0], ids.device),
             cu_seqlens=_cu_seqlens(batch, ids.shape[0], ids.device),
+            token_valid=batch.get("token_valid"),
         )

@@ -1,5 +1,7 @@
 """Predicted compute cost of a pack: a linear model over five metadata features, FLOP-derived
-then refitted to measured step times. Pure numpy (no scipy, no torch).
+then refitted to measured step times. Pure numpy (no scipy); the decoder is counted
+from its config (dense, MoE with k of E experts active, DeepSeek-V3 MLA), equal to what the MFU
+estimate counts on the built model (tests/test_qwen3_moe.py).
 
     features  [F=5]  (Σ len_d², Σ len_d, docs, Σ t·(h·w)², Σ t·h·w)       see balance.pack_features
     cost      = a·Σlen² + b·Σlen + c·docs + e·patches² + p·patches
@@ -100,6 +102,8 @@ class CostModel:
         dec_trains = not dec.get("freeze", False)
         h, heads, layers = int(dec["hidden_size"]), int(dec["num_heads"]), int(dec["num_layers"])
         hd = int(dec.get("head_dim") or h // heads)
+        if dec.get("family") == "deepseek_v3":  # MLA: q·k over qk dims, p·v over v dims
+            hd = (int(dec["qk_nope_head_dim"]) + int(dec["qk_rope_head_dim"]) + int(dec["v_head_dim"])) // 2
         dec_grad = dec_trains or vit_trains or proj_trains
         a = (2 + 4 * dec_grad) * layers * heads * hd
         b = _passes(dec_trains, vit_trains or proj_trains) * decoder_params(dec)
@@ -144,14 +148,35 @@ class CostModel:
         return CostModel(*coefficients.tolist())
 
 def decoder_params(dec: dict) -> int:
-    """Non-embedding parameters of a ``decoder`` config, the LM head counted even when tied
-    (its matmul runs either way)."""
+    """Non-embedding parameters a token of a ``decoder`` config computes with, the LM head
+    counted even when tied (its matmul runs either way); a MoE layer counts its router and the
+    k experts a token uses (plus shared experts), not all of them."""
+    from omniweave.models.components.decoder import moe_layer_indices
+
     h, heads, kv, inter = (int(dec[k]) for k in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size"))
     hd = int(dec.get("head_dim") or h // heads)
-    qkv = (heads + 2 * kv) * hd * (h + bool(dec.get("qkv_bias", False)))
+    if dec.get("family") == "deepseek_v3":
+        attention = _mla_params(dec)
+    else:
+        attention = (heads + 2 * kv) * hd * (h + bool(dec.get("qkv_bias", False))) + heads * hd * h
     norms = 2 * h + (2 * hd if dec.get("qk_norm", False) else 0)
-    per_layer = qkv + heads * hd * h + 3 * h * inter + norms
-    return int(dec["num_layers"]) * per_layer + h + int(dec["vocab_size"]) * h
+    layers, moe = int(dec["num_layers"]), len(moe_layer_indices(dec))
+    dense_mlp = 3 * h * inter
+    active = int(dec.get("num_experts_per_tok", 0) or 0) + int(dec.get("n_shared_experts", 0) or 0)
+    moe_mlp = 3 * h * int(dec.get("moe_intermediate_size") or 0) * active + int(dec.get("num_experts", 0) or 0) * h
+    mlp = (layers - moe) * dense_mlp + moe * moe_mlp
+    return layers * (attention + norms) + mlp + h + int(dec["vocab_size"]) * h
+
+
+def _mla_params(dec: dict) -> int:
+    """DeepSeek-V3's multi-head latent attention (components/mla.py): low-rank q (or a plain
+    q_proj), the joint kv latent + rope key, its up-projection, the output."""
+    h, heads, bias = int(dec["hidden_size"]), int(dec["num_heads"]), bool(dec.get("qkv_bias", False))
+    nope, rope, v = (int(dec[k]) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    q_rank, kv_rank = dec.get("q_lora_rank"), int(dec["kv_lora_rank"])
+    q = h * heads * (nope + rope) if q_rank is None else (h + bias + 1) * int(q_rank) + int(q_rank) * heads * (nope + rope)
+    kv = (h + bias) * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v)
+    return q + kv + heads * v * h + bias * h
 
 
 def vit_params(vit: dict) -> int:

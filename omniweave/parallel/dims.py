@@ -16,9 +16,11 @@ same packs but different tokens: for the gradients they are just more data-paral
 the encoder + projector over (dp, cp, tp_rep).
 
 Expert parallelism (``parallel.ep``, parallel/expert.py): the experts of every MoE layer are split
-over ``ep`` consecutive data-parallel ranks (dp = dp/ep x ep, ``ep`` inner); the ranks holding the
-same experts (``expert_dp``, dp/ep of them) sum the expert gradients. For now ep > 1 needs
-cp = tp = 1.
+over ``ep`` consecutive ranks of the flattened (dp, cp) mesh, the ranks FSDP shards the foundation
+over (each holds different tokens: other rows, or other shards of a row), so dp x cp = dp x cp /
+ep x ep with ``ep`` inner; the ranks holding the same experts (``expert_dp``, dp x cp / ep of
+them) sum the expert gradients. Under a tp foundation every tp rank routes the whole row (MoE
+layers are not tensor-parallel, parallel/tp.py), so the EP groups are formed per tp rank.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class ParallelDims:
                              f"strictly between 1 and cp={cp} and dividing it; got {uly}")
         ep = int(get("ep", 1) or 1)
         if ep != 1:
-            check_ep(ep, dp, cp, tp, (model.get("foundation") or {}) if model is not None else {})
+            check_ep(ep, dp, cp, (model.get("foundation") or {}) if model is not None else {})
         return cls(dp=dp, cp=cp, tp=tp, world_size=world_size, cp_attention=mode,
                    cp_ulysses=uly if mode == "hybrid" else 1, vision_split=bool(get("vision_split", True)),
                    tp_encoder=tp_enc, ep=ep)
@@ -97,8 +99,9 @@ class ParallelDims:
 
         cp_mesh = flat(cp_names, "cp") if hybrid else mesh["cp"]
         ep_mesh = expert_dp = None
-        if self.ep > 1:  # cp = tp = 1 (from_config): the world is the dp mesh, split (dp/ep, ep)
-            ep_world = init_device_mesh(device_type, (self.dp // self.ep, self.ep), mesh_dim_names=("expert_dp", "ep"))
+        if self.ep > 1:  # the world as (dp x cp / ep, ep, tp): each tp rank has its own EP groups
+            ep_world = init_device_mesh(device_type, (self.dp * self.cp // self.ep, self.ep, self.tp),
+                                        mesh_dim_names=("expert_dp", "ep", "ep_tp"))
             ep_mesh, expert_dp = ep_world["ep"], ep_world["expert_dp"]
         split = (*cp_names, "tp_rep") if self.vision_split else ("tp_rep",)
         split_size = (self.cp if self.vision_split else 1) * (self.tp // self.tp_encoder)
@@ -113,21 +116,17 @@ class ParallelDims:
         )
 
 
-def check_ep(ep: int, dp: int, cp: int, tp: int, foundation: Any) -> None:
+def check_ep(ep: int, dp: int, cp: int, foundation: Any) -> None:
     """``parallel.ep`` against the layout and the foundation's MoE layers (errors name the keys)."""
     if ep < 1:
         raise ValueError(f"parallel.ep={ep} must be >= 1")
-    if cp != 1 or tp != 1:
-        raise NotImplementedError(f"parallel.ep={ep} with parallel.cp={cp} / model.foundation.tp={tp}: expert "
-                                  "parallelism runs over data-parallel ranks only for now (set cp and tp to 1)")
-    if dp % ep:
-        raise ValueError(f"parallel.ep={ep} must divide the data-parallel ranks parallel.dp={dp} "
-                         "(an EP group is ep data-parallel ranks)")
-    get = foundation.get
-    experts = int(get("num_experts", 0) or 0)
-    skip, step = set(get("mlp_only_layers", None) or []), int(get("decoder_sparse_step", 1) or 1)
-    n_moe = sum(1 for i in range(int(get("num_layers", 0) or 0)) if i not in skip and (i + 1) % step == 0) if experts else 0
-    if not n_moe:  # the rule of DecoderConfig.is_moe_layer
+    if (dp * cp) % ep:
+        raise ValueError(f"parallel.ep={ep} must divide parallel.dp x parallel.cp = {dp} x {cp} "
+                         "(an EP group is ep of the data- and context-parallel ranks)")
+    from omniweave.models.components.decoder import moe_layer_indices
+
+    experts = int(foundation.get("num_experts", 0) or 0)
+    if not moe_layer_indices(foundation):
         raise ValueError(f"parallel.ep={ep}: the foundation has no MoE layers (model.foundation.num_experts="
                          f"{experts}); expert parallelism needs a Mixture-of-Experts model")
     if experts % ep:
@@ -148,5 +147,5 @@ class Meshes:
     cp_rank: int
     ring_group: Any = None  # hybrid only
     ulysses_group: Any = None  # hybrid only
-    ep: Any = None  # ep > 1: 1-D mesh of this rank's EP group (ep consecutive dp ranks)
-    expert_dp: Any = None  # ep > 1: 1-D mesh of the dp / ep ranks holding the same experts
+    ep: Any = None  # ep > 1: 1-D mesh of this rank's EP group (ep consecutive dp x cp ranks)
+    expert_dp: Any = None  # ep > 1: 1-D mesh of the dp x cp / ep ranks holding the same experts

@@ -43,7 +43,7 @@ def apply_ac(model: nn.Module, mode: str = "none", every: int = 2) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=None,
-               ignored_params: set | None = None) -> nn.Module:
+               experts: list[nn.Module] = (), experts_mesh=None) -> nn.Module:
     """``fully_shard`` every block and then the root over ``mesh``; with ``encoder_mesh`` (the
     encoder's own data-parallel mesh, see ``dims.Meshes``) the vision blocks, the rest of the
     encoder and the projector shard over that one instead.
@@ -51,17 +51,26 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
     Gradients are SUMMED over the ranks (divide factor 1), not averaged: the trainer divides
     every token's loss by the global number of loss tokens, whatever the layout.
     bf16: parameters are all-gathered and computed in bf16, gradients reduced in fp32, the
-    sharded master weights stay fp32 (FSDP2 ``MixedPrecisionPolicy``). ``ignored_params`` (the
-    experts under expert parallelism, parallel/expert.py) are left alone: not sharded, not
-    all-gathered, their gradients not reduced by FSDP."""
+    sharded master weights stay fp32 (FSDP2 ``MixedPrecisionPolicy``). ``experts`` (the MoE
+    layers' routed experts, already split by expert parallelism, parallel/expert.py) shard over
+    their own ``experts_mesh`` (the ranks holding the same experts) on their expert dim (the
+    next dim when there are fewer local experts than ranks), or, without one, are left alone."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = None
     if precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     extra = {} if mp is None else {"mp_policy": mp}
-    if ignored_params:
-        extra["ignored_params"] = set(ignored_params)
+    if experts and (experts_mesh is None or experts_mesh.size() == 1):
+        extra["ignored_params"] = {p for m in experts for p in m.parameters()}
+    elif experts:
+        from torch.distributed.tensor import Shard
+
+        def placement(p, n=experts_mesh.size()):
+            return Shard(0) if (p.to_local() if hasattr(p, "to_local") else p).shape[0] >= n else Shard(1)
+
+        for m in experts:
+            fully_shard(m, mesh=experts_mesh, shard_placement_fn=placement, **extra)
     encoder = getattr(model, "image_encoder", None)
     layers, vision_blocks = _block_lists(model)
     for block in layers:

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
+    parallelize_module,
 )
 
 from omniweave.parallel.context.sharding import feature_rows_from_spans
@@ -72,13 +73,30 @@ def _divisible(what: str, n: int, tp: int) -> None:
 
 def check_decoder_tp(cfg, tp: int) -> str:
     """Validate a DecoderConfig for tp ranks; returns the KV head layout."""
-    if tp > 1 and getattr(cfg, "num_experts", 0):
-        raise ValueError(f"foundation tp={tp}: tensor parallelism of MoE layers (num_experts={cfg.num_experts}) "
-                         "is not supported yet; use tp: 1")  # fmt: skip
+    if tp > 1 and getattr(cfg, "mla", False):
+        raise ValueError(f"foundation tp={tp}: tensor parallelism of multi-head latent attention (family "
+                         f"{cfg.family}) is not supported yet; use tp: 1")  # fmt: skip
     layout = kv_head_layout(cfg.num_heads, cfg.num_kv_heads, tp)
     _divisible("vocab_size", cfg.vocab_size, tp)
-    _divisible("intermediate_size", cfg.intermediate_size, tp)
+    if len(_moe_layers(cfg)) < cfg.num_layers:  # some dense MLPs to shard
+        _divisible("intermediate_size", cfg.intermediate_size, tp)
     return layout
+
+
+def _moe_layers(cfg) -> list[int]:
+    from omniweave.models.components.decoder import moe_layer_indices
+
+    return moe_layer_indices(vars(cfg))
+
+
+# A MoE layer under TP: its input is gathered over the sequence like a dense MLP's, every tp
+# rank routes the whole row through the (unsharded) router and experts -- the same tokens, so
+# the same weight gradients on every tp rank, like any replicated weight -- and keeps its own
+# sequence shard of the output. Expert parallelism still splits the experts, over dp x cp.
+MOE_UNDER_TP = PrepareModuleInputOutput(
+    input_layouts=(Shard(0), None, None), desired_input_layouts=(Replicate(), None, None), use_local_input=True,
+    output_layouts=(Replicate(),), desired_output_layouts=(Shard(0),), use_local_output=True,
+)
 
 
 def check_vit_tp(cfg, tp: int) -> None:
@@ -131,17 +149,23 @@ def decoder_plan(cfg, tp: int) -> dict:
         "self_attn.v_proj": kv,
         "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(0)),
         "post_attention_layernorm": SequenceParallel(sequence_dim=0),
+    }  # fmt: skip
+    dense_mlp = {
         "mlp": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(0)),
-    }  # fmt: skip
+    }
+    moe = set(_moe_layers(cfg))
+    mlps = {f"layers.{i}.{name}": style for i in range(cfg.num_layers) if i not in moe for name, style in dense_mlp.items()}
+    mlps.update({f"layers.{i}.mlp": MOE_UNDER_TP for i in moe})
     if cfg.qk_norm:  # per-head norms over local heads [L, h, Dh]: heads play the sharded dim
         layer["self_attn.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         layer["self_attn.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
     return {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
         **{f"layers.*.{name}": style for name, style in layer.items()},
+        **mlps,
         "norm": SequenceParallel(sequence_dim=0),
         # used by logits() only (eval / tests: gathers [L, V]); the loss reads the weight itself
         "lm_head": ColwiseParallel(input_layouts=Shard(0), output_layouts=Replicate()),

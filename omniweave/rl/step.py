@@ -156,6 +156,8 @@ class GRPOStep:
             "gen_tokens_per_s": len_sum / max(rollout_s, 1e-9),
             "memory_gb": peak_memory_bytes(e.info) / 2**30,
             "skipped": any(u["skipped"] for u in updates), "skipped_total": e.skipped,
+            **{k: sum(u[k] for u in updates) / (1 if k == "moe_a2a_bytes" else len(updates))
+               for k in updates[-1] if k.startswith("moe_")},  # MoE: losses per update, bytes per step
         }
         record["accuracy"] = record.get(f"reward/{self.accuracy_key}", mean)
         if scored.errors and e.rank == 0:

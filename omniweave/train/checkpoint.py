@@ -86,6 +86,26 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dic
     return {"model": msd, "optim": osd}
 
 
+def check_shapes(path: str | os.PathLike, model_state: dict[str, Any]) -> None:
+    """Refuse, naming the tensors, a checkpoint whose weights have other shapes than the recipe's
+    model (e.g. another ``num_experts``, vocabulary or width) before DCP reads anything."""
+    import torch.distributed.checkpoint as dcp
+
+    from omniweave.errors import UserError
+
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    wrong = []
+    for name, t in model_state.items():
+        meta = saved.get(f"model.{name}")
+        if isinstance(t, torch.Tensor) and meta is not None and hasattr(meta, "size") and tuple(meta.size) != tuple(t.shape):
+            wrong.append(f"{name}: checkpoint {list(meta.size)}, recipe {list(t.shape)}")
+    if wrong:
+        hint = (" — the MoE layers' expert count (model.foundation.num_experts) differs"
+                if any(".experts." in w or ".gate." in w for w in wrong) else "")
+        raise UserError(f"checkpoint {path} does not fit the recipe's model{hint}: " + "; ".join(wrong[:4])
+                        + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""))
+
+
 def save(ckpt_root: str | os.PathLike, step: int, model: nn.Module, optimizer, trainer_state: dict,
          config_yaml: str, keep_last: int = 0) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory."""
@@ -132,6 +152,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
 
     path = Path(path)
     state = _dcp_state(model, optimizer)
+    check_shapes(path, state["model"])
     dcp.load(state, checkpoint_id=str(path))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
@@ -149,6 +170,7 @@ def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     state = _dcp_state(model, None)
+    check_shapes(path, state["model"])
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
 
@@ -172,6 +194,7 @@ def load_model(path: str | os.PathLike, model_cfg=None) -> tuple[nn.Module, dict
         model = build_model(model_cfg)
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
+    check_shapes(ckpt, state["model"])
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process")
         dcp.load(state, checkpoint_id=str(ckpt))

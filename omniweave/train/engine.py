@@ -65,14 +65,15 @@ def with_process_group(fn: Callable[[], Any]) -> Any:
 def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_INIT_PARAMS) -> nn.Module:
     """The model, parallelised from outside in DESIGN's order: (vision split) -> TP -> CP -> EP -> AC
     -> FSDP2 (foundation over dp x cp, a smaller-tp encoder over dp x cp x tp_rep, MoE experts split
-    over the EP group and left out of FSDP; see parallel/dims.py and parallel/expert.py).
+    over the EP group and sharded over the ranks holding the same ones; see parallel/dims.py and
+    parallel/expert.py).
     A model of more than ``meta_init_params`` parameters on more than one rank is built on the
     meta device and each rank materialises and initialises only its shards (``omniweave check``
     passes 0 to take that path with a tiny model)."""
     from omniweave.config import to_dict
     from omniweave.models.registry import build_model
     from omniweave.parallel.context import apply_cp, apply_vision_split
-    from omniweave.parallel.expert import apply_ep, expert_params
+    from omniweave.parallel.expert import apply_ep, expert_modules, set_router_groups
     from omniweave.parallel.fsdp import apply_ac, apply_fsdp
     from omniweave.parallel.tp import apply_tp
 
@@ -95,11 +96,12 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
     apply_cp(model, dims, meshes, head_groups=int(cfg.get("parallel", {}).get("cp_head_groups", 1) or 1))
     if dims.ep > 1:
         apply_ep(model, meshes.ep)
+    set_router_groups(model, meshes.fsdp, meshes.cp)
     apply_ac(model, str(cfg.train.get("ac", "none")))
     if dims.world_size > 1:
         apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")),
                    encoder_mesh=meshes.encoder_fsdp if dims.tp_encoder < dims.tp else None,
-                   ignored_params=set(expert_params(model)) if dims.ep > 1 else None)
+                   experts=expert_modules(model) if dims.ep > 1 else (), experts_mesh=meshes.expert_dp)
     if meta_init:  # materialise each rank's shards only, then initialise them
         model.to_empty(device=device)
         seed_sharded_init(int(cfg.train.seed), device)
@@ -278,11 +280,12 @@ class Engine:
         divided by ``normaliser``), ``grad_norm``, ``lr``, ``skipped``, ``skipped_total``,
         ``compute_s`` (forward + backward of the micro-batches) and each stat summed over the
         micro-batches and ranks (a tp group's replicated values counted once)."""
+        from omniweave.models.components.router_loss import finish_router_step
         from omniweave.parallel.context import shard_micro_batch
-        from omniweave.parallel.expert import sync_expert_grads
         from omniweave.train.optim import clip_grad_norm
 
         scale = 1.0 / max(normaliser, 1)
+        self.start_router_step(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         stats: dict[str, torch.Tensor] = {}
         t0 = time.perf_counter()
@@ -296,8 +299,6 @@ class Engine:
             loss_sum += loss.detach().double()
             for k, v in extra.items():
                 stats[k] = stats.get(k, 0.0) + v.detach().double()
-        if self.dims.ep > 1:  # FSDP summed the rest over dp; the experts over their replicas
-            sync_expert_grads(self.model, self.meshes.expert_dp)
         compute_s = time.perf_counter() - t0
         totals = torch.stack([loss_sum, *(torch.as_tensor(v, dtype=torch.float64, device=self.device)
                                           for v in stats.values())])
@@ -313,12 +314,30 @@ class Engine:
         else:
             self.skipped, self.bad_in_row = self.skipped + 1, self.bad_in_row + 1
         self.optimizer.zero_grad(set_to_none=True)
+        router = finish_router_step(self.model, self._sum_over_ranks, self.dims.tp, update_bias=finite)
         if count_step:
             self.advance()
         if self.info.module is not None and hasattr(self.info.module, "synchronize"):
             self.info.module.synchronize()
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not finite, "skipped_total": self.skipped,
-                "compute_s": compute_s, **dict(zip(stats, totals[1:]))}
+                "compute_s": compute_s, **dict(zip(stats, totals[1:])), **router}
+
+    def start_router_step(self, micro_batches: list[dict]) -> None:
+        """MoE models: the step's token and document counts over all ranks, which the router
+        losses divide by (components/router_loss.py)."""
+        from omniweave.models.components.router_loss import router_layers, start_router_step
+
+        if not router_layers(self.model):
+            return
+        tokens, docs = self.global_sum([sum(mb["input_ids"].numel() for mb in micro_batches),
+                                        sum(mb["cu_seqlens"].numel() - 1 if "cu_seqlens" in mb else 1
+                                            for mb in micro_batches)])
+        start_router_step(self.model, len(micro_batches), tokens, docs)
+
+    @staticmethod
+    def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
 
     def advance(self) -> None:
         """The training step is done: schedule and step counter move on."""

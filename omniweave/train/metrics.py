@@ -50,11 +50,31 @@ def device_peak_flops(device: torch.device, precision: str = "fp32") -> float:
 
 
 def model_flop_counts(model: nn.Module) -> tuple[int, int, int]:
-    """(non-embedding parameters, decoder layers, hidden size) for the FLOP estimate."""
+    """(non-embedding parameters a token uses, decoder layers, attention width) for the FLOP
+    estimate: the foundation's (``foundation_flop_counts``) plus every other component's weights."""
     f = model.foundation
-    emb = f.embed_tokens.weight.numel() if hasattr(f, "embed_tokens") else 0
-    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) - emb
-    return n, len(f.layers), int(f.config.hidden_size)
+    n, layers, width = foundation_flop_counts(f)
+    ours = {id(p) for p in f.parameters()}
+    n += sum(p.numel() for p in {id(p): p for p in model.parameters() if id(p) not in ours}.values())
+    return n, layers, width
+
+
+def foundation_flop_counts(f: nn.Module) -> tuple[int, int, int]:
+    """A decoder's (non-embedding parameters a token uses, layers, attention width): routed MoE
+    experts count k of E (DeepSeek-V3: 37B of 671B), the LM head counts even when tied, the width
+    is heads · (qk + v head dims) / 2 (= hidden for most decoders; MLA's qk 192 and v 128 differ).
+    Works on the meta device (the DP cost model counts a recipe's foundation without weights)."""
+    from omniweave.models.components.moe import MoE
+
+    params = {id(p): p for p in f.parameters()}
+    emb = f.embed_tokens.weight
+    n = sum(p.numel() for p in params.values()) - (0 if f.lm_head.weight is emb else emb.numel())
+    for m in f.modules():
+        if isinstance(m, MoE):
+            n -= int((m.experts.gate_up_proj.numel() + m.experts.down_proj.numel()) * (1 - m.active_fraction()))
+    c = f.config
+    v_dim = c.v_head_dim if c.mla else c.head_dim
+    return n, len(f.layers), c.num_heads * (c.head_dim + v_dim) // 2
 
 
 def step_flops(counts: tuple[int, int, int], tokens: int, sum_len2: int) -> float:

@@ -156,7 +156,8 @@ def _train(cfg, resume, fault_hook) -> dict:
                 "tokens": tokens, "loss_tokens": loss_tokens, "tokens_per_s": tokens / dt, "step_s": round(dt, 4),
                 "mfu": step_flops(engine.flop_counts, tokens, sum_len2) / dt / engine.peak_flops,
                 "memory_gb": peak_memory_bytes(engine.info) / 2**30, "skipped": out["skipped"],
-                "skipped_total": out["skipped_total"], **balance_log}
+                "skipped_total": out["skipped_total"], **balance_log,
+                **{k: v for k, v in out.items() if k.startswith("moe_")}}
         engine.finish_step(last, loop_state)
     seconds = engine.finish()
     return {"rank": engine.rank, "steps": engine.step, "seconds": seconds, "loss": last["loss"],

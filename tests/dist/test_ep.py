@@ -100,12 +100,17 @@ def test_moe_block_matches_one_rank_with_empty_sends(backend):
 # ------------------------------------------------------------------ the foundation through engine.build
 
 
-def _cfg(ep: int, ac: str = "none"):
+# foundation YAML -> overrides: qwen3_moe_tiny as MoE, dense, MoE; deepseek_v3_tiny as shipped (dense,
+# MoE, MoE: sigmoid router over 4 groups, a shared expert that stays a plain replicated MLP, MLA)
+FOUNDATIONS = {"qwen3_moe_tiny": {"num_layers": 3, "mlp_only_layers": [1]}, "deepseek_v3_tiny": {}}
+
+
+def _cfg(ep: int, ac: str = "none", name: str = "qwen3_moe_tiny"):
     import yaml
     from omegaconf import OmegaConf
 
-    foundation = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
-    foundation["num_layers"], foundation["mlp_only_layers"] = 3, [1]  # MoE, dense, MoE
+    foundation = yaml.safe_load((REPO / f"configs/models/foundation/{name}.yaml").read_text())
+    foundation.update(FOUNDATIONS[name])
     return OmegaConf.create({"model": {"foundation": foundation}, "parallel": {"ep": ep},
                              "train": {"seed": 0, "precision": "fp32", "ac": ac, "lr": 1e-2,
                                        "weight_decay": 0.1, "eps": 1e-4}})
@@ -129,12 +134,11 @@ def _n_loss_tokens(rows: list[dict]) -> int:
     return sum(int((r["labels"] != -100).sum()) for r in rows)
 
 
-def _model_body(rank: int, world: int, ep: int, ac: str):
+def _model_body(rank: int, world: int, ep: int, ac: str, name: str):
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.parallel.expert import sync_expert_grads
     from omniweave.train.engine import build
 
-    cfg = _cfg(ep, ac)
+    cfg = _cfg(ep, ac, name)
     dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
     meshes = dims.build_meshes("cpu")
     model = build(cfg, torch.device("cpu"), dims, meshes)
@@ -143,24 +147,22 @@ def _model_body(rank: int, world: int, ep: int, ac: str):
     mine = rows[rank::world]
     loss = sum(model(r).loss_sum for r in mine) / n
     loss.backward()
-    sync_expert_grads(model, meshes.expert_dp)
     total = loss.detach().clone()
     dist.all_reduce(total)
     named = [(n.replace("._checkpoint_wrapped_module", ""), p) for n, p in model.named_parameters()]  # ac=full
     grads = {n: _full(p.grad) for n, p in named}
     experts = {n: (type(p).__name__, tuple(p.to_local().shape) if hasattr(p, "to_local") else None)
-               for n, p in named if "experts." in n}
+               for n, p in named if ".mlp.experts." in n}
     dist.barrier()
     return float(total), grads, experts
 
 
-@pytest.mark.parametrize("world,ac", [(2, "none"), (4, "none"), (2, "full")])
-def test_moe_foundation_ep2_matches_one_rank(world, ac):
-    """ac=full: the blocks' recomputation in the backward repeats the token exchange."""
+def _ep2_vs_one_rank(world: int, ac: str, name: str) -> list[dict]:
+    """Each rank's (type, local shape) of the expert weights, after checking loss and gradients."""
     from omniweave.config import to_dict
     from omniweave.models.registry import build_model
 
-    cfg = _cfg(1)
+    cfg = _cfg(1, name=name)
     torch.manual_seed(0)
     model = build_model(to_dict(cfg.model))  # initialised as engine.build does (same seed)
     if hasattr(model, "init_weights"):
@@ -170,15 +172,32 @@ def test_moe_foundation_ep2_matches_one_rank(world, ac):
     loss.backward()
     loss = float(loss.detach())
     ref = {n: p.grad for n, p in model.named_parameters()}
-    results = run_ranks(_model_body, world, 2, ac, quiet=True, timeout=300)
+    results = run_ranks(_model_body, world, 2, ac, name, quiet=True, timeout=300)
     for rank, (total, grads, experts) in enumerate(results):
         assert abs(total - loss) / abs(loss) < RTOL, (rank, total, loss)
         assert set(grads) == set(ref)
         for n, g in grads.items():
             assert _rel(g, ref[n]) < RTOL, (rank, n, _rel(g, ref[n]))
-        # each rank holds 4 of the 8 experts of the MoE layers (0 and 2), gate_up [4, 64, 64], down [4, 64, 32]
+    return [experts for _, _, experts in results]
+
+
+@pytest.mark.parametrize("world,ac", [(2, "none"), (4, "none"), (2, "full")])
+def test_moe_foundation_ep2_matches_one_rank(world, ac):
+    """ac=full: the blocks' recomputation in the backward repeats the token exchange."""
+    for experts in _ep2_vs_one_rank(world, ac, "qwen3_moe_tiny"):
+        # each EP rank owns 4 of the 8 experts of the MoE layers (0 and 2); at world 4 FSDP shards
+        # those over the 2 ranks owning the same ones: gate_up [4|2, 64, 64], down [4|2, 64, 32]
+        local = 4 // (world // 2)
         assert experts == {f"foundation.layers.{i}.mlp.experts.{w}": ("DTensor", shape) for i in (0, 2)
-                           for w, shape in (("gate_up_proj", (4, 64, 64)), ("down_proj", (4, 64, 32)))}
+                           for w, shape in (("gate_up_proj", (local, 64, 64)), ("down_proj", (local, 64, 32)))}
+
+
+def test_deepseek_v3_foundation_ep2_matches_one_rank():
+    """DeepSeek-V3 (sigmoid group-limited router, shared experts, MLA) at ep=2 on 2 ranks."""
+    for experts in _ep2_vs_one_rank(2, "none", "deepseek_v3_tiny"):
+        # 4 of the 8 routed experts of layers 1 and 2 per rank; the shared experts are not experts here
+        assert experts == {f"foundation.layers.{i}.mlp.experts.{w}": ("DTensor", shape) for i in (1, 2)
+                           for w, shape in (("gate_up_proj", (4, 80, 72)), ("down_proj", (4, 72, 40)))}
 
 
 # ------------------------------------------------------------------ optimizer step and checkpoint
@@ -187,7 +206,6 @@ def test_moe_foundation_ep2_matches_one_rank(world, ac):
 def _step_body(rank: int, world: int, ep: int, load_from: str | None, save_to: str | None):
     """One step then save (``load_from`` None), or load; then save to ``save_to`` if given."""
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.parallel.expert import sync_expert_grads
     from omniweave.train import checkpoint
     from omniweave.train.engine import build
     from omniweave.train.optim import build_optimizer, clip_grad_norm
@@ -201,7 +219,6 @@ def _step_body(rank: int, world: int, ep: int, load_from: str | None, save_to: s
         rows = _rows()
         n = _n_loss_tokens(rows)
         (sum(model(r).loss_sum for r in rows[rank::world]) / n).backward()
-        sync_expert_grads(model, meshes.expert_dp)
         norm = clip_grad_norm([p for p in model.parameters()], 0.5)
         optimizer.step()
     else:
@@ -313,4 +330,8 @@ def test_train_demo_moe_ep2_like_single_process(demo_packed, tmp_path):
         assert len(rows) == len(ref) == 4
         assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(rows, ref)) < RTOL  # measured 3e-8
         assert max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(rows, ref)) < 1e-4  # 6e-6
+        # the router metrics (sequence-level balancing in qwen3_moe_tiny: layout independent)
+        assert max(abs(a["moe_aux_loss"] - b["moe_aux_loss"]) / b["moe_aux_loss"] for a, b in zip(rows, ref)) < RTOL
+        assert all(a["moe_load_max_mean"] == pytest.approx(b["moe_load_max_mean"], rel=RTOL) for a, b in zip(rows, ref))
+        assert all(a["moe_a2a_bytes"] > 0 for a in rows) and all("moe_a2a_bytes" not in b for b in ref)
         assert max_abs_diff(final_state(runs[nproc]), final_state(runs[1])) < 3e-5  # 2e-6; AdamW, see test_train_dist

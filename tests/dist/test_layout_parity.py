@@ -38,12 +38,12 @@ def _rows(packed: str, n: int) -> list[dict]:
     return [collate_pack(ds[i], ds.manifest["data_cfg"]) for i in order]
 
 
-def _model():
+def _model(recipe: str = "demo"):
     from omniweave.config import load_recipe, to_dict
     from omniweave.models.registry import build_model
 
     torch.manual_seed(0)
-    model = build_model(to_dict(load_recipe("demo", []).model))
+    model = build_model(to_dict(load_recipe(recipe, []).model))
     model.init_weights()
     return model
 
@@ -71,16 +71,16 @@ def _layouts(world: int) -> list[Layout]:
                     (2, 1, "ring", 1, True, 2, 1)]  # dp x tp
 
 
-def _cfg(layout: Layout):
+def _cfg(layout: Layout, recipe: str = "demo"):
     from omniweave.config import load_recipe
 
     dp, cp, mode, uly, vs, tp, tp_enc = layout
-    return load_recipe("demo", [f"parallel.cp={cp}", f"parallel.cp_attention={mode}", f"parallel.cp_ulysses={uly}",
+    return load_recipe(recipe, [f"parallel.cp={cp}", f"parallel.cp_attention={mode}", f"parallel.cp_ulysses={uly}",
                                 f"parallel.vision_split={str(vs).lower()}", f"model.foundation.tp={tp}",
                                 f"model.image_encoder.tp={tp_enc}"])
 
 
-def _body(rank: int, world: int, packed: str, layouts: list[Layout] | None = None) -> list[dict]:
+def _body(rank: int, world: int, packed: str, layouts: list[Layout] | None = None, recipe: str = "demo") -> list[dict]:
     from torch.distributed.fsdp import FSDPModule
 
     import omniweave
@@ -88,12 +88,12 @@ def _body(rank: int, world: int, packed: str, layouts: list[Layout] | None = Non
     from omniweave.parallel.dims import ParallelDims
     from omniweave.train.engine import build
 
-    base = _model()
+    base = _model(recipe)
     rows = _rows(packed, 2)
     refs: dict[int, tuple] = {}  # dp -> reference over the global batch (dp group g takes row g)
     results = []
     for layout in layouts or _layouts(world):
-        cfg = _cfg(layout)
+        cfg = _cfg(layout, recipe)
         dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
         batch = rows[: dims.dp]
         if dims.dp not in refs:
@@ -143,3 +143,11 @@ def test_fsdp_wrapped_encoder_returns_no_view(demo_packed):
     results = run_ranks(_body, 2, str(demo_packed), [(1, 1, "ring", 1, True, 2, 1)], timeout=300)
     assert all(r["encoder_fsdp"] for rank_results in results for r in rank_results)  # the case that warned
     _check(results)
+
+
+def test_mla_foundation_in_every_cp_mode(demo_packed):
+    """The DeepSeek-V3 backbone (multi-head latent attention: the CP kernels get its v padded to the
+    qk head dim and the softmax scale folded into q; MoE layers) in the ring, all-gather and
+    Ulysses modes at CP = 2 on the demo packs (M-RoPE rows reach the rope dims as row 0)."""
+    layouts = [(1, 2, m, 1, False, 1, 1) for m in ("ring", "allgather", "ulysses")]
+    _check(run_ranks(_body, 2, str(demo_packed), layouts, "tiny_deepseek_v3_vl", timeout=300))

@@ -1,5 +1,6 @@
 """The foundation decoder: Qwen2 / Qwen2.5 (qkv bias, M-RoPE), Llama-3 (llama3 rope scaling),
-Qwen3 (QK-norm, free head_dim), Qwen3-MoE (Qwen3 with Mixture-of-Experts MLPs, components/moe.py).
+Qwen3 (QK-norm, free head_dim), Qwen3-MoE (Qwen3 with Mixture-of-Experts MLPs, components/moe.py),
+DeepSeek-V3 (multi-head latent attention, components/mla.py; sigmoid-routed MoE with shared experts).
 One class, the differences are config fields.
 
 It works on one packed row: ``[L, D]`` activations, documents delimited by ``cu_seqlens``,
@@ -16,8 +17,9 @@ from torch import nn
 
 from omniweave.models.components.attention import attn
 from omniweave.models.components.deepstack import DeepStack
+from omniweave.models.components.mla import MLAttention, check_mla_config
 from omniweave.models.components.mlp import SwiGLU
-from omniweave.models.components.moe import MoE, MoEConfig
+from omniweave.models.components.moe import ROUTERS, MoE, MoEConfig
 from omniweave.models.components.norm import RMSNorm
 from omniweave.models.components.rope import apply_rope, rope_cos_sin
 from omniweave.models.registry import register
@@ -32,7 +34,7 @@ class DecoderConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int | None = None  # default hidden_size // num_heads (Qwen3 sets it)
-    family: str = "qwen2"  # qwen2 | llama | qwen3 | qwen3_moe: which HF family exports it
+    family: str = "qwen2"  # qwen2 | llama | qwen3 | qwen3_moe | deepseek_v3: which HF family exports it
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": ..., ...}
     mrope_section: list[int] | None = None  # M-RoPE bands over (t, h, w); sums to head_dim/2
@@ -46,6 +48,14 @@ class DecoderConfig:
     attn_backend: str = "auto"  # auto | varlen | flash | sdpa | math (components/attention.py)
     initializer_range: float = 0.02
     hidden_act: str = "silu"
+    # Multi-head latent attention (family deepseek_v3, components/mla.py; HF's field names):
+    # head_dim is then qk_nope_head_dim + qk_rope_head_dim and RoPE covers the qk_rope_head_dim dims
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True  # the rope dims hold interleaved pairs (DeepSeek's released weights)
     # Mixture of Experts (HF Qwen3-MoE's fields and rule): layer i's MLP is a MoE block when
     # num_experts > 0, i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; other
     # layers keep the dense SwiGLU of intermediate_size. num_experts = 0: a dense model.
@@ -56,33 +66,78 @@ class DecoderConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     moe_backend: str = "auto"  # auto | grouped_mm | loop (components/moe.py)
+    # DeepSeek-V3 MoE (components/moe.py): layers before first_k_dense_replace are dense too; the
+    # router (default: sigmoid for deepseek_v3, else softmax), its groups and shared experts
+    first_k_dense_replace: int = 0
+    moe_router: str | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    # router training signals (components/router_loss.py, docs/moe.md); 0 turns each off
+    router_aux_loss_coef: float = 0.0  # load-balancing loss (HF Qwen3-MoE's name; its checkpoints say 0.001)
+    aux_loss_level: str = "global"  # global (data-parallel micro-step) | sequence (per document)
+    router_z_loss_coef: float = 0.0
+    bias_update_speed: float = 0.0  # aux-loss-free bias update (sigmoid router)
     extra_hf: dict = field(default_factory=dict)  # HF config keys kept for export
 
     def __post_init__(self):
         if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_heads
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.hidden_size // self.num_heads
+        if self.mla:
+            check_mla_config(self)
+        if self.moe_router is None:
+            self.moe_router = "sigmoid" if self.family == "deepseek_v3" else "softmax"
+        if self.moe_router not in ROUTERS:
+            raise ValueError(f"moe_router {self.moe_router!r}: choose from {', '.join(ROUTERS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.mrope_section is not None and sum(self.mrope_section) != self.head_dim // 2:
-            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
-        if self.family not in ("qwen2", "llama", "qwen3", "qwen3_moe"):
-            raise ValueError(f"family {self.family!r}: expected qwen2, llama, qwen3 or qwen3_moe")
+        if self.mrope_section is not None and sum(self.mrope_section) != self.rope_dim // 2:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to {self.rope_dim // 2} "
+                             f"(half the {'qk_rope_head_dim' if self.mla else 'head_dim'} {self.rope_dim})")  # fmt: skip
+        if self.family not in ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3"):
+            raise ValueError(f"family {self.family!r}: expected qwen2, llama, qwen3, qwen3_moe or deepseek_v3")
         if self.num_experts and (not self.num_experts_per_tok or not self.moe_intermediate_size):
             raise ValueError("num_experts > 0 needs num_experts_per_tok and moe_intermediate_size")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
 
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3) instead of GQA."""
+        return self.family == "deepseek_v3"
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a q / k head that RoPE rotates."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
     def is_moe_layer(self, layer: int) -> bool:
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)  # fmt: skip
+        return layer in moe_layer_indices(vars(self))
+
+
+def moe_layer_indices(cfg) -> list[int]:
+    """The layers whose MLP is a MoE block, from a decoder config (dataclass fields or its YAML
+    mapping): HF's rule (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``, DeepSeek-V3's
+    ``first_k_dense_replace``), see DecoderConfig."""
+    get = cfg.get
+    if not int(get("num_experts", 0) or 0):
+        return []
+    skip, step = set(get("mlp_only_layers", None) or []), int(get("decoder_sparse_step", 1) or 1)
+    first = int(get("first_k_dense_replace", 0) or 0)
+    return [i for i in range(first, int(get("num_layers", 0) or 0)) if i not in skip and (i + 1) % step == 0]
 
 
 def layer_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
     """Layer ``layer``'s feed-forward block: a MoE block or the dense SwiGLU (see DecoderConfig)."""
     if cfg.is_moe_layer(layer):
         return MoE(MoEConfig(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                             router="softmax", norm_topk_prob=cfg.norm_topk_prob, hidden_act=cfg.hidden_act,
-                             backend=cfg.moe_backend))  # fmt: skip
+                             router=cfg.moe_router, norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group,
+                             topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
+                             n_shared_experts=cfg.n_shared_experts, hidden_act=cfg.hidden_act,
+                             backend=cfg.moe_backend, aux_loss_coef=cfg.router_aux_loss_coef,
+                             aux_loss_level=cfg.aux_loss_level, z_loss_coef=cfg.router_z_loss_coef,
+                             bias_update_speed=cfg.bias_update_speed))  # fmt: skip
     return SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=False, act=cfg.hidden_act)
 
 
@@ -163,13 +218,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = MLAttention(cfg, layer) if cfg.mla else Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = layer_mlp(cfg, layer)
+        self.routed = isinstance(self.mlp, MoE)
 
-    def forward(self, x, cos, sin, cu_seqlens, kv_cache=None):
+    def forward(self, x, cos, sin, cu_seqlens, kv_cache=None, token_valid=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, cu_seqlens, token_valid) if self.routed else self.mlp(h))
 
 
 @register("foundation", "decoder", DecoderConfig)
@@ -207,7 +264,7 @@ class Decoder(nn.Module):
 
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        return rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.mrope_section, c.rope_scaling,
+        return rope_cos_sin(position_ids, c.rope_dim, c.rope_theta, c.mrope_section, c.rope_scaling,
                             c.mrope_interleaved)
 
     def forward(
@@ -218,9 +275,12 @@ class Decoder(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         deepstack: DeepStack | None = None,
+        token_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states [L, D] of a packed row (or new tokens, with ``kv_cache``).
-        ``deepstack``: per-level vision features added at the media rows after the first layers."""
+        ``deepstack``: per-level vision features added at the media rows after the first layers.
+        ``token_valid`` bool [L]: False at padding rows (context-parallel shards); the MoE
+        layers' router statistics skip them."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         L = x.shape[0]
         if position_ids is None:
@@ -232,26 +292,13 @@ class Decoder(nn.Module):
             cu_seqlens = torch.tensor([0, L], dtype=torch.int32, device=x.device)
         cos, sin = self.rope(position_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cu_seqlens, kv_cache)
+            x = layer(x, cos, sin, cu_seqlens, kv_cache, token_valid)
             if deepstack is not None and i < deepstack.num_levels:
                 x = deepstack.add(x, i)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def num_flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs/token (6·N + attention), as in the PaLM / torchtitan MFU estimate; N counts
-        the routed experts' parameters a token uses (k of E), not all of them."""
-        c = self.config
-        n = sum(p.numel() for n_, p in self.named_parameters() if "embed_tokens" not in n_)
-        if c.tie_word_embeddings:
-            n += self.lm_head.weight.numel()
-        for m in self.modules():
-            if isinstance(m, MoE):
-                routed = m.experts.gate_up_proj.numel() + m.experts.down_proj.numel()
-                n -= routed * (1 - m.active_fraction())
-        return 6 * n + 12 * c.num_layers * c.num_heads * c.head_dim * seq_len
 
 
 def param_count(module: nn.Module) -> int:

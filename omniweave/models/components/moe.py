@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from omniweave.models.components.mlp import SwiGLU, activation
+from omniweave.models.components.router_loss import (AUX_LEVELS, RouterStats, RouterStep, attach_loss, balance_probs,
+                                                     global_aux, recomputing, sequence_aux, z_loss_sum)
 
 ROUTERS = ("softmax", "sigmoid")
 BACKENDS = ("auto", "grouped_mm", "loop")
@@ -54,6 +56,11 @@ class MoEConfig:
     n_shared_experts: int = 0
     hidden_act: str = "silu"
     backend: str = "auto"  # auto | grouped_mm | loop
+    # training signals (components/router_loss.py); 0 turns each off
+    aux_loss_coef: float = 0.0
+    aux_loss_level: str = "global"  # global | sequence
+    z_loss_coef: float = 0.0
+    bias_update_speed: float = 0.0  # aux-loss-free balancing of the sigmoid router's selection bias
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -65,6 +72,13 @@ class MoEConfig:
         if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
             raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} "
                              f"and topk_group={self.topk_group} be in 1..n_group")  # fmt: skip
+        if self.aux_loss_level not in AUX_LEVELS:
+            raise ValueError(f"aux_loss_level {self.aux_loss_level!r}: choose from {', '.join(AUX_LEVELS)}")
+        if min(self.aux_loss_coef, self.z_loss_coef, self.bias_update_speed) < 0:
+            raise ValueError("router_aux_loss_coef, router_z_loss_coef and bias_update_speed must be >= 0")
+        if self.bias_update_speed and self.router != "sigmoid":
+            raise ValueError("bias_update_speed > 0 needs the sigmoid router (DeepSeek-V3's selection bias); "
+                             "the softmax router balances with router_aux_loss_coef")
         if self.router == "sigmoid" and self.n_group > 1 and self.num_experts // self.n_group < 2:
             raise ValueError("the sigmoid router scores a group by its two best experts: needs >= 2 experts per group")
 
@@ -96,12 +110,8 @@ def expert_matmul(xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, group
     if grouped:
         offs = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
-    outs = []
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            outs.append(F.linear(xs[start : start + n], w[e]))
-        start += n
+    # split, not slices: a slice's backward writes a zero gradient the size of all rows, per expert
+    outs = [F.linear(rows, w[e]) for e, rows in enumerate(xs.split(counts.tolist())) if rows.shape[0]]
     if not outs:
         return xs.new_zeros(0, w.shape[1])
     return torch.cat(outs)
@@ -146,13 +156,44 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts' weights, 3-D (see the module docstring for the layout)."""
+    """The routed experts' weights, 3-D (see the module docstring for the layout), and their
+    computation over rows sorted by expert. ``dispatch`` is the seam through which
+    ``parallel/expert.py`` sends the rows to the ranks owning their experts; being a module call,
+    FSDP gathers the weights around it when the experts are sharded."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.cfg = cfg
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
+        self.act = activation(cfg.hidden_act)
+        self.dispatch = None  # fn(experts, xs, counts) -> ys; None: every expert is here
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows ``xs`` [N, D] sorted by expert, ``counts[e]`` of them for expert e -> [N, D]."""
+        if self.dispatch is not None:
+            return self.dispatch(self, xs, counts)
+        return self.run(xs, counts, self.gate_up_proj, self.down_proj)
+
+    def use_grouped_mm(self, x: torch.Tensor) -> bool:
+        backend = self.cfg.backend
+        if backend == "loop":
+            return False
+        probe = x.new_empty(0, dtype=_compute_dtype(x))
+        ok = grouped_mm_supported(probe, self.cfg.hidden_size, self.cfg.moe_intermediate_size)
+        if backend == "grouped_mm" and not ok:
+            raise ValueError(f"moe backend grouped_mm: torch._grouped_mm does not run {probe.dtype} on "
+                             f"{x.device.type} with hidden {self.cfg.hidden_size} / intermediate "
+                             f"{self.cfg.moe_intermediate_size} (needs 16-byte aligned dims); use auto or loop")  # fmt: skip
+        return ok
+
+    def run(self, xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Rows ``xs`` [N, D] sorted by expert (``counts[e]`` rows for expert e of ``gate_up`` /
+        ``down``, which may be a slice of the experts) -> [N, D], unweighted, in ``xs``'s dtype."""
+        grouped = self.use_grouped_mm(xs)
+        gate, up = expert_matmul(xs, gate_up.to(xs.dtype), counts, grouped).chunk(2, dim=-1)
+        return expert_matmul(self.act(gate) * up, down.to(xs.dtype), counts, grouped)
 
 
 class MoE(nn.Module):
@@ -167,10 +208,13 @@ class MoE(nn.Module):
         if cfg.n_shared_experts:
             self.shared_experts = SwiGLU(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size,
                                          bias=False, act=cfg.hidden_act)  # fmt: skip
-        self.act = activation(cfg.hidden_act)
-        # the routed experts' computation: None runs all experts here (run_experts); set from
-        # outside (parallel/expert.py) as fn(moe, xs, counts) -> ys with xs sorted by expert
-        self.experts_fn = None
+        # router losses (router_loss.py): the step set by the trainer, the statistics' SUM over
+        # the data x context-parallel ranks (global) / a row's context-parallel ranks (sequence),
+        # set from outside (parallel/expert.set_router_groups), and the group sizes
+        self.step = RouterStep()
+        self.stats = RouterStats()
+        self.reduce_global = self.reduce_sequence = None
+        self.global_size = self.sequence_size = 1
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -182,43 +226,51 @@ class MoE(nn.Module):
         if self.cfg.router == "sigmoid":
             self.gate.e_score_correction_bias.zero_()
 
-    def use_grouped_mm(self, x: torch.Tensor) -> bool:
-        backend = self.cfg.backend
-        if backend == "loop":
-            return False
-        probe = x.new_empty(0, dtype=_compute_dtype(x))
-        ok = grouped_mm_supported(probe, self.cfg.hidden_size, self.cfg.moe_intermediate_size)
-        if backend == "grouped_mm" and not ok:
-            raise ValueError(f"moe backend grouped_mm: torch._grouped_mm does not run {probe.dtype} on "
-                             f"{x.device.type} with hidden {self.cfg.hidden_size} / intermediate "
-                             f"{self.cfg.moe_intermediate_size} (needs 16-byte aligned dims); use auto or loop")  # fmt: skip
-        return ok
-
-    def run_experts(self, xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
-        """Rows ``xs`` [N, D] sorted by expert (``counts[e]`` rows for expert e of ``gate_up`` /
-        ``down``, which may be a slice of the experts) -> [N, D], unweighted, in ``xs``'s dtype."""
-        grouped = self.use_grouped_mm(xs)
-        gate, up = expert_matmul(xs, gate_up.to(xs.dtype), counts, grouped).chunk(2, dim=-1)
-        return expert_matmul(self.act(gate) * up, down.to(xs.dtype), counts, grouped)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``cu_seqlens``: the row's documents (sequence-level aux loss); ``valid`` bool [T]: False
+        for rows that are padding (context-parallel shards), which no statistic counts."""
         T, k = x.shape[0], self.cfg.num_experts_per_tok
-        _, weights, idx = self.gate(x)
+        logits, weights, idx = self.gate(x)
         flat = idx.reshape(-1)  # [T·k]
         order = flat.argsort(stable=True)  # rows sorted by expert, tokens in order within one
         token = order // k
         counts = torch.bincount(flat, minlength=self.cfg.num_experts)
         xs = x[token].to(_compute_dtype(x))  # [T·k, D]
-        if self.experts_fn is not None:  # e.g. expert parallelism (parallel/expert.py)
-            ys = self.experts_fn(self, xs, counts)
-        else:
-            ys = self.run_experts(xs, counts, self.experts.gate_up_proj, self.experts.down_proj)  # [T·k, D]
+        ys = self.experts(xs, counts)  # [T·k, D]
         ys = ys.float() * weights.reshape(-1)[order, None].float()
         out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, ys)
         out = out.to(x.dtype)
         if self.cfg.n_shared_experts:
             out = out + self.shared_experts(x)
+        if torch.is_grad_enabled():  # training: counts for the metrics / bias update, the losses
+            out = self._router_signals(out, logits, idx, counts, cu_seqlens, valid)
+        return out
+
+    def _router_signals(self, out, logits, idx, counts, cu_seqlens, valid) -> torch.Tensor:
+        c, step = self.cfg, self.step
+        counting = not recomputing()  # a checkpointed forward's second run counts nothing
+        if counting:
+            self.stats.add_counts(counts if valid is None else
+                                  torch.bincount(idx[valid].reshape(-1), minlength=c.num_experts))
+        if c.aux_loss_coef:
+            probs = balance_probs(logits, c.router)
+            if c.aux_loss_level == "global":
+                term, value = global_aux(probs, idx, valid, self.reduce_global)
+                scale, share = c.aux_loss_coef / (step.micro_steps * step.layers), value / self.global_size
+            else:
+                if cu_seqlens is None:
+                    cu_seqlens = torch.tensor([0, logits.shape[0]], device=logits.device)
+                term, value = sequence_aux(probs, idx, cu_seqlens, valid, self.reduce_sequence)
+                scale, share = c.aux_loss_coef / (step.documents * step.layers), value / self.sequence_size
+            out = attach_loss(out, term, scale)
+            if counting:
+                self.stats.aux = self.stats.aux + share
+        if c.z_loss_coef:
+            z = z_loss_sum(logits, valid)
+            out = attach_loss(out, z, c.z_loss_coef / (step.tokens * step.layers))
+            if counting:
+                self.stats.z = self.stats.z + z.detach()
         return out
 
     def active_fraction(self) -> float:

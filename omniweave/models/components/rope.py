@@ -1,4 +1,4 @@
-"""Rotary position embeddings: 1-D RoPE (with Llama-3 scaling), Qwen2-VL M-RoPE, vision 2-D RoPE.
+"""Rotary position embeddings: 1-D RoPE (with Llama-3 or YaRN scaling), Qwen2-VL M-RoPE, vision 2-D RoPE.
 
 All functions return ``cos, sin`` of shape ``[L, head_dim]`` in float32 (the "rotate half" layout
 of Hugging Face models: the two halves of the head repeat the same frequencies) and
@@ -15,14 +15,25 @@ import math
 import torch
 
 
+def rope_kind(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1·mscale·ln(scale) + 1`` (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> torch.Tensor:
-    """float32 [head_dim/2] inverse frequencies; ``scaling={"rope_type": "llama3", ...}`` supported."""
+    """float32 [head_dim/2] inverse frequencies; ``scaling`` of rope_type llama3 or yarn supported."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = rope_kind(scaling)
     if kind == "default":
         return inv_freq
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, device)
     if kind != "llama3":
-        raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, llama3)")
+        raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, llama3, yarn)")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_len / low, old_len / high
@@ -32,6 +43,43 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(dim: int, theta: float, s: dict, device=None) -> torch.Tensor:
+    """YaRN (transformers' ``_compute_yarn_parameters``): frequencies rotating fewer than
+    ``beta_slow`` times over ``original_max_position_embeddings`` are divided by ``factor``, those
+    rotating more than ``beta_fast`` times are kept, a linear ramp in between."""
+    if s.get("factor") is None:
+        raise ValueError("yarn rope scaling needs 'factor' (post-yarn / original context length)")
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    keep = 1 - ramp  # share of the unscaled (extrapolated) frequency
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor cos and sin are multiplied by: YaRN's ``attention_factor`` (given, or
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``, or ``mscale(factor)``); else 1."""
+    if rope_kind(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 def rope_cos_sin(
@@ -69,6 +117,9 @@ def rope_cos_sin(
             chunks = all_freqs.split(list(mrope_section), dim=-1)
             freqs = torch.cat([c[i % 3] for i, c in enumerate(chunks)], dim=-1)
     emb = torch.cat([freqs, freqs], dim=-1)
+    factor = rope_attention_factor(scaling)
+    if factor != 1.0:
+        return emb.cos() * factor, emb.sin() * factor
     return emb.cos(), emb.sin()
 
 

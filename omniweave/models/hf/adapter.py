@@ -30,7 +30,9 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict | None, list[int] | No
     merged.pop("rope_theta", None)
     mrope = merged.pop("mrope_section", None)
     merged.pop("mrope_interleaved", None)
-    kind = merged.get("rope_type", merged.get("type", "default"))
+    if "type" in merged:  # the 4.x name (DeepSeek-V3's released config: rope_scaling.type = yarn)
+        merged.setdefault("rope_type", merged.pop("type"))
+    kind = merged.get("rope_type", "default")
     scaling = None if kind == "default" else merged
     return theta, scaling, (list(mrope) if mrope else None)
 
@@ -85,6 +87,9 @@ class DecoderAdapter:
 
     def config_to_hf(self, cfg) -> dict[str, Any]:
         """HF config.json dict of a DecoderConfig."""
+        if cfg.family != self.family:  # e.g. a Qwen2.5-VL recipe with the DeepSeek-V3 backbone swapped in
+            raise ValueError(f"a {self.model_type} export needs a foundation of family {self.family}; this one is "
+                             f"{cfg.family} (transformers has no such combination to load it)")  # fmt: skip
         out = {
             "architectures": [self.architecture],
             "model_type": self.model_type,

@@ -132,7 +132,9 @@ def load_hf_into(model: nn.Module, hf_dir: str | Path) -> int:
     adapter = adapter_for(read_hf_config(hf_dir).get("model_type", "?"))
     where = _weight_files(hf_dir)
     skip = adapter.skip_on_export(model) if hasattr(adapter, "skip_on_export") else set()
-    tensors = dict(model.named_parameters())  # buffers (rope frequencies) come from init_weights
+    tensors = dict(model.named_parameters())
+    persistent = model.state_dict(keep_vars=True)  # checkpointed buffers (DeepSeek-V3's e_score_correction_bias)
+    tensors.update({n: b for n, b in model.named_buffers() if n in persistent})
     missing = []
     handles: dict[Path, Any] = {}
 

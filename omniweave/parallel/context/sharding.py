@@ -35,7 +35,8 @@ import torch
 from omniweave.models.omni import feature_rows_from_spans  # noqa: F401 (the one implementation; tp.py imports it here)
 
 # keys of a micro-batch (loader.collate_pack) that shard_batch rewrites / passes through
-_REWRITTEN_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "media_spans", "feature_rows", "token_data")
+_REWRITTEN_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "media_spans", "feature_rows", "token_data",
+                   "token_valid")
 _WHOLE_ROW_KEYS = ("pixel_values", "grid_thw", "num_loss_tokens")  # passed through unchanged
 
 
@@ -186,6 +187,9 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
     }
     if "token_data" in batch:
         out["token_data"] = {k: shard_rows(v, plan, rank, fill=0) for k, v in batch["token_data"].items()}
+    valid = batch.get("token_valid")
+    valid = torch.ones(plan.row_len, dtype=torch.bool, device=ids.device) if valid is None else valid
+    out["token_valid"] = shard_rows(valid, plan, rank, fill=False)  # pads: no router statistics (MoE)
     out.update({k: batch[k] for k in _WHOLE_ROW_KEYS if k in batch})
     return out
 
@@ -225,4 +229,7 @@ def append_pad_document(batch: dict, length: int, pad_id: int = 0) -> dict:
         out["feature_rows"] = torch.cat([batch["feature_rows"], batch["feature_rows"].new_full((length,), -1)])
     if "token_data" in batch:
         out["token_data"] = {k: torch.cat([v, v.new_zeros(length)]) for k, v in batch["token_data"].items()}
+    valid = batch.get("token_valid")
+    valid = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device) if valid is None else valid
+    out["token_valid"] = torch.cat([valid, valid.new_zeros(length)])
     return out
