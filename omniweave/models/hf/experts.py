@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 class PerExpertTensors:
@@ -57,7 +57,7 @@ class PerExpertTensors:
 
     def model_tensors_to_hf(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """HF (name, tensor) pairs of one of our tensors: 3-D experts split per expert."""
-        m = _FUSED.match(name)
+        m = FUSED_EXPERT.match(name)
         if m is None:
             hf_name = self.model_name_to_hf(name)
             return [] if hf_name is None else [(hf_name, t)]
@@ -71,7 +71,7 @@ class PerExpertTensors:
     def assemble(self, name: str, has: Callable[[str], bool], read: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
         """Our 3-D expert tensor ``name`` read from a per-expert checkpoint (``load_hf_into``);
         None where the checkpoint holds ``name``'s own HF tensor (fused layout, other tensors)."""
-        m = _FUSED.match(name)
+        m = FUSED_EXPERT.match(name)
         if m is None or has(self.model_name_to_hf(name)):
             return None
         prefix, e, out = self.model_name_to_hf(m.group(1)), 0, []

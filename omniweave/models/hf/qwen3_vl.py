@@ -23,14 +23,14 @@ shapes differ, and then fails with the tensor's name and both shapes rather than
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 import torch
 
+from omniweave.models.hf.experts import FUSED_EXPERT
 from omniweave.models.hf.qwen2_vl import Qwen2VLAdapter
 from omniweave.models.hf.qwen3 import Qwen3Adapter
-from omniweave.models.hf.qwen3_moe import _FUSED, Qwen3MoeAdapter
+from omniweave.models.hf.qwen3_moe import Qwen3MoeAdapter
 from omniweave.models.registry import register
 
 _VISION_MLP = (".mlp.linear_fc1.", ".mlp.fc1."), (".mlp.linear_fc2.", ".mlp.fc2.")
@@ -151,17 +151,17 @@ class Qwen3VLMoeAdapter(Qwen3VLAdapter):
         return t.transpose(1, 2).contiguous()
 
     def model_tensors_to_ours(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: self._to_ours(n, t) if _FUSED.match(n) else t for n, t in tensors.items()}
+        return {n: self._to_ours(n, t) if FUSED_EXPERT.match(n) else t for n, t in tensors.items()}
 
     def model_tensors_to_hf(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if _FUSED.match(name):
+        if FUSED_EXPERT.match(name):
             return [(self.name_to_hf(name), t.transpose(1, 2).contiguous())]
         hf_name = self.model_name_to_hf(name)
         return [] if hf_name is None else [(hf_name, t)]
 
     def assemble(self, name: str, has: Callable[[str], bool], read: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
         """Our expert tensor ``name`` read transposed (``load_hf_into``); None for other tensors."""
-        if not _FUSED.match(name):
+        if not FUSED_EXPERT.match(name):
             return None
         hf_name = self.name_to_hf(name)
         if not has(hf_name):
