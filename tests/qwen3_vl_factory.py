@@ -11,8 +11,8 @@ import torch
 
 from omniweave.data.rope_index import mrope_position_ids
 from omniweave.data.sample import MediaSpan
+from tests.vl_factory import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, sample_row
 
-IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 5, 6, 3, 4
 IN_DIM = 3 * 2 * 16 * 16
 FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 
@@ -92,21 +92,9 @@ def make_sample(media: list[tuple[str, tuple[int, int, int]]], seed: int = 0, te
         ids.append(rand(text))
         grids.append((t, h, w))
         kinds.append(kind)
-    input_ids = torch.cat(ids)
-    P = sum(t * h * w for t, h, w in grids)
-    labels = torch.roll(input_ids, -1).clone()
-    labels[-1] = -100
-    labels[(input_ids == IMAGE_PAD) | (input_ids == VIDEO_PAD)] = -100
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "pixel_values": torch.randn(P, IN_DIM, generator=g),
-        "grid_thw": torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
-        "media_spans": torch.tensor([(s.start, s.length) for s in spans], dtype=torch.long).reshape(-1, 2),
-        "cu_seqlens": torch.tensor([0, input_ids.numel()], dtype=torch.int32),
-        "position_ids": torch.from_numpy(mrope_position_ids(input_ids.numel(), spans, 2)).long(),
-        "kinds": kinds,
-    }
+    row = sample_row(ids, grids, [(s.start, s.length) for s in spans], kinds, g, IN_DIM)
+    row["position_ids"] = torch.from_numpy(mrope_position_ids(row["input_ids"].numel(), spans, 2)).long()
+    return row
 
 
 def pack(samples: list[dict]) -> dict:

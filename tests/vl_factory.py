@@ -59,6 +59,13 @@ def make_sample(media: list[tuple[str, tuple[int, int, int]]], seed: int = 0, te
         ids += [torch.full((n,), IMAGE_PAD if kind == "image" else VIDEO_PAD), torch.tensor([VISION_END]), rand(text)]
         grids.append(grid)
         kinds.append(kind)
+    return sample_row(ids, grids, spans, kinds, g)
+
+
+def sample_row(ids: list[torch.Tensor], grids: list, spans: list[tuple[int, int]], kinds: list[str],
+               g: torch.Generator, in_dim: int = IN_DIM) -> dict:
+    """The batch dict of one document: its token pieces, media grids and (start, length) spans;
+    labels = next token, -100 at media pads and the end; random patches."""
     input_ids = torch.cat(ids)
     P = sum(t * h * w for t, h, w in grids)
     labels = torch.roll(input_ids, -1).clone()
@@ -67,7 +74,7 @@ def make_sample(media: list[tuple[str, tuple[int, int, int]]], seed: int = 0, te
     return {
         "input_ids": input_ids,
         "labels": labels,
-        "pixel_values": torch.randn(P, IN_DIM, generator=g),
+        "pixel_values": torch.randn(P, in_dim, generator=g),
         "grid_thw": torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
         "media_spans": torch.tensor(spans, dtype=torch.long).reshape(-1, 2),
         "cu_seqlens": torch.tensor([0, input_ids.numel()], dtype=torch.int32),
