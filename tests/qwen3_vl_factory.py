@@ -12,6 +12,7 @@ import torch
 from omniweave.data.rope_index import mrope_position_ids
 from omniweave.data.sample import MediaSpan
 from tests.vl_factory import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, sample_row
+from tests.vl_factory import hf_inputs as vl_hf_inputs
 
 IN_DIM = 3 * 2 * 16 * 16
 FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
@@ -118,19 +119,12 @@ def ours_batch(sample: dict) -> dict:
 
 
 def hf_inputs(sample: dict) -> dict:
-    """transformers kwargs for one document: images and videos split, mm_token_type_ids, mask."""
+    """transformers kwargs for one document: vl_factory's (images and videos split), plus the
+    attention mask and mm_token_type_ids that Qwen3-VL's get_rope_index always takes."""
+    out = vl_hf_inputs(sample)
     ids = sample["input_ids"]
-    sizes = sample["grid_thw"].prod(-1).tolist()
-    chunks = torch.split(sample["pixel_values"], sizes) if sizes else []
-    out = {"input_ids": ids[None], "attention_mask": torch.ones_like(ids)[None]}
-    for kind, pv_key, grid_key in (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw")):
-        sel = [i for i, k in enumerate(sample["kinds"]) if k == kind]
-        if sel:
-            out[pv_key] = torch.cat([chunks[i] for i in sel])
-            out[grid_key] = sample["grid_thw"][sel]
-    tt = torch.zeros_like(ids)
-    tt[ids == IMAGE_PAD], tt[ids == VIDEO_PAD] = 1, 2
-    out["mm_token_type_ids"] = tt[None]
+    out["attention_mask"] = torch.ones_like(ids)[None]
+    out.setdefault("mm_token_type_ids", torch.zeros_like(ids)[None])
     return out
 
 
