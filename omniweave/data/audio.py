@@ -15,9 +15,15 @@ pre-skip, which FFmpeg's Ogg demuxer leaves in the duration) decode to exactly t
 count; AAC in mp4/m4a decodes up to one 1024-sample frame of encoder padding past the end that the
 edit list cuts off. The resampler's flushed output is within a couple of samples of
 ``num_samples * 16000 / rate``. ``load_audio`` therefore trims the tail / zero-pads to the header
-count, and refuses (``MediaError("audio_length_mismatch")``) when the two differ by more than
-``MAX_LENGTH_SLACK_S`` -- a truncated or lying file, whose token count planned at packing time
-would be wrong.
+count, and refuses (``MediaError("audio_truncated")`` / ``"audio_length_mismatch"``) when the
+decoded audio ends more than ``MAX_SHORT_S`` before or ``MAX_EXTRA_S`` after the header's end -- a
+truncated or lying file, whose token count planned at packing time would be wrong.
+
+Truncation is caught where the header states the length: mp4/m4a (no ``moov``: unreadable), flac
+and mp3 with a Xing tag (decoded short of the header), wav (the ``data`` chunk's declared size vs
+the bytes present, checked here because FFmpeg silently clamps the duration to the file size). Ogg
+and raw streams have no total length in a header: a file cut at a page / frame boundary reads as
+shorter audio, consistently on both paths.
 
 Headers without a reliable duration -- raw ADTS AAC and mp3 without a Xing/Info/VBRI tag, where
 FFmpeg only *estimates* the duration from the bitrate, or any stream without a duration -- are
@@ -46,7 +52,8 @@ from omniweave.data.media import MediaError
 SAMPLE_RATE = 16000
 HOP_LENGTH = 160  # WhisperFeatureExtractor: one mel frame per 10 ms
 WINDOW_SAMPLES = 30 * SAMPLE_RATE  # WhisperFeatureExtractor.n_samples; Qwen2-Audio's fixed input
-MAX_LENGTH_SLACK_S = 0.25  # decoded vs header length beyond this: a truncated / inconsistent file
+MAX_EXTRA_S = 0.25  # decoded past the header's end: codec padding is < 1 frame (1024 AAC samples)
+MAX_SHORT_S = 0.001  # decoded short of the header's end: the resampler is off by <= 1 sample
 _ESTIMATED_DURATION_FORMATS = {"aac"}  # FFmpeg's raw ADTS demuxer: duration guessed from bitrate
 _MP3_EXACT_TAGS = (b"Xing", b"Info", b"VBRI")  # frame-count tags FFmpeg reads an exact duration from
 
@@ -89,6 +96,32 @@ def _raw_head(data: PathOrBytes, n: int = 8192) -> bytes:
         return f.read(n)
 
 
+def _wav_data_bytes(data: PathOrBytes) -> tuple[int, int] | None:
+    """(declared, present) bytes of a RIFF/WAVE file's ``data`` chunk, or None when not found."""
+    head = _raw_head(data, 1 << 16)
+    if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return None
+    total = len(data) if isinstance(data, (bytes, bytearray)) else Path(data).stat().st_size
+    pos = 12
+    while pos + 8 <= len(head):
+        chunk, size = head[pos:pos + 4], int.from_bytes(head[pos + 4:pos + 8], "little")
+        if chunk == b"data":
+            return size, total - pos - 8
+        pos += 8 + size + (size & 1)
+    return None
+
+
+def _check_wav(data: PathOrBytes) -> None:
+    sizes = _wav_data_bytes(data)
+    if sizes is None:
+        return
+    declared, present = sizes
+    if declared == 0:
+        raise MediaError("empty_audio", "the wav file's data chunk is empty (zero length)")
+    if declared != 0xFFFFFFFF and present < declared:  # 0xFFFFFFFF: a streamed wav of unknown size
+        raise MediaError("audio_truncated", f"the wav data chunk declares {declared} bytes, {present} are present")
+
+
 def _packet_frames(container, stream) -> int:
     """Sample count from the demuxed packets' durations (reads compressed data, decodes nothing)."""
     end = 0
@@ -118,7 +151,11 @@ def _header_frames(container, stream, data: PathOrBytes) -> int:
 
 
 def probe_audio(data: PathOrBytes) -> AudioInfo:
-    """Sample count, rate, channels, codec and container from the header, without decoding audio."""
+    """Sample count, rate, channels, codec and container from the header, without decoding audio.
+
+    Opus streams report 48000 Hz (the rate Opus always decodes at), whatever the encoder's input was.
+    """
+    _check_wav(data)
     container = _open(data)
     try:
         if not container.streams.audio:
@@ -175,13 +212,11 @@ def load_audio(data: PathOrBytes, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     finally:
         container.close()
     samples = np.concatenate(pieces).astype(np.float32, copy=False) if pieces else np.zeros(0, np.float32)
-    slack = abs(len(samples) - want)
-    if slack > MAX_LENGTH_SLACK_S * sample_rate:
-        raise MediaError(
-            "audio_length_mismatch",
-            f"decoded {len(samples) / sample_rate:.3f} s but the header says {want / sample_rate:.3f} s "
-            "(truncated or corrupt file)",
-        )
+    got = f"decoded {len(samples) / sample_rate:.3f} s but the header says {want / sample_rate:.3f} s"
+    if len(samples) < want - MAX_SHORT_S * sample_rate:
+        raise MediaError("audio_truncated", f"{got} (truncated or corrupt file)")
+    if len(samples) > want + MAX_EXTRA_S * sample_rate:
+        raise MediaError("audio_length_mismatch", f"{got} (the header's duration is wrong)")
     if len(samples) >= want:
         return samples[:want]
     return np.pad(samples, (0, want - len(samples)))
