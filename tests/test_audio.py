@@ -119,6 +119,18 @@ def test_log_mel_untruncated_equals_the_extractor_per_clip(n_mels):
         assert ours.num_frames[i] == ref["attention_mask"].sum()
 
 
+def test_log_mel_skips_only_pure_padding_frames():
+    """The STFT runs over the clips + n_fft samples only; lengths around that cut (and 30 s exactly)
+    still equal the extractor, whose frames over pure padding are log10(1e-10)."""
+    rng = np.random.default_rng(3)
+    w = A.WINDOW_SAMPLES
+    for n in (w - 1000, w - 401, w - 400, w - 399, w - 160, w, 401):
+        c = (0.1 * rng.standard_normal(n)).astype(np.float32)
+        ref = WhisperFeatureExtractor(feature_size=80)(c, sampling_rate=16000, return_tensors="np")["input_features"]
+        ours = log_mel([torch.from_numpy(c)], 80).features.numpy()
+        assert np.abs(ours - ref).max() <= MEL_TOL, n
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 def test_log_mel_on_cuda_equals_cpu():
     rng = np.random.default_rng(2)

@@ -14,6 +14,9 @@ Per clip (16 kHz mono float32, n samples), as the extractor computes it:
 batch clips of different padded lengths, we can: the centre padding is applied per clip, so every
 clip's features equal the extractor's on that clip alone. Frames past ``P_i // 160`` are 0.
 
+Speed: frames of pure padding are a constant, so a 5 s clip padded to 30 s costs the STFT of ~5 s,
+not 30 s (the extractor transforms all 30 s).
+
 The filter bank is computed here (slaney mel scale and area norm, as ``audio_utils.mel_filter_bank``
 with ``norm="slaney", mel_scale="slaney"``); tests compare it against transformers'.
 """
@@ -92,25 +95,39 @@ def log_mel(
         padded = [max(lengths)] * len(clips)
     else:
         padded = [CHUNK_SAMPLES if truncation else max(n, CHUNK_SAMPLES) for n in lengths]
-    # centre padding per clip (reflect, as torch.stft(center=True)), then zeros up to the batch length
-    half = N_FFT // 2
-    framed = []
-    for c, p in zip(clips, padded):
-        x = torch.nn.functional.pad(c, (0, p - len(c)))
-        framed.append(torch.nn.functional.pad(x[None, None], (half, half), mode="reflect")[0, 0])
-    longest = max(len(x) for x in framed)
-    batch = torch.stack([torch.nn.functional.pad(x, (0, longest - len(x))) for x in framed])
+    longest = max(padded)
+    # Frames whose window lies wholly in the zero padding have power 0, i.e. log10(1e-10) = -10: the
+    # STFT only runs over the first min(P, longest clip + n_fft) samples (zeros past the clips are
+    # their own reflection, so those frames are exact) and the rest is that constant.
+    span = min(longest, max(lengths) + N_FFT)
+    batch = torch.zeros(len(clips), span, device=device)
+    for i, c in enumerate(clips):
+        batch[i, : len(c)] = c
     window = torch.hann_window(N_FFT, device=device)
-    stft = torch.stft(batch, N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True)
-    frames_out = max(padded) // HOP_LENGTH
-    power = (stft[..., :frames_out].abs() ** 2).contiguous()  # drop the extractor's last frame
+    uniform = all(p == longest for p in padded)
+    if uniform:  # one padded length: the extractor's own call, centre (reflect) padding in the STFT
+        spec = torch.stft(batch, N_FFT, HOP_LENGTH, window=window, center=True, pad_mode="reflect", return_complex=True)
+    else:  # per clip centre padding at its own end (span == longest here), then zeros to the batch length
+        half = N_FFT // 2
+        framed = torch.zeros(len(clips), span + N_FFT, device=device)
+        for i, p in enumerate(padded):
+            framed[i, : p + N_FFT] = torch.nn.functional.pad(batch[i : i + 1, :p], (half, half), mode="reflect")[0]
+        spec = torch.stft(framed, N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True)
+    frames_out = longest // HOP_LENGTH  # the extractor drops the STFT's last frame
+    power = spec.real.square() + spec.imag.square()  # |X|^2 (3x faster than abs() ** 2 on CPU)
     filters = mel_filters(n_mels).to(device=device, dtype=torch.float32)
-    log_spec = torch.clamp(filters.T @ power, min=1e-10).log10()
+    log_spec = torch.clamp(filters.T @ power, min=1e-10).log10()[..., :frames_out]
+    if log_spec.shape[-1] < frames_out:
+        silence = torch.clamp(torch.zeros((), device=device), min=1e-10).log10().item()
+        log_spec = torch.nn.functional.pad(log_spec, (0, frames_out - log_spec.shape[-1]), value=silence)
     padded_frames = torch.tensor([p // HOP_LENGTH for p in padded], device=device)
-    in_clip = torch.arange(frames_out, device=device)[None, :] < padded_frames[:, None]  # [B, T]
-    peak = log_spec.masked_fill(~in_clip[:, None, :], -torch.inf).amax(dim=(1, 2), keepdim=True)
-    log_spec = (torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0
-    log_spec = log_spec.masked_fill(~in_clip[:, None, :], 0.0)
+    if uniform:
+        peak = log_spec.amax(dim=(1, 2), keepdim=True)
+        log_spec = (torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0
+    else:
+        in_clip = torch.arange(frames_out, device=device)[None, None, :] < padded_frames[:, None, None]
+        peak = log_spec.masked_fill(~in_clip, -torch.inf).amax(dim=(1, 2), keepdim=True)
+        log_spec = ((torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0).masked_fill(~in_clip, 0.0)
     num_frames = torch.tensor(
         [min(-(-n // HOP_LENGTH), p // HOP_LENGTH) for n, p in zip(lengths, padded)], device=device
     )
