@@ -25,7 +25,7 @@ def available(fmt: str) -> bool:
 
 def signal(seconds: float, sample_rate: int, channels: int, seed: int = 0) -> np.ndarray:
     """[channels, n] float32: a different tone per channel plus a little noise, |x| < 0.5."""
-    n = int(round(seconds * sample_rate))
+    n = round(seconds * sample_rate)
     t = np.arange(n) / sample_rate
     rng = np.random.default_rng(seed)
     tones = [0.3 * np.sin(2 * np.pi * (220 + 170 * c + 13 * seed) * t) for c in range(channels)]

@@ -17,7 +17,9 @@ import pytest
 import torch
 from transformers import WhisperFeatureExtractor
 from transformers.audio_utils import mel_filter_bank
-from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import _get_feat_extract_output_lengths as omni_lengths
+from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import (
+    _get_feat_extract_output_lengths as omni_lengths,
+)
 from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 
 from omniweave.data import audio as A

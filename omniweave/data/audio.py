@@ -40,7 +40,6 @@ clip, so one clip is one item: the count is that of ``WhisperFeatureExtractor(tr
 from __future__ import annotations
 
 import io
-import math
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -85,7 +84,7 @@ def _open(data: PathOrBytes):
     source = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else str(data)
     try:
         return av.open(source, mode="r")
-    except Exception as e:  # noqa: BLE001 - FFmpeg probes the format; any failure means "not media"
+    except Exception as e:  # FFmpeg probes the format: any failure to open means "not media"
         raise MediaError("not_audio", f"cannot open as an audio container: {e}") from e
 
 
@@ -166,7 +165,7 @@ def probe_audio(data: PathOrBytes) -> AudioInfo:
             raise MediaError("bad_audio", "the audio stream header has no sample rate / channel count")
         try:
             frames = _header_frames(container, stream, data)
-        except Exception as e:  # noqa: BLE001 - a demux error while counting packets: a corrupt file
+        except Exception as e:  # a demux error while counting packets: a corrupt file
             raise MediaError("bad_audio", f"cannot read the audio stream: {e}") from e
         info = AudioInfo(
             frames=int(frames),
@@ -207,7 +206,7 @@ def load_audio(data: PathOrBytes, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
         pieces += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
     except MediaError:
         raise
-    except Exception as e:  # noqa: BLE001 - corrupt packets mid-stream
+    except Exception as e:  # corrupt packets mid-stream
         raise MediaError("bad_audio", f"cannot decode the audio stream: {e}") from e
     finally:
         container.close()
