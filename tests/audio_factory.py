@@ -32,12 +32,14 @@ def signal(seconds: float, sample_rate: int, channels: int, seed: int = 0) -> np
     return (np.stack(tones) + 0.02 * rng.standard_normal((channels, n))).astype(np.float32)
 
 
-def encode(x: np.ndarray, sample_rate: int, fmt: str, container_options: dict | None = None) -> bytes:
+def encode(x: np.ndarray, sample_rate: int, fmt: str, container_options: dict | None = None,
+           metadata: dict | None = None) -> bytes:
     """Encode [channels, n] float samples as ``fmt`` (a FORMATS key); returns the file's bytes."""
     container, codec, options = FORMATS[fmt]
     buf = io.BytesIO()
     layout = "mono" if x.shape[0] == 1 else "stereo"
     with av.open(buf, mode="w", format=container, options=container_options or {}) as out:
+        out.metadata.update(metadata or {})
         stream = out.add_stream(codec, rate=sample_rate, layout=layout, options=options)
         for i in range(0, x.shape[1], 4000):
             frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x[:, i:i + 4000]), format="fltp", layout=layout)

@@ -233,10 +233,13 @@ def test_long_audio_is_split_not_truncated():
 
 
 def test_header_without_exact_duration_counts_packets():
-    """Raw ADTS AAC and mp3 without a Xing tag: FFmpeg only estimates the duration from the bitrate;
-    the probe sums the demuxed packets instead, which equals the decoded length."""
+    """Raw ADTS AAC and mp3 without a Xing tag (one with an ID3 title that reads like the tags):
+    FFmpeg only estimates the duration from the bitrate; the probe sums the demuxed packets
+    instead, which equals the decoded length."""
     x = signal(2.0, 44100, 2, seed=5)
-    for data in (encode(x, 44100, "mp3", {"write_xing": "0"}), _adts(x, 44100)):
+    no_xing = {"write_xing": "0"}
+    for data in (encode(x, 44100, "mp3", no_xing), encode(x, 44100, "mp3", no_xing, {"title": "Xing Info VBRI"}),
+                 _adts(x, 44100)):
         info = A.probe_audio(data)
         with av.open(io.BytesIO(data)) as c:
             s = c.streams.audio[0]

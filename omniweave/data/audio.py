@@ -47,14 +47,13 @@ from pathlib import Path
 import numpy as np
 
 from omniweave.data.media import MediaError
+from omniweave.data.mel import CHUNK_SAMPLES as WINDOW_SAMPLES  # 30 s: Qwen2-Audio's fixed input
+from omniweave.data.mel import SAMPLE_RATE, mel_frames
 
-SAMPLE_RATE = 16000
-HOP_LENGTH = 160  # WhisperFeatureExtractor: one mel frame per 10 ms
-WINDOW_SAMPLES = 30 * SAMPLE_RATE  # WhisperFeatureExtractor.n_samples; Qwen2-Audio's fixed input
 MAX_EXTRA_S = 0.25  # decoded past the header's end: codec padding is < 1 frame (1024 AAC samples)
 MAX_SHORT_S = 0.001  # decoded short of the header's end: the resampler is off by <= 1 sample
 _ESTIMATED_DURATION_FORMATS = {"aac"}  # FFmpeg's raw ADTS demuxer: duration guessed from bitrate
-_MP3_EXACT_TAGS = (b"Xing", b"Info", b"VBRI")  # frame-count tags FFmpeg reads an exact duration from
+_MP3_EXACT_TAGS = (b"Xing", b"Info", b"VBRI")  # first-frame tags FFmpeg reads an exact duration from
 
 PathOrBytes = str | Path | bytes
 
@@ -88,11 +87,24 @@ def _open(data: PathOrBytes):
         raise MediaError("not_audio", f"cannot open as an audio container: {e}") from e
 
 
-def _raw_head(data: PathOrBytes, n: int = 8192) -> bytes:
+def _raw_head(data: PathOrBytes, n: int) -> bytes:
     if isinstance(data, (bytes, bytearray)):
         return bytes(data[:n])
     with open(data, "rb") as f:
         return f.read(n)
+
+
+def _mp3_has_frame_count(data: PathOrBytes) -> bool:
+    """Whether the first mp3 frame carries a Xing / Info / VBRI tag (looked for right after the
+    frame header, past any ID3v2 tag, so that a title reading "Info" is not taken for one)."""
+    head = _raw_head(data, 10)
+    start = 0
+    if head[:3] == b"ID3" and len(head) == 10:  # ID3v2: 10-byte header, syncsafe size, optional footer
+        start = 10 + sum((b & 0x7F) << (7 * (3 - i)) for i, b in enumerate(head[6:10])) + (10 if head[5] & 0x10 else 0)
+    frame = _raw_head(data, start + 4096)[start:]
+    sync = next((i for i in range(len(frame) - 1) if frame[i] == 0xFF and frame[i + 1] & 0xE0 == 0xE0), None)
+    # the tags sit after the side info: at most 4 + 32 bytes into the frame
+    return sync is not None and any(tag in frame[sync + 4:sync + 4 + 40] for tag in _MP3_EXACT_TAGS)
 
 
 def _wav_data_bytes(data: PathOrBytes) -> tuple[int, int] | None:
@@ -134,7 +146,7 @@ def _packet_frames(container, stream) -> int:
 def _header_frames(container, stream, data: PathOrBytes) -> int:
     rate = stream.sample_rate
     estimated = container.format.name in _ESTIMATED_DURATION_FORMATS or (
-        container.format.name == "mp3" and not any(tag in _raw_head(data) for tag in _MP3_EXACT_TAGS)
+        container.format.name == "mp3" and not _mp3_has_frame_count(data)
     )
     if estimated:
         return _packet_frames(container, stream)
@@ -144,8 +156,8 @@ def _header_frames(container, stream, data: PathOrBytes) -> int:
         frames = round(Fraction(container.duration, 1_000_000) * rate)
     else:
         return _packet_frames(container, stream)
-    if stream.codec_context.name == "opus":  # Ogg keeps the decoder's pre-skip in the duration
-        frames -= stream.codec_context.delay * rate // 48000
+    if stream.codec_context.name == "opus":  # Ogg keeps the pre-skip (48 kHz samples, Opus's rate) in the duration
+        frames -= stream.codec_context.delay
     return frames
 
 
@@ -232,13 +244,6 @@ def _to_mono(frames):
 
 
 # ---------------------------------------------------------------------------- token counts
-
-
-def mel_frames(num_samples: int, padded_samples: int) -> int:
-    """Valid frames of ``WhisperFeatureExtractor`` (its attention-mask sum) for a clip of
-    ``num_samples`` padded to ``padded_samples``: ceil(n / hop), at most padded // hop (the STFT's
-    last frame is dropped)."""
-    return min(-(-num_samples // HOP_LENGTH), padded_samples // HOP_LENGTH)
 
 
 def encoder_tokens(frames: int) -> int:

@@ -48,6 +48,12 @@ def _mel_to_hz(mel: torch.Tensor) -> torch.Tensor:
     return torch.where(mel < min_log_mel, mel * f_sp, min_log_hz * torch.exp(logstep * (mel - min_log_mel)))
 
 
+def mel_frames(num_samples: int, padded_samples: int) -> int:
+    """Valid frames (the extractor's attention-mask sum) of a clip of ``num_samples`` padded to
+    ``padded_samples``: ceil(n / hop), at most padded // hop (the STFT's last frame is dropped)."""
+    return min(-(-num_samples // HOP_LENGTH), padded_samples // HOP_LENGTH)
+
+
 @lru_cache(maxsize=8)
 def mel_filters(n_mels: int, n_fft: int = N_FFT, sample_rate: int = SAMPLE_RATE, f_max: float = 8000.0) -> torch.Tensor:
     """[n_fft // 2 + 1, n_mels] float64 triangular slaney filters with area normalisation."""
@@ -128,7 +134,5 @@ def log_mel(
         in_clip = torch.arange(frames_out, device=device)[None, None, :] < padded_frames[:, None, None]
         peak = log_spec.masked_fill(~in_clip, -torch.inf).amax(dim=(1, 2), keepdim=True)
         log_spec = ((torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0).masked_fill(~in_clip, 0.0)
-    num_frames = torch.tensor(
-        [min(-(-n // HOP_LENGTH), p // HOP_LENGTH) for n, p in zip(lengths, padded)], device=device
-    )
+    num_frames = torch.tensor([mel_frames(n, p) for n, p in zip(lengths, padded)], device=device)
     return MelBatch(features=log_spec, num_frames=num_frames, padded_frames=padded_frames)
