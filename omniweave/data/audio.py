@@ -47,7 +47,9 @@ from pathlib import Path
 import numpy as np
 
 from omniweave.data.media import MediaError
-from omniweave.data.mel import CHUNK_SAMPLES as WINDOW_SAMPLES  # 30 s: Qwen2-Audio's fixed input
+from omniweave.data.mel import (
+    CHUNK_SAMPLES as WINDOW_SAMPLES,  # 30 s: Qwen2-Audio's fixed input
+)
 from omniweave.data.mel import SAMPLE_RATE, mel_frames
 
 MAX_EXTRA_S = 0.25  # decoded past the header's end: codec padding is < 1 frame (1024 AAC samples)
