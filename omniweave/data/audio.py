@@ -47,10 +47,9 @@ from pathlib import Path
 import numpy as np
 
 from omniweave.data.media import MediaError
-from omniweave.data.mel import (
-    CHUNK_SAMPLES as WINDOW_SAMPLES,  # 30 s: Qwen2-Audio's fixed input
-)
-from omniweave.data.mel import SAMPLE_RATE, mel_frames
+from omniweave.data.mel import CHUNK_SAMPLES, SAMPLE_RATE, mel_frames
+
+WINDOW_SAMPLES = CHUNK_SAMPLES  # 30 s at 16 kHz: Qwen2-Audio's fixed encoder input
 
 MAX_EXTRA_S = 0.25  # decoded past the header's end: codec padding is < 1 frame (1024 AAC samples)
 MAX_SHORT_S = 0.001  # decoded short of the header's end: the resampler is off by <= 1 sample
@@ -129,9 +128,9 @@ def _check_wav(data: PathOrBytes) -> None:
     if sizes is None:
         return
     declared, present = sizes
-    if declared == 0:
+    if present == 0:
         raise MediaError("empty_audio", "the wav file's data chunk is empty (zero length)")
-    if declared != 0xFFFFFFFF and present < declared:  # 0xFFFFFFFF: a streamed wav of unknown size
+    if declared not in (0, 0xFFFFFFFF) and present < declared:  # 0 / 0xFFFFFFFF: streamed, size unknown
         raise MediaError("audio_truncated", f"the wav data chunk declares {declared} bytes, {present} are present")
 
 
