@@ -188,9 +188,13 @@ def finish_router_step(model: torch.nn.Module, reduce: Reduce | None = None, rep
         return {}
     device = layers[0].gate.weight.device
     E = [m.cfg.num_experts for m in layers]
-    counts = [m.stats.counts if m.stats.counts is not None else torch.zeros(e, dtype=torch.float64) for m, e in zip(layers, E)]
-    scalars = [[float(m.stats.aux), float(m.stats.z), float(m.stats.a2a_bytes)] for m in layers]
-    flat = torch.cat([torch.tensor(sum(scalars, []), dtype=torch.float64), *[c.cpu() for c in counts]]).to(device)
+
+    def on_device(x) -> torch.Tensor:  # the stats stay where they were summed: one host read below
+        return torch.as_tensor(x, dtype=torch.float64, device=device).reshape(-1)
+
+    scalars = [on_device(x) for m in layers for x in (m.stats.aux, m.stats.z, m.stats.a2a_bytes)]
+    counts = [on_device(m.stats.counts if m.stats.counts is not None else torch.zeros(e)) for m, e in zip(layers, E)]
+    flat = torch.cat([*scalars, *counts])
     if reduce is not None:
         flat = reduce(flat)
     flat = (flat / replicas).cpu()
@@ -216,5 +220,5 @@ def finish_router_step(model: torch.nn.Module, reduce: Reduce | None = None, rep
     return out
 
 
-__all__ = ["finish_router_step", "router_layers", "start_router_step", "AUX_LEVELS", "RouterStats", "RouterStep", "attach_loss", "balance_probs", "global_aux",
-           "recomputing", "sequence_aux", "z_loss_sum"]
+__all__ = ["AUX_LEVELS", "RouterStats", "RouterStep", "attach_loss", "balance_probs", "finish_router_step",
+           "global_aux", "recomputing", "router_layers", "sequence_aux", "start_router_step", "z_loss_sum"]
