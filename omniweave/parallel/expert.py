@@ -102,7 +102,9 @@ def apply_ep(model: nn.Module, ep_mesh) -> int:
     return len(layers)
 
 
-def _sum_over(group):
+def sum_over(group=None):
+    """A reduce function: a tensor's SUM over ``group`` (None: every rank), as a new tensor."""
+
     def reduce(t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
         dist.all_reduce(t, group=group)
@@ -118,5 +120,5 @@ def set_router_groups(model: nn.Module, fsdp_mesh, cp_mesh) -> None:
     for moe in moe_layers(model):
         for mesh, kind in ((fsdp_mesh, "global"), (cp_mesh, "sequence")):
             if mesh is not None and mesh.size() > 1:
-                setattr(moe, f"reduce_{kind}", _sum_over(mesh.get_group()))
+                setattr(moe, f"reduce_{kind}", sum_over(mesh.get_group()))
                 setattr(moe, f"{kind}_size", mesh.size())

@@ -282,6 +282,7 @@ class Engine:
         micro-batches and ranks (a tp group's replicated values counted once)."""
         from omniweave.models.components.router_loss import finish_router_step
         from omniweave.parallel.context import shard_micro_batch
+        from omniweave.parallel.expert import sum_over
         from omniweave.train.optim import clip_grad_norm
 
         scale = 1.0 / max(normaliser, 1)
@@ -314,7 +315,7 @@ class Engine:
         else:
             self.skipped, self.bad_in_row = self.skipped + 1, self.bad_in_row + 1
         self.optimizer.zero_grad(set_to_none=True)
-        router = finish_router_step(self.model, self._sum_over_ranks, self.dims.tp, update_bias=finite)
+        router = finish_router_step(self.model, sum_over(), self.dims.tp, update_bias=finite)
         if count_step:
             self.advance()
         if self.info.module is not None and hasattr(self.info.module, "synchronize"):
@@ -333,11 +334,6 @@ class Engine:
                                         sum(mb["cu_seqlens"].numel() - 1 if "cu_seqlens" in mb else 1
                                             for mb in micro_batches)])
         start_router_step(self.model, len(micro_batches), tokens, docs)
-
-    @staticmethod
-    def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
-        return t
 
     def advance(self) -> None:
         """The training step is done: schedule and step counter move on."""

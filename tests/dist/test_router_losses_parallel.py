@@ -73,6 +73,7 @@ def _body(rank: int, world: int, ep: int, cp: int, level: str, tp: int):
     from omniweave.models.components.router_loss import finish_router_step, start_router_step
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
+    from omniweave.parallel.expert import sum_over
     from omniweave.train.engine import build
 
     cfg = _cfg(ep, cp, level, tp)
@@ -90,12 +91,7 @@ def _body(rank: int, world: int, ep: int, cp: int, level: str, tp: int):
         total += loss.detach()
     dist.all_reduce(total)
     total /= tp  # replicated on the tp ranks
-
-    def reduce(t):
-        dist.all_reduce(t)
-        return t
-
-    metrics = finish_router_step(model, reduce, replicas=tp)
+    metrics = finish_router_step(model, sum_over(), replicas=tp)
     grads = {n: _full(p.grad) for n, p in model.named_parameters()}
     dist.barrier()
     return float(total), metrics, grads
