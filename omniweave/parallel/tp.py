@@ -78,15 +78,9 @@ def check_decoder_tp(cfg, tp: int) -> str:
                          f"{cfg.family}) is not supported yet; use tp: 1")  # fmt: skip
     layout = kv_head_layout(cfg.num_heads, cfg.num_kv_heads, tp)
     _divisible("vocab_size", cfg.vocab_size, tp)
-    if len(_moe_layers(cfg)) < cfg.num_layers:  # some dense MLPs to shard
+    if len(cfg.moe_layers()) < cfg.num_layers:  # some dense MLPs to shard
         _divisible("intermediate_size", cfg.intermediate_size, tp)
     return layout
-
-
-def _moe_layers(cfg) -> list[int]:
-    from omniweave.models.components.decoder import moe_layer_indices
-
-    return moe_layer_indices(vars(cfg))
 
 
 # A MoE layer under TP: its input is gathered over the sequence like a dense MLP's, every tp
@@ -156,7 +150,7 @@ def decoder_plan(cfg, tp: int) -> dict:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(0)),
     }
-    moe = set(_moe_layers(cfg))
+    moe = set(cfg.moe_layers())
     mlps = {f"layers.{i}.{name}": style for i in range(cfg.num_layers) if i not in moe for name, style in dense_mlp.items()}
     mlps.update({f"layers.{i}.mlp": MOE_UNDER_TP for i in moe})
     if cfg.qk_norm:  # per-head norms over local heads [L, h, Dh]: heads play the sharded dim

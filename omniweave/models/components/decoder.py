@@ -112,8 +112,12 @@ class DecoderConfig:
         """The dims of a q / k head that RoPE rotates."""
         return self.qk_rope_head_dim if self.mla else self.head_dim
 
+    def moe_layers(self) -> list[int]:
+        """The layers whose MLP is a MoE block (``moe_layer_indices``)."""
+        return moe_layer_indices(vars(self))
+
     def is_moe_layer(self, layer: int) -> bool:
-        return layer in moe_layer_indices(vars(self))
+        return layer in self.moe_layers()
 
 
 def moe_layer_indices(cfg) -> list[int]:
