@@ -134,7 +134,7 @@ class OmniModel(LMHeadMixin, nn.Module):
             if self.run_encoder_always:  # keep FSDP collectives matched; contributes exactly 0
                 embeds = embeds + 0.0 * self._dummy_features(embeds.device).sum().to(embeds.dtype)
             return {"inputs_embeds": embeds}
-        rows = batch.get("feature_rows")
+        rows, spans = batch.get("feature_rows"), None
         if rows is None:
             spans = self.check_media_spans(batch.get("media_spans"), grid_thw, ids.shape[0])
             rows = feature_rows_from_spans(spans, ids.shape[0])
@@ -142,7 +142,7 @@ class OmniModel(LMHeadMixin, nn.Module):
         levels = self.deepstack_levels
         if levels:
             features, stacked = split_levels(features, levels)
-        if batch.get("feature_rows") is None and features.shape[0] != int(spans[:, 1].sum()):
+        if spans is not None and features.shape[0] != int(spans[:, 1].sum()):
             raise ValueError(f"projector produced {features.shape[0]} features, spans need {int(spans[:, 1].sum())}")
         out = {"inputs_embeds": self._scatter_rows(embeds, rows, features)}
         if levels:
