@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-KINDS = ("foundation", "image_encoder", "projector", "hf", "reward")
+KINDS = ("foundation", "image_encoder", "projector", "audio_encoder", "audio_projector", "hf", "reward")
 # Keys every component config may carry that are not fields of its dataclass.
 COMMON_KEYS = ("name", "freeze", "tp")
 # Modules whose import registers components (add yours here).
@@ -42,6 +42,8 @@ COMPONENT_MODULES = [
     "omniweave.models.hf.qwen2_5_vl",
     "omniweave.models.components.qwen3_vit",
     "omniweave.models.hf.qwen3_vl",
+    "omniweave.models.components.audio_encoder",
+    "omniweave.models.components.audio_projector",
     "omniweave.rl.rewards",
 ]
 
