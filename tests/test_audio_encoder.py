@@ -5,6 +5,8 @@ gradients wrt the features and every parameter ≤ 1e-4 relative (fp32, CPU)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers.masking_utils import create_bidirectional_mask
@@ -177,3 +179,30 @@ def test_bad_audio_input_raises_clearly():
         enc(torch.zeros(1, 8, 3000), torch.tensor([0]))
     with pytest.raises(ValueError, match="these items read 21"):
         enc(torch.zeros(1, 8, 20), torch.tensor([20]))
+
+
+@pytest.mark.parametrize("tower,projector", [("qwen2_audio", "linear"), ("qwen2_5_omni", "identity")])
+@pytest.mark.parametrize("size", ["_tiny", ""])
+def test_shipped_yamls_build_and_fit_together(tower, projector, size):
+    """configs/models/audio_{encoder,projector}: every key is a config field, and the projector's
+    width follows the encoder and the foundation through interpolation."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from omniweave.models.registry import build_config
+
+    models = Path(__file__).resolve().parents[1] / "configs/models"
+    cfg = OmegaConf.create({"model": {
+        "foundation": yaml.safe_load((models / "foundation/qwen2_tiny.yaml").read_text()),
+        "audio_encoder": yaml.safe_load((models / f"audio_encoder/{tower}{size}.yaml").read_text()),
+        "audio_projector": yaml.safe_load((models / f"audio_projector/{projector}.yaml").read_text()),
+    }})  # fmt: skip
+    model = OmegaConf.to_container(cfg, resolve=True)["model"]
+    enc, proj = build_config("audio_encoder", model["audio_encoder"]), build_config("audio_projector", model["audio_projector"])
+    width = getattr(enc, "output_dim", enc.hidden_size)
+    assert getattr(proj, "in_dim", width) == width
+    assert getattr(proj, "out_dim", getattr(proj, "dim", None)) == model["foundation"]["hidden_size"]
+    if size:  # the tiny ones are cheap enough to build and run
+        e, p = build_component("audio_encoder", model["audio_encoder"]), build_component("audio_projector", model["audio_projector"])
+        features, lengths = e.dummy_input()
+        assert p(e(features, lengths), lengths).shape == (1, model["foundation"]["hidden_size"])
