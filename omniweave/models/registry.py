@@ -44,6 +44,7 @@ COMPONENT_MODULES = [
     "omniweave.models.hf.qwen3_vl",
     "omniweave.models.components.audio_encoder",
     "omniweave.models.components.audio_projector",
+    "omniweave.models.hf.qwen2_audio",
     "omniweave.rl.rewards",
 ]
 

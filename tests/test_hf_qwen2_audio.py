@@ -1,0 +1,126 @@
+"""Qwen2-Audio HF adapter: a tiny ``Qwen2AudioForConditionalGeneration``'s tensors (as
+``save_pretrained`` writes them, and transformers 5's in-memory names) map onto exactly our
+components' parameters and back to identical HF tensors; the config round-trips both ways."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+
+from omniweave.models.hf.loading import adapter_for
+from omniweave.models.registry import build_component, build_config
+
+AUDIO = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=72, d_model=40)
+TEXT = dict(vocab_size=1024, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+AUDIO_TOKEN = 1000  # inside the tiny vocabulary
+
+
+def tiny_qwen2_audio(seed: int = 0) -> Qwen2AudioForConditionalGeneration:
+    """Random tiny model with non-unit norms and non-zero biases, so every tensor matters."""
+    torch.manual_seed(seed)
+    cfg = Qwen2AudioConfig(audio_config=AUDIO, text_config=TEXT, audio_token_index=AUDIO_TOKEN)
+    model = Qwen2AudioForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif n.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2_audio")
+    model = tiny_qwen2_audio()
+    model.save_pretrained(path)
+    return model, path
+
+
+def _our_parameter_shapes(model_cfg: dict) -> dict[str, tuple]:
+    """Every tensor our model keeps (state_dict: parameters and persistent buffers), by name."""
+    shapes = {}
+    for kind in ("foundation", "audio_encoder", "audio_projector"):
+        with torch.device("meta"):
+            part = build_component(kind, model_cfg[kind])
+        shapes.update({f"{kind}.{n}": tuple(t.shape) for n, t in part.state_dict().items()})
+    return shapes
+
+
+def test_saved_tensors_map_onto_our_parameters_and_back(saved):
+    model, path = saved
+    adapter = adapter_for("qwen2_audio")
+    model_cfg = adapter.model_config(model.config.to_dict())
+    hf = load_file(str(path / "model.safetensors"))
+    assert "audio_tower.conv1.weight" in hf and "language_model.lm_head.weight" in hf  # the checkpoint layout
+    ours = {adapter.model_name_to_ours(n): t for n, t in hf.items()}
+    assert {n: tuple(t.shape) for n, t in ours.items()} == _our_parameter_shapes(model_cfg)
+    back = {adapter.model_name_to_hf(n): t for n, t in ours.items()}
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+def test_in_memory_names_map_like_the_saved_ones(saved):
+    """transformers 5's module names (model.audio_tower…, lm_head) reach the same tensors of ours."""
+    model, path = saved
+    adapter = adapter_for("qwen2_audio")
+    hf = load_file(str(path / "model.safetensors"))
+    from_saved = {adapter.model_name_to_ours(n): t for n, t in hf.items()}
+    from_memory = {adapter.model_name_to_ours(n): t for n, t in model.state_dict().items()}
+    assert from_memory.keys() == from_saved.keys()
+    assert all(torch.equal(from_memory[n], from_saved[n]) for n in from_saved)
+
+
+def _built(model_cfg: dict):
+    return [build_config(kind, model_cfg[kind]) for kind in ("foundation", "audio_encoder", "audio_projector")]
+
+
+def test_config_round_trips(saved):
+    model, _ = saved
+    adapter = adapter_for("qwen2_audio")
+    hf = model.config.to_dict()
+    ours = adapter.model_config(hf)
+    assert ours["audio_encoder"] == {"name": "qwen2_audio", "num_mel_bins": 128, "num_layers": 2, "hidden_size": 40,
+                                     "num_heads": 4, "intermediate_size": 72, "max_source_positions": 1500,
+                                     "activation": "gelu"}  # fmt: skip
+    assert ours["audio_projector"] == {"name": "linear", "in_dim": 40, "out_dim": 48}
+    assert ours["foundation"]["extra_hf"]["audio"] == {"audio_token_id": AUDIO_TOKEN, "audio_bos_token_id": 151647,
+                                                       "audio_eos_token_id": 151648}  # fmt: skip
+    assert ours["foundation"]["tie_word_embeddings"] is False
+    back = adapter.model_config_to_hf(*_built(ours))
+    # transformers reads our config as the same model: same sub-configs, same token id
+    again = Qwen2AudioConfig(**{k: v for k, v in back.items() if k not in ("architectures", "model_type")})
+    for sub in ("audio_config", "text_config"):
+        theirs, mine = getattr(model.config, sub).to_dict(), getattr(again, sub).to_dict()
+        diff = {k: (theirs.get(k), mine.get(k)) for k in theirs.keys() | mine.keys()
+                if k not in ("dtype", "torch_dtype", "transformers_version") and theirs.get(k) != mine.get(k)}  # fmt: skip
+        if sub == "text_config":  # we write head_dim out; transformers derives the same value
+            assert diff.pop("head_dim", (None, 48 // 4)) == (None, 48 // 4)
+        assert not diff, (sub, diff)
+    assert again.audio_token_id == AUDIO_TOKEN and back["architectures"] == ["Qwen2AudioForConditionalGeneration"]
+    assert adapter.model_config(back) == ours  # ours -> HF -> ours is the identity
+
+
+def test_a_tied_foundation_exports_untied_with_its_head():
+    """transformers' Qwen2-Audio never ties: a foundation trained tied is written with the head."""
+    adapter = adapter_for("qwen2_audio")
+    ours = adapter.model_config(tiny_qwen2_audio().config.to_dict())
+    ours["foundation"]["tie_word_embeddings"] = True
+    back = adapter.model_config_to_hf(*_built(ours))
+    assert back["text_config"]["tie_word_embeddings"] is False
+    assert adapter.name_to_hf("foundation.lm_head.weight") == "language_model.lm_head.weight"
+
+
+def test_wrong_parts_and_unknown_tensors_raise():
+    adapter = adapter_for("qwen2_audio")
+    ours = adapter.model_config(tiny_qwen2_audio().config.to_dict())
+    ours["audio_projector"] = {"name": "identity", "dim": 48}
+    with pytest.raises(ValueError, match="linear audio_projector"):
+        adapter.model_config_to_hf(*_built(ours))
+    with pytest.raises(KeyError, match="unexpected tensor"):
+        adapter.model_name_to_ours("visual.blocks.0.attn.qkv.weight")
+    with pytest.raises(ValueError, match="text model"):
+        adapter.model_config({"text_config": {"model_type": "llama"}})
