@@ -124,3 +124,62 @@ def test_wrong_parts_and_unknown_tensors_raise():
         adapter.model_name_to_ours("visual.blocks.0.attn.qkv.weight")
     with pytest.raises(ValueError, match="text model"):
         adapter.model_config({"text_config": {"model_type": "llama"}})
+
+
+# ----------------------------------------------------------------------------- whole-model parity
+
+AUDIO_BOS, AUDIO_EOS = 1001, 1002
+CLIP_SECONDS = (2.37, 7.0)
+
+
+def audio_sample(seed: int = 0, text: int = 6) -> dict:
+    """One packed row: text, then per clip <audio_bos> <audio>×N <audio_eos> + text, and the clips'
+    log-mel features padded to 30 s as Qwen2AudioProcessor pads them."""
+    from omniweave.data.mel import SAMPLE_RATE, log_mel
+    from omniweave.data.audio import encoder_tokens
+    from tests.audio_factory import signal
+
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(10, 900, (n,), generator=g)  # noqa: E731
+    clips = [torch.from_numpy(signal(s, SAMPLE_RATE, 1, seed=seed + i)[0]) for i, s in enumerate(CLIP_SECONDS)]
+    mel = log_mel(clips, n_mels=128)
+    ids, spans = [rand(text)], []
+    for frames in mel.num_frames.tolist():
+        n = encoder_tokens(frames)
+        ids.append(torch.tensor([AUDIO_BOS]))
+        spans.append((sum(x.numel() for x in ids), n))
+        ids += [torch.full((n,), AUDIO_TOKEN), torch.tensor([AUDIO_EOS]), rand(text)]
+    input_ids = torch.cat(ids)
+    return {"input_ids": input_ids, "audio_features": mel.features, "audio_lengths": mel.num_frames,
+            "audio_spans": torch.tensor(spans), "feature_attention_mask": mel.attention_mask()}  # fmt: skip
+
+
+def _load_components(path):
+    """Our three components with the checkpoint's tensors, through the adapter's names."""
+    from omniweave.models.hf.loading import iter_safetensors, read_hf_config
+
+    adapter = adapter_for("qwen2_audio")
+    model_cfg = adapter.model_config(read_hf_config(path))
+    tensors = {adapter.model_name_to_ours(n): t for n, t in iter_safetensors(path)}
+    parts = {}
+    for kind in ("foundation", "audio_encoder", "audio_projector"):
+        part = build_component(kind, {**model_cfg[kind], **({"attn_backend": "sdpa"} if kind == "audio_encoder" else {})})
+        part.load_state_dict({n[len(kind) + 1 :]: t for n, t in tensors.items() if n.startswith(kind + ".")}, strict=True)
+        parts[kind] = part.eval()
+    return parts
+
+
+def test_logits_equal_transformers_with_two_clips_in_one_row(saved):
+    hf, path = saved
+    parts = _load_components(path)
+    sample = audio_sample()
+    with torch.no_grad():
+        ref = hf(input_ids=sample["input_ids"][None], input_features=sample["audio_features"],
+                 feature_attention_mask=sample["feature_attention_mask"]).logits[0]  # fmt: skip
+        enc, proj, lm = parts["audio_encoder"], parts["audio_projector"], parts["foundation"]
+        features = proj(enc(sample["audio_features"], sample["audio_lengths"]), sample["audio_lengths"])
+        embeds = lm.embed(sample["input_ids"])
+        embeds[sample["input_ids"] == AUDIO_TOKEN] = features
+        got = lm.logits(lm(inputs_embeds=embeds))
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max() <= 1e-5
