@@ -206,3 +206,25 @@ def test_shipped_yamls_build_and_fit_together(tower, projector, size):
         e, p = build_component("audio_encoder", model["audio_encoder"]), build_component("audio_projector", model["audio_projector"])
         features, lengths = e.dummy_input()
         assert p(e(features, lengths), lengths).shape == (1, model["foundation"]["hidden_size"])
+
+
+@pytest.mark.parametrize("name", ["qwen2_audio", "qwen2_5_omni"])
+def test_init_weights_after_meta_to_empty_restores_the_position_tables(name):
+    """FSDP builds on the meta device and materialises with to_empty: init_weights must refill the
+    non-trainable tables (buffers) as well as the parameters."""
+    from omniweave.models.components.audio_encoder import sinusoids
+
+    cfg = {"name": name, "num_mel_bins": 8, "num_layers": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 24,
+           "max_source_positions": 60, **({"output_dim": 12, "n_window": 10} if name == "qwen2_5_omni" else {})}  # fmt: skip
+    with torch.device("meta"):
+        enc = build_component("audio_encoder", cfg)
+    enc.to_empty(device="cpu")
+    enc.init_weights()
+    table = enc.embed_positions if name == "qwen2_audio" else enc.positional_embedding
+    assert torch.equal(table.weight, sinusoids(60, 16))
+    assert all(torch.isfinite(t).all() for t in enc.state_dict().values())
+    features, lengths = enc.dummy_input()
+    assert torch.isfinite(enc(features, lengths)).all()
+    persistent = set(enc.state_dict())
+    assert ("embed_positions.weight" in persistent) == (name == "qwen2_audio")  # HF saves it; Omni's is recomputed
+    assert ("audio_bos_eos_token.weight" in persistent) == (name == "qwen2_5_omni")
