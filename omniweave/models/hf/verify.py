@@ -1,4 +1,4 @@
-"""``omniweave hf verify HF_DIR [--image P …] [--video P …] [--atol A]``
+"""``omniweave hf verify HF_DIR [--image P …] [--video P …] [--audio P …] [--atol A]``
 
 Builds the model twice from one Hugging Face directory — in transformers and in omniweave — and
 runs the same conversation through both, printing max|Δ| for every stage:
@@ -14,6 +14,9 @@ runs the same conversation through both, printing max|Δ| for every stage:
                   when the directory has a preprocessor_config.json
     position_ids  ours (data/rope_index.py) vs the model's get_rope_index
     logits        OmniModel.logits vs transformers' forward (fp32)
+
+Audio-language models (an ``audio_config`` and no ``vision_config``: Qwen2-Audio) are checked by
+``verify_audio.py`` (audio token counts, mel features, logits).
 
 It exits 1 when any difference exceeds ``--atol`` (ids and grids must be equal), 0 otherwise.
 
@@ -49,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hf_dir", help="Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     parser.add_argument("--video", action="append", default=[], help="video file (repeatable)")
+    parser.add_argument("--audio", action="append", default=[], help="audio file (repeatable; audio models)")
     parser.add_argument("--atol", type=float, default=1e-4, help="tolerance on max|Δ| (default 1e-4)")
     parser.add_argument("--prompt", default="Describe what you see.", help="user text after the media")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random media")
@@ -212,6 +216,13 @@ def verify(args) -> int:
 
     hf_dir = Path(args.hf_dir)
     hf_cfg = read_hf_config(hf_dir)
+    if "audio_config" in hf_cfg and "vision_config" not in hf_cfg:
+        from omniweave.models.hf.verify_audio import verify_audio
+
+        return verify_audio(args, hf_dir, hf_cfg, _report)
+    if args.audio:
+        print(f"error: {hf_dir} ({hf_cfg['model_type']}) has no audio encoder; --audio needs an audio model", file=sys.stderr)
+        return 2
     if "vision_config" not in hf_cfg:
         return verify_text(args, hf_dir, hf_cfg)
     proc, raw, sample = _sample(args, hf_dir, hf_cfg)
