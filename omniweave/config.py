@@ -229,7 +229,7 @@ def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) 
     return cfg
 
 
-_COMPONENT_KEY = re.compile(r"^(model\.(foundation|image_encoder|projector)\.(\w+))=")
+_COMPONENT_KEY = re.compile(r"^(model\.(\w+)\.(\w+))=")  # model.<section>.<field>=; sections: registry.MODEL_SECTIONS
 
 
 def _component_fields(kind: str, section: Any) -> list[str]:
@@ -238,7 +238,7 @@ def _component_fields(kind: str, section: Any) -> list[str]:
 
     from omniweave.models import registry
 
-    if not isinstance(section, dict) or section.get("name") not in registry.names(kind):
+    if kind not in registry.MODEL_SECTIONS or not isinstance(section, dict) or section.get("name") not in registry.names(kind):
         return []
     config_cls = registry.lookup(kind, section["name"])[1]
     return [f.name for f in dataclasses.fields(config_cls)] if config_cls is not None else []

@@ -100,8 +100,12 @@ def test_lpt_and_swaps_reach_1_05_on_a_realistic_mixture_with_8_packs_per_rank()
 def test_pack_features_are_the_documented_sums_from_metadata():
     rec = {"docs": [{"length": 100}, {"length": 30}],
            "media": [{"grid_thw": [1, 4, 6]}, {"grid_thw": [3, 2, 2]}]}
-    assert pack_features(rec).tolist() == [100**2 + 30**2, 130, 2, 24**2 + 3 * 4**2, 24 + 12]
-    assert pack_features({"docs": [{"length": 7}], "media": []}).tolist() == [49, 7, 1, 0, 0]
+    assert pack_features(rec).tolist() == [100**2 + 30**2, 130, 2, 24**2 + 3 * 4**2, 24 + 12, 0, 0]
+    assert pack_features({"docs": [{"length": 7}], "media": []}).tolist() == [49, 7, 1, 0, 0, 0, 0]
+    # audio: one clip of one encoder item (5 tokens), one of two items (750 + 40 tokens): 2 frames a token
+    rec["media"] += [{"kind": "audio", "start": 3, "length": 5},
+                     {"kind": "audio", "start": 10, "length": 790, "pieces": [[10, 750], [760, 40]]}]
+    assert pack_features(rec).tolist()[3:] == [24**2 + 3 * 4**2, 24 + 12, 10**2 + 1500**2 + 80**2, 10 + 1500 + 80]
 
 
 def test_flop_model_coefficients_match_the_built_model():
@@ -146,8 +150,8 @@ def test_refit_recovers_known_coefficients_from_noisy_timings_within_3_percent()
     """320 samples (40 steps x 8 ranks), each term 15-25 % of the time, 1 % noise + 0.05 s
     overhead per sample; the prior (7B FLOP model) has other proportions than the truth."""
     rng = np.random.default_rng(4)
-    scale = np.array([4 * 8192**2 / 2, 4 * 8192, 120, 4 * 4e6, 4 * 8192 * 2])
-    truth = CostModel(*(np.array([0.25, 0.25, 0.15, 0.15, 0.2]) / (0.55 * scale)).tolist())
+    scale = np.array([4 * 8192**2 / 2, 4 * 8192, 120, 4 * 4e6, 4 * 8192 * 2, 0, 0])  # no audio
+    truth = CostModel(*(np.array([0.25, 0.25, 0.15, 0.15, 0.2]) / (0.55 * scale[:5])).tolist())
     feats = rng.uniform(0.1, 1.0, (320, NUM_FEATURES)) * scale
     seconds = truth.cost(feats) * (1 + 0.01 * rng.standard_normal(320)) + 0.05
     refitter = Refitter(CostModel.from_model_config(QWEN25_VL_7B), warmup=40, skip=1)
@@ -155,8 +159,9 @@ def test_refit_recovers_known_coefficients_from_noisy_timings_within_3_percent()
     out = [refitter.add(feats[8 * s : 8 * s + 8], seconds[8 * s : 8 * s + 8]) for s in range(40)]
     assert out[:39] == [None] * 39 and refitter.add(feats[:8], seconds[:8]) is None  # once: at the 40th
     fitted = out[39]
-    rel = fitted.coefficients / truth.coefficients - 1
+    rel = fitted.coefficients[:5] / truth.coefficients[:5] - 1
     assert np.abs(rel).max() < 0.03, rel
+    assert fitted.f == fitted.q == 0.0  # unseen, and 0 in the prior
     full = CostModel.from_model_config(QWEN25_VL_7B).refit(feats, seconds)  # the same fit, direct
     assert np.allclose(full.coefficients, fitted.coefficients, rtol=1e-9)
 
@@ -166,12 +171,35 @@ def test_refit_falls_back_to_the_scaled_flop_model_and_keeps_unseen_features_in_
     rng = np.random.default_rng(5)
     feats = rng.uniform(1, 2, (4, NUM_FEATURES)) * 1e4
     few = prior.refit(feats, [1.0, 2.0, 3.0, 4.0])  # 4 samples < F + 2
-    assert np.allclose(few.coefficients / prior.coefficients, few.a / prior.a, rtol=1e-12)
-    text = rng.uniform(0.1, 1, (200, NUM_FEATURES)) * np.array([1e8, 3e4, 100, 0, 0])  # no media at all
+    assert np.allclose(few.coefficients[:5] / prior.coefficients[:5], few.a / prior.a, rtol=1e-12)
+    assert few.f == few.q == 0.0  # the 7B prior has no audio tower
+    text = rng.uniform(0.1, 1, (200, NUM_FEATURES)) * np.array([1e8, 3e4, 100, 0, 0, 0, 0])  # no media at all
     fitted = prior.refit(text, prior.scaled(3e-12).cost(text))
     assert fitted.a == pytest.approx(3e-12 * prior.a, rel=0.02)
     assert fitted.e / fitted.a == pytest.approx(prior.e / prior.a, rel=1e-6)
     assert fitted.p / fitted.a == pytest.approx(prior.p / prior.a, rel=0.02)
+
+
+def test_the_audio_tower_terms_come_from_its_config_and_refit_like_the_others():
+    """A Qwen2-Audio-7B-shaped model: f = 12·d·layers (attention over an item's frames after the
+    stem), q = 6 per tower parameter a frame runs (+ the linear projector on the pooled half)."""
+    dec = {"hidden_size": 4096, "num_heads": 32, "num_kv_heads": 32, "intermediate_size": 11008,
+           "num_layers": 32, "vocab_size": 156032}
+    audio = {"name": "qwen2_audio", "d_model": 1280, "encoder_layers": 32, "encoder_ffn_dim": 5120, "num_mel_bins": 128}
+    prior = CostModel.from_model_config({"foundation": dec, "audio_encoder": audio,
+                                         "audio_projector": {"name": "linear"}})
+    per_frame = 2 * 3 * 128 * 1280 + 3 * 1280**2 + 32 * (4 * 1280**2 + 2 * 1280 * 5120)
+    assert prior.f == 12 * 1280 * 32 and prior.q == 6 * per_frame + 6 * (1280 * 4096 + 4096) / 2
+    frozen = CostModel.from_model_config({"foundation": dec, "audio_encoder": {**audio, "freeze": True},
+                                          "audio_projector": {"name": "linear"}})
+    assert frozen.f == 4 * 1280 * 32 and frozen.q == 2 * per_frame + 6 * (1280 * 4096 + 4096) / 2
+    rng = np.random.default_rng(7)
+    scale = np.array([2 * 4096**2, 4 * 4096, 20, 0, 0, 8 * 1500**2, 8 * 1500])
+    truth = CostModel(*(np.array([0.3, 0.3, 0.1, 0, 0, 0.15, 0.15]) / (0.55 * np.maximum(scale, 1))).tolist())
+    feats = rng.uniform(0.1, 1.0, (320, NUM_FEATURES)) * scale
+    fitted = prior.refit(feats, truth.cost(feats) * (1 + 0.01 * rng.standard_normal(320)))
+    rel = fitted.coefficients[[0, 1, 2, 5, 6]] / truth.coefficients[[0, 1, 2, 5, 6]] - 1
+    assert np.abs(rel).max() < 0.03, rel
 
 
 # ---------------------------------------------------------------------------- loader integration

@@ -1,31 +1,37 @@
-"""OmniModel = image encoder + projector + foundation decoder, on one packed row.
+"""OmniModel = encoders + projectors (one pair per modality) + foundation decoder, on one packed row.
 
-    embeds   = foundation.embed(input_ids)                          [L, D]
-    hidden   = image_encoder(pixel_values, grid_thw)                [P, D_vis]  all media at once
-    features = projector(hidden, grid_thw)                          [N, D]      N = Σ span lengths
-    embeds[span_0] , embeds[span_1] , … = features (in span order)
+    embeds   = foundation.embed(input_ids)                                  [L, D]
+    for each modality the model has (registry.MODALITIES: vision, audio):
+        hidden   = encoder(inputs, grid)      e.g. ViT(pixel_values, grid_thw), audio tower(audio_features, audio_lengths)
+        features = projector(hidden, grid)                                  [N, D]   N = Σ span lengths
+        embeds[span_0] , embeds[span_1] , … = features (in span order)
     loss_sum = chunked_ce(foundation(embeds, position_ids, cu_seqlens), labels)
 
-One encoder call covers every image and video of the micro-batch (varlen attention inside the
-encoder keeps them apart), so the encoder sees one large batch instead of many small ones.
-``media_spans [S, 2]`` (start, length) say where the features go: the spans take the items'
-features in order (``pixel_values`` and ``grid_thw`` are in span order), one span per item, or
-several consecutive spans per item where the tokenizer writes text inside an item (Qwen3-VL:
-a timestamp before each temporal patch of a video). Spans that do not add up to the items'
-feature counts, or cross from one item into the next, are a data bug and raise with the numbers.
+The model's encoders are its sections of ``registry.MODALITIES`` (``image_encoder`` +
+``projector``, ``audio_encoder`` + ``audio_projector``), wired from YAML; each modality's items ride
+in its own batch keys (``pixel_values / grid_thw / media_spans / feature_rows``, ``audio_features /
+audio_lengths / audio_spans / audio_feature_rows``) and nothing here names a modality.
 
-No-media micro-batches (``run_encoder_always``, default on): a row without any media still runs
-the encoder and projector on a tiny dummy item (one merge block of zero pixels) and adds
-``0 × sum(features)`` to the embeddings. The result is unchanged, the encoder's gradients exist
-and are zero, and — what matters under FSDP — every rank runs the same encoder forward/backward,
-so the all-gathers / reduce-scatters of the encoder's shards stay matched even when only some
-ranks have media. Turn it off only for single-process inference.
+One encoder call covers every item of a modality in the micro-batch (varlen attention inside the
+encoder keeps them apart), so the encoder sees one large batch instead of many small ones. The
+spans ``[S, 2]`` (start, length) say where the features go: the spans take the items' features in
+order, one span per item, or several consecutive spans per item where the tokenizer writes text
+inside an item (Qwen3-VL: a timestamp before each temporal patch of a video). Spans that do not
+add up to the items' feature counts, or cross from one item into the next, are a data bug and
+raise with the numbers.
+
+Micro-batches without a modality's items (``run_encoder_always``, default on): the encoder and
+projector still run on a tiny dummy item (``encoder.dummy_input``) and ``0 × sum(features)`` is
+added to the embeddings. The result is unchanged, the encoder's gradients exist and are zero, and
+— what matters under FSDP — every rank runs the same encoder forward/backward, so the
+all-gathers / reduce-scatters of the encoder's shards stay matched even when only some ranks have
+that modality. Turn it off only for single-process inference.
 
 Two hook points let ``parallel/`` change how the row is computed without the model knowing:
-``media_split`` (``media_split(encode, pixel_values, grid_thw) -> features [N, D]``: e.g. each
-context-parallel rank encodes a share of the media and the features are all-gathered), and the
-optional batch key ``feature_rows [L]`` (int64: for each row, the index of the media feature it
-takes, -1 for text), which replaces ``media_spans`` when the row is a shard of a longer one.
+``media_splits[modality]`` (``split(encode, inputs, grid) -> features [N, D]``: e.g. each
+context-parallel rank encodes a share of the items and the features are all-gathered), and the
+optional batch key ``rows`` of a modality (``feature_rows [L]``, int64: for each row, the index of
+the feature it takes, -1 elsewhere), which replaces the spans when the row is a shard of a longer one.
 
 DeepStack (Qwen3-VL): a projector with ``deepstack_levels = K`` returns ``[N, D·(1+K)]``; the
 first D columns go into the embeddings, the K levels reach the foundation as its ``deepstack``
@@ -35,10 +41,13 @@ need no change; the no-media dummy pass covers the DeepStack mergers too.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from omniweave.models.components.deepstack import DeepStack, split_levels
+from omniweave.models.registry import MODALITIES, MODEL_SECTIONS, Modality
 from omniweave.models.text import LMHeadMixin, _cu_seqlens, _positions
 
 
@@ -57,61 +66,98 @@ def feature_rows_from_spans(media_spans: torch.Tensor, row_len: int) -> torch.Te
     return rows
 
 
+def cat_items(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """One modality's encoder inputs from several rows or prompts, concatenated along the item /
+    row dim 0; trailing dims zero-padded to the largest (audio windows of different widths W;
+    an encoder reads only each item's valid part)."""
+    shape = [max(x.shape[d] for x in inputs) for d in range(1, inputs[0].dim())]
+    padded = []
+    for x in inputs:
+        pad = [p for d in reversed(range(1, x.dim())) for p in (0, shape[d - 1] - x.shape[d])]
+        padded.append(torch.nn.functional.pad(x, pad) if any(pad) else x)
+    return torch.cat(padded)
+
+
 class OmniModel(LMHeadMixin, nn.Module):
-    def __init__(
-        self,
-        foundation: nn.Module,
-        image_encoder: nn.Module | None = None,
-        projector: nn.Module | None = None,
-        run_encoder_always: bool = True,
-        loss_chunk: int = 1024,
-    ):
+    def __init__(self, foundation: nn.Module, run_encoder_always: bool = True, loss_chunk: int = 1024,
+                 **components: nn.Module | None):
+        """``components``: encoders and projectors by their section names (``image_encoder=…,
+        projector=…``, ``audio_encoder=…, audio_projector=…``); a modality needs both or neither."""
         super().__init__()
-        if (image_encoder is None) != (projector is None):
-            raise ValueError("OmniModel needs both an image_encoder and a projector, or neither")
+        unknown = sorted(set(components) - set(MODEL_SECTIONS))
+        if unknown:
+            raise TypeError(f"OmniModel: unknown component(s) {unknown}; known: {', '.join(MODEL_SECTIONS[1:])}")
         self.foundation = foundation
-        self.image_encoder = image_encoder
-        self.projector = projector
+        self.modalities: tuple[Modality, ...] = ()  # the modalities this model encodes, in MODALITIES order
+        for m in MODALITIES:
+            encoder, projector = components.get(m.encoder), components.get(m.projector)
+            if (encoder is None) != (projector is None):
+                raise ValueError(f"OmniModel needs both an {m.encoder} and a {m.projector}, or neither")
+            setattr(self, m.encoder, encoder)
+            setattr(self, m.projector, projector)
+            if encoder is None:
+                continue
+            self.modalities += (m,)
+            given, merged = getattr(encoder, "deepstack_levels", 0), getattr(projector, "deepstack_levels", 0)
+            if given != merged:
+                raise ValueError(f"{m.encoder} gives {given} DeepStack levels (deepstack_visual_indexes), "
+                                 f"{m.projector} merges {merged} (deepstack_levels): they must agree")  # fmt: skip
+        if sum(1 for m in self.modalities if self._levels(m)) > 1:
+            raise ValueError("DeepStack levels from more than one modality are not supported")
         self.run_encoder_always = run_encoder_always
         self.loss_chunk = loss_chunk
-        self.media_split = None  # set by parallel/context for the vision split; see the module doc
-        if image_encoder is not None and self.deepstack_levels != getattr(image_encoder, "deepstack_levels", 0):
-            raise ValueError(f"image_encoder gives {getattr(image_encoder, 'deepstack_levels', 0)} DeepStack levels "
-                             f"(deepstack_visual_indexes), projector merges {self.deepstack_levels} "
-                             "(projector deepstack_levels): they must agree")  # fmt: skip
+        self.media_splits: dict = {}  # modality name -> split hook, set by parallel/ (see the module doc)
+
+    def _levels(self, m: Modality) -> int:
+        return getattr(getattr(self, m.projector), "deepstack_levels", 0)
 
     @property
     def deepstack_levels(self) -> int:
-        """DeepStack levels the projector returns beside the features (0: none)."""
-        return getattr(self.projector, "deepstack_levels", 0)
+        """DeepStack levels a projector returns beside the features (0: none)."""
+        return sum(self._levels(m) for m in self.modalities)
+
+    def modality(self, name: str) -> Modality:
+        for m in self.modalities:
+            if m.name == name:
+                return m
+        raise ValueError(f"the model has no {name} encoder (it encodes: {[m.name for m in self.modalities]})")
 
     def init_weights(self) -> None:
         """Re-initialise every component (e.g. after ``to_empty`` from the meta device)."""
-        for part in (self.foundation, self.image_encoder, self.projector):
-            if part is not None and hasattr(part, "init_weights"):
+        parts = [self.foundation, *(getattr(self, s) for m in self.modalities for s in (m.encoder, m.projector))]
+        for part in parts:
+            if hasattr(part, "init_weights"):
                 part.init_weights()
 
     def hf_model_type(self) -> str:
-        """HF family for ``omniweave hf export``: the encoder decides (qwen2_vl / qwen2_5_vl), or,
-        where one tower serves several families, its ``hf_model_type(foundation_config)`` does
-        (qwen3_vl / qwen3_vl_moe)."""
-        kind = self.image_encoder.hf_model_type
-        return kind(self.foundation.config) if callable(kind) else kind
+        """HF family for ``omniweave hf export``: the encoders decide (qwen2_vl, qwen2_5_vl,
+        qwen2_audio…), or, where one tower serves several families, its
+        ``hf_model_type(foundation_config)`` does (qwen3_vl / qwen3_vl_moe)."""
+        kinds = []
+        for m in self.modalities:
+            kind = getattr(getattr(self, m.encoder), "hf_model_type", None)
+            kind = kind(self.foundation.config) if callable(kind) else kind
+            if kind is None:
+                raise ValueError(f"{m.encoder} {type(getattr(self, m.encoder)).__name__} has no HF family to export as")
+            kinds.append(kind)
+        if len(set(kinds)) != 1:
+            raise ValueError(f"no single HF family holds these encoders: {dict(zip((m.encoder for m in self.modalities), kinds))}")
+        return kinds[0]
 
     # ------------------------------------------------------------------ media
 
-    def encode_media(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """All media of a row -> projected features [N, D] in span order."""
-        if self.media_split is not None:
-            return self.media_split(self._encode, pixel_values, grid_thw)
-        return self._encode(pixel_values, grid_thw)
+    def encode_media(self, inputs: torch.Tensor, grid: torch.Tensor, modality: str = "vision") -> torch.Tensor:
+        """All items of one modality in a row -> projected features [N, D] in span order."""
+        m = self.modality(modality)
+        encode = partial(self._encode, m)
+        split = self.media_splits.get(m.name)
+        return encode(inputs, grid) if split is None else split(encode, inputs, grid)
 
-    def _encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        return self.projector(self.image_encoder(pixel_values, grid_thw), grid_thw)
+    def _encode(self, m: Modality, inputs: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        return getattr(self, m.projector)(getattr(self, m.encoder)(inputs, grid), grid)
 
-    def _dummy_features(self, device) -> torch.Tensor:
-        pixel_values, grid_thw = self.image_encoder.dummy_input(device)
-        return self.encode_media(pixel_values, grid_thw)
+    def _dummy_features(self, m: Modality, device) -> torch.Tensor:
+        return self.encode_media(*getattr(self, m.encoder).dummy_input(device), modality=m.name)
 
     def inputs_embeds(self, batch: dict) -> torch.Tensor:
         """Token embeddings [L, D] with media features scattered into their placeholder spans."""
@@ -124,48 +170,51 @@ class OmniModel(LMHeadMixin, nn.Module):
         This is the point where a context-parallel split of the sequence may happen."""
         ids = batch["input_ids"]
         embeds = self.foundation.embed(ids)
-        grid_thw = batch.get("grid_thw")
-        has_media = grid_thw is not None and grid_thw.shape[0] > 0
-        if self.image_encoder is None:
-            if has_media:
-                raise ValueError("batch has media (grid_thw) but the model has no image_encoder")
-            return {"inputs_embeds": embeds}
-        if not has_media:
-            if self.run_encoder_always:  # keep FSDP collectives matched; contributes exactly 0
-                embeds = embeds + 0.0 * self._dummy_features(embeds.device).sum().to(embeds.dtype)
-            return {"inputs_embeds": embeds}
-        rows, spans = batch.get("feature_rows"), None
-        if rows is None:
-            spans = self.check_media_spans(batch.get("media_spans"), grid_thw, ids.shape[0])
-            rows = feature_rows_from_spans(spans, ids.shape[0])
-        features = self.encode_media(batch["pixel_values"], grid_thw)  # [N, D·(1+K)]
-        levels = self.deepstack_levels
-        if levels:
-            features, stacked = split_levels(features, levels)
-        if spans is not None and features.shape[0] != int(spans[:, 1].sum()):
-            raise ValueError(f"projector produced {features.shape[0]} features, spans need {int(spans[:, 1].sum())}")
-        out = {"inputs_embeds": self._scatter_rows(embeds, rows, features)}
-        if levels:
-            out["deepstack"] = DeepStack(rows.to(device=embeds.device, dtype=torch.long), stacked)
-        return out
+        for m in MODALITIES:
+            grid = batch.get(m.grid)
+            if m not in self.modalities and grid is not None and grid.shape[0] > 0:
+                raise ValueError(f"batch has {m.name} items ({m.grid}) but the model has no {m.encoder}")
+        out = {}
+        for m in self.modalities:
+            grid = batch.get(m.grid)
+            if grid is None or grid.shape[0] == 0:
+                if self.run_encoder_always:  # keep FSDP collectives matched; contributes exactly 0
+                    embeds = embeds + 0.0 * self._dummy_features(m, embeds.device).sum().to(embeds.dtype)
+                continue
+            rows, spans = batch.get(m.rows), None
+            if rows is None:
+                spans = self.check_media_spans(batch.get(m.spans), grid, ids.shape[0], m.name)
+                rows = feature_rows_from_spans(spans, ids.shape[0])
+            features = self.encode_media(batch[m.inputs], grid, m.name)  # [N, D·(1+K)]
+            levels = self._levels(m)
+            if levels:
+                features, stacked = split_levels(features, levels)
+                out["deepstack"] = DeepStack(rows.to(device=embeds.device, dtype=torch.long), stacked)
+            if spans is not None and features.shape[0] != int(spans[:, 1].sum()):
+                raise ValueError(f"{m.projector} produced {features.shape[0]} features, spans need {int(spans[:, 1].sum())}")
+            embeds = self._scatter_rows(embeds, rows, features)
+        return {"inputs_embeds": embeds, **out}
 
-    def check_media_spans(self, spans: torch.Tensor | None, grid_thw: torch.Tensor, length: int) -> torch.Tensor:
-        """media_spans [S, 2] (int64) after checking them against the media: the spans take the
-        items' features in order, each item's features filling one span or several consecutive
-        ones (S >= M: a Qwen3-VL video has one span per temporal patch, timestamps between), no span
-        crossing from one item into the next, all inside the row of ``length`` tokens."""
+    def check_media_spans(self, spans: torch.Tensor | None, grid: torch.Tensor, length: int,
+                          modality: str = "vision") -> torch.Tensor:
+        """The spans [S, 2] (int64) of one modality after checking them against its items: the
+        spans take the items' features in order, each item's features filling one span or several
+        consecutive ones (S >= M: a Qwen3-VL video has one span per temporal patch, timestamps
+        between), no span crossing from one item into the next, all inside the row of ``length``
+        tokens."""
+        m = self.modality(modality)
         if spans is None:
-            raise ValueError("batch has grid_thw but no media_spans to place the features")
+            raise ValueError(f"batch has {m.grid} but no {m.spans} to place the features")
         spans = spans.to(torch.long).reshape(-1, 2)
-        expected = self.projector.num_tokens(grid_thw).to(spans.device)
+        expected = getattr(self, m.projector).num_tokens(grid).to(spans.device)
         item_ends, span_ends = set(expected.cumsum(0).tolist()), set(spans[:, 1].cumsum(0).tolist())
-        if spans.shape[0] < grid_thw.shape[0] or int(spans[:, 1].sum()) != int(expected.sum()) or not item_ends <= span_ends:
+        if spans.shape[0] < grid.shape[0] or int(spans[:, 1].sum()) != int(expected.sum()) or not item_ends <= span_ends:
             raise ValueError(
-                f"media features do not match placeholder spans: grid_thw {grid_thw.tolist()} gives "
-                f"{expected.tolist()} feature tokens per item, media_spans lengths are {spans[:, 1].tolist()}"
+                f"{m.name} features do not match placeholder spans: {m.grid} {grid.tolist()} gives "
+                f"{expected.tolist()} feature tokens per item, {m.spans} lengths are {spans[:, 1].tolist()}"
             )
         if int((spans[:, 0] + spans[:, 1]).max()) > length or int(spans[:, 0].min()) < 0:
-            raise ValueError(f"media_spans {spans.tolist()} fall outside the row of {length} tokens")
+            raise ValueError(f"{m.spans} {spans.tolist()} fall outside the row of {length} tokens")
         return spans
 
     @staticmethod

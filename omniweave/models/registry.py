@@ -6,10 +6,11 @@ A component is a class plus a config dataclass, registered under ``(kind, name)`
     class Decoder(nn.Module):
         def __init__(self, config: DecoderConfig): ...
 
-Kinds: ``foundation``, ``image_encoder``, ``projector`` (built from YAML by name), ``hf``
-(Hugging Face family adapters keyed by the HF ``model_type``; ``config_cls`` may be None), and
-``reward`` (functions ``fn(response, reference, **params) -> float``, registered through
-``omniweave.rl.rewards.reward``).
+Kinds: ``foundation``, the encoder / projector kinds of each modality in :data:`MODALITIES`
+(``image_encoder`` + ``projector``, ``audio_encoder`` + ``audio_projector``; built from YAML by
+name), ``hf`` (Hugging Face family adapters keyed by the HF ``model_type``; ``config_cls`` may be
+None), and ``reward`` (functions ``fn(response, reference, **params) -> float``, registered
+through ``omniweave.rl.rewards.reward``).
 
 A component's YAML holds ``name:`` (the registered name), optional ``freeze: bool`` and ``tp:``
 (read by the trainer), and the fields of its config dataclass; any other key is an error that
@@ -25,7 +26,39 @@ from typing import Any, Callable
 
 from torch import nn
 
-KINDS = ("foundation", "image_encoder", "projector", "audio_encoder", "audio_projector", "hf", "reward")
+
+@dataclasses.dataclass(frozen=True)
+class Modality:
+    """An input modality of ``OmniModel``: the recipe sections (= registry kinds = model attributes)
+    of its encoder and projector, and the micro-batch keys its items ride in.
+
+    ``inputs``  encoder input rows of all items of the row (pixel patches, mel frames)
+    ``grid``    per-item sizes (``grid_thw [M, 3]``, ``audio_lengths [A]``); its first dim counts items
+    ``spans``   (start, length) of each run of the items' placeholder tokens, in feature order
+    ``rows``    per-token feature index (-1: none), replacing ``spans`` on shards of a row (CP, TP, RL)
+
+    The encoder is called ``encoder(inputs, grid)``, the projector ``projector(hidden, grid)`` and
+    ``projector.num_tokens(grid)``; ``encoder.dummy_input(device) -> (inputs, grid)`` is its smallest
+    item. Adding a modality is an entry here, its components and YAML, and the data that fills
+    its keys; ``OmniModel`` and ``parallel/`` loop over this table."""
+
+    name: str
+    encoder: str
+    projector: str
+    inputs: str
+    grid: str
+    spans: str
+    rows: str
+
+
+MODALITIES = (
+    Modality("vision", "image_encoder", "projector", "pixel_values", "grid_thw", "media_spans", "feature_rows"),
+    Modality("audio", "audio_encoder", "audio_projector", "audio_features", "audio_lengths", "audio_spans",
+             "audio_feature_rows"),
+)
+MODEL_SECTIONS = ("foundation", *(s for m in MODALITIES for s in (m.encoder, m.projector)))
+
+KINDS = (*MODEL_SECTIONS, "hf", "reward")
 # Keys every component config may carry that are not fields of its dataclass.
 COMMON_KEYS = ("name", "freeze", "tp")
 # Modules whose import registers components (add yours here).
@@ -132,25 +165,31 @@ def build_component(kind: str, cfg: Any) -> nn.Module:
 def build_model(model_cfg: Any) -> nn.Module:
     """The recipe's ``model:`` section -> a model implementing the trainer's model contract.
 
-    With an ``image_encoder`` it is ``OmniModel(foundation, image_encoder, projector)``
-    (``omniweave.models.omni``); otherwise a text-only :class:`~omniweave.models.text.CausalLM`.
+    With any encoder (:data:`MODALITIES`) it is ``OmniModel(foundation, **encoders and their
+    projectors)`` (``omniweave.models.omni``); otherwise a text-only
+    :class:`~omniweave.models.text.CausalLM`.
     """
     cfg = _as_dict(model_cfg)
-    unknown = sorted(set(cfg) - {"foundation", "image_encoder", "projector"})
+    unknown = sorted(set(cfg) - set(MODEL_SECTIONS))
     if unknown:
         raise KeyError(f"model: unknown section(s) {', '.join(map(repr, unknown))}; "
-                       "expected foundation, image_encoder, projector")  # fmt: skip
+                       f"expected {', '.join(MODEL_SECTIONS)}")  # fmt: skip
     if "foundation" not in cfg:
         raise KeyError("model: a 'foundation' component is required")
     foundation = build_component("foundation", cfg["foundation"])
-    if cfg.get("image_encoder"):
+    parts = {}
+    for m in MODALITIES:
+        if cfg.get(m.encoder):
+            if not cfg.get(m.projector):
+                raise KeyError(f"model: an {m.encoder} needs a '{m.projector}' component")
+            parts[m.encoder] = build_component(m.encoder, cfg[m.encoder])
+            parts[m.projector] = build_component(m.projector, cfg[m.projector])
+        elif cfg.get(m.projector):
+            raise KeyError(f"model: a '{m.projector}' without an '{m.encoder}' has nothing to project")
+    if parts:
         from omniweave.models.omni import OmniModel
 
-        if not cfg.get("projector"):
-            raise KeyError("model: an image_encoder needs a 'projector' component")
-        image_encoder = build_component("image_encoder", cfg["image_encoder"])
-        projector = build_component("projector", cfg["projector"])
-        return OmniModel(foundation=foundation, image_encoder=image_encoder, projector=projector)
+        return OmniModel(foundation=foundation, **parts)
     from omniweave.models.text import CausalLM
 
     return CausalLM(foundation)

@@ -39,11 +39,17 @@ __all__ = ["FEATURES", "NUM_FEATURES", "CostModel", "Refitter", "assign", "imbal
 
 def pack_features(record: dict) -> np.ndarray:
     """A packed-dataset record (``PackedDataset.record``: ``docs`` with ``length``, ``media`` with
-    ``grid_thw`` [t, h, w] in patches) -> float64 [F]: (Σ len², Σ len, docs, Σ t·(h·w)², Σ t·h·w)."""
+    ``grid_thw`` [t, h, w] in patches, or ``kind: audio`` with a run of audio tokens per encoder
+    item in ``pieces`` / ``length``) -> float64 [F]: (Σ len², Σ len, docs, Σ t·(h·w)², Σ t·h·w,
+    Σ n_a², Σ n_a), n_a = 2 · an audio item's tokens (its frames after the stride-2 conv stem)."""
     lengths = np.array([d["length"] for d in record["docs"]], dtype=np.float64)
-    grid = np.array([m["grid_thw"] for m in record.get("media", [])], dtype=np.float64).reshape(-1, 3)
+    media = record.get("media", [])
+    grid = np.array([m["grid_thw"] for m in media if m.get("kind") != "audio"], dtype=np.float64).reshape(-1, 3)
     frame = grid[:, 1] * grid[:, 2]  # patches per frame [M]
-    return np.array([lengths @ lengths, lengths.sum(), len(lengths), grid[:, 0] @ frame**2, grid[:, 0] @ frame])
+    audio = 2 * np.array([n for m in media if m.get("kind") == "audio"
+                          for _, n in (m.get("pieces") or [[m["start"], m["length"]]])], dtype=np.float64)
+    return np.array([lengths @ lengths, lengths.sum(), len(lengths), grid[:, 0] @ frame**2, grid[:, 0] @ frame,
+                     audio @ audio, audio.sum()])
 
 
 def round_robin(num_packs: int, dp: int) -> list[list[int]]:

@@ -1,10 +1,12 @@
-"""Predicted compute cost of a pack: a linear model over five metadata features, FLOP-derived
+"""Predicted compute cost of a pack: a linear model over seven metadata features, FLOP-derived
 then refitted to measured step times. Pure numpy (no scipy); the decoder is counted
 from its config (dense, MoE with k of E experts active, DeepSeek-V3 MLA), equal to what the MFU
 estimate counts on the built model (tests/test_qwen3_moe.py).
 
-    features  [F=5]  (Σ len_d², Σ len_d, docs, Σ t·(h·w)², Σ t·h·w)       see balance.pack_features
-    cost      = a·Σlen² + b·Σlen + c·docs + e·patches² + p·patches
+    features  [F=7]  (Σ len_d², Σ len_d, docs, Σ t·(h·w)², Σ t·h·w, Σ n_a², Σ n_a)   see balance.pack_features
+    cost      = a·Σlen² + b·Σlen + c·docs + e·patches² + p·patches + f·audio² + q·audio
+
+(n_a: an audio encoder item's frames after the stride-2 conv stem, 2 per audio token.)
 
 Starting coefficients (``CostModel.from_model_config``), in FLOPs of forward + backward:
 
@@ -24,6 +26,12 @@ Starting coefficients (``CostModel.from_model_config``), in FLOPs of forward + b
   in patches. It is kept as its own feature because it is the larger encoder term by far: in
   Qwen2.5-VL-7B at 400 patches per frame the per-patch terms cost ~160x the frame attention, and
   a vision token (merge² = 4 patches) costs ~37 % more than a text token.
+- ``f`` = (4 + 8·grad) · d_audio · layers: the audio tower's bidirectional attention over an
+  item's n_a frames (Qwen2-Audio attends over the whole <= 30 s window; Qwen2.5-Omni's windows
+  are counted as if whole, an over-estimate for long clips).
+- ``q`` = passes · (N_layers + N_conv / frame) + the projector per token / 2: the tower's matmuls
+  per frame after the stem (conv1 runs 2 mel frames per frame, conv2 one), the projector on the
+  pooled half.
 
 ``refit(features [n, F], seconds [n])``: non-negative least squares (Lawson-Hanson active set,
 deterministic) on columns scaled to unit norm, with a free non-negative intercept (per-step
@@ -39,10 +47,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("sum_len2", "tokens", "docs", "patches2", "patches")
+FEATURES = ("sum_len2", "tokens", "docs", "patches2", "patches", "audio2", "audio")
 NUM_FEATURES = len(FEATURES)
 DOC_TILE = 128  # flash-attention tile edge behind the per-document overhead ``c``
 RIDGE = 1e-4  # pull toward the scaled FLOP model, relative to unit-norm columns
+_NAMES = "abcepfq"  # the coefficients, in FEATURES order
 
 
 def _passes(trains: bool, grads_flow: bool) -> int:
@@ -57,15 +66,17 @@ class CostModel:
     c: float  # per document
     e: float  # per Σ t·(h·w)² (ViT full attention)
     p: float  # per patch (ViT + projector matmuls, window attention)
+    f: float = 0.0  # per Σ n_a² (audio tower attention)
+    q: float = 0.0  # per audio frame after the conv stem (audio tower + projector matmuls)
 
     def __post_init__(self):
         coef = self.coefficients
         if not np.all(np.isfinite(coef)) or np.any(coef < 0):
-            raise ValueError(f"cost coefficients must be finite and >= 0, got {dict(zip('abcep', coef.tolist()))}")
+            raise ValueError(f"cost coefficients must be finite and >= 0, got {dict(zip(_NAMES, coef.tolist()))}")
 
     @property
     def coefficients(self) -> np.ndarray:
-        return np.array([self.a, self.b, self.c, self.e, self.p], dtype=np.float64)
+        return np.array([getattr(self, k) for k in _NAMES], dtype=np.float64)
 
     def cost(self, features) -> np.ndarray:
         """features [..., F] -> predicted cost [...] (float64)."""
@@ -78,11 +89,11 @@ class CostModel:
         return CostModel(*(self.coefficients * factor).tolist())
 
     def to_dict(self) -> dict:
-        return {"a": self.a, "b": self.b, "c": self.c, "e": self.e, "p": self.p}
+        return {k: getattr(self, k) for k in _NAMES}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
-        return cls(**{k: float(d[k]) for k in "abcep"})
+        return cls(**{k: float(d[k]) for k in _NAMES if k in d})  # f, q: absent before audio
 
     @classmethod
     def default(cls) -> CostModel:
@@ -97,16 +108,19 @@ class CostModel:
         if "foundation" not in model_cfg:
             raise ValueError(f"model config needs a 'foundation' section, got keys {sorted(model_cfg)}")
         dec, vit, proj = model_cfg["foundation"], model_cfg.get("image_encoder"), model_cfg.get("projector")
+        audio, audio_proj = model_cfg.get("audio_encoder"), model_cfg.get("audio_projector")
         vit_trains = vit is not None and not vit.get("freeze", False)
         proj_trains = proj is not None and not proj.get("freeze", False)
+        audio_trains = audio is not None and not audio.get("freeze", False)
+        audio_proj_trains = audio_proj is not None and not audio_proj.get("freeze", False)
         dec_trains = not dec.get("freeze", False)
         h, heads, layers = int(dec["hidden_size"]), int(dec["num_heads"]), int(dec["num_layers"])
         hd = int(dec.get("head_dim") or h // heads)
         if dec.get("family") == "deepseek_v3":  # MLA: q·k over qk dims, p·v over v dims
             hd = (int(dec["qk_nope_head_dim"]) + int(dec["qk_rope_head_dim"]) + int(dec["v_head_dim"])) // 2
-        dec_grad = dec_trains or vit_trains or proj_trains
+        dec_grad = dec_trains or vit_trains or proj_trains or audio_trains or audio_proj_trains
         a = (2 + 4 * dec_grad) * layers * heads * hd
-        b = _passes(dec_trains, vit_trains or proj_trains) * decoder_params(dec)
+        b = _passes(dec_trains, vit_trains or proj_trains or audio_trains or audio_proj_trains) * decoder_params(dec)
         c = a * DOC_TILE**2 / 2
         e = p = 0.0
         if vit is not None:
@@ -119,7 +133,14 @@ class CostModel:
             p = _passes(vit_trains, False) * vit_params(vit) + attn * d * win_patches * (depth - full)
             if proj is not None:
                 p += _passes(proj_trains, vit_trains) * projector_params_per_patch(proj, d, h, vit)
-        return cls(a=float(a), b=float(b), c=float(c), e=float(e), p=float(p))
+        f = q = 0.0
+        if audio is not None:
+            d, layers = int(audio["d_model"]), int(audio["encoder_layers"])
+            f = float((4 + 8 * audio_trains) * d * layers)
+            q = _passes(audio_trains, False) * audio_params_per_frame(audio)
+            if audio_proj is not None and audio_proj.get("name") == "linear":
+                q += _passes(audio_proj_trains, audio_trains) * (d * h + h) / 2
+        return cls(a=float(a), b=float(b), c=float(c), e=float(e), p=float(p), f=f, q=float(q))
 
     def refit(self, features, seconds) -> CostModel:
         """Coefficients (seconds per feature unit) fitted to measured ``seconds [n]`` of work
@@ -185,6 +206,17 @@ def vit_params(vit: dict) -> int:
     patch_in = int(vit.get("in_channels", 3)) * int(vit.get("temporal_patch_size", 2)) * int(vit["patch_size"]) ** 2
     mlp = 3 * d * inter + 2 * inter + d if vit.get("mlp", "quick_gelu") == "swiglu" else 2 * d * inter + inter + d
     return patch_in * d + int(vit["depth"]) * (4 * d * d + 4 * d + mlp + 2 * d)
+
+
+def audio_params_per_frame(audio: dict) -> int:
+    """Audio tower matmul parameters per frame after the conv stem (Whisper-style: conv1 k3 over
+    2 mel frames per frame, conv2 k3, layers of attention + MLP, Qwen2.5-Omni's output proj on the
+    pooled half)."""
+    d, ffn, mels = int(audio["d_model"]), int(audio["encoder_ffn_dim"]), int(audio["num_mel_bins"])
+    conv = 2 * 3 * mels * d + 3 * d * d
+    layer = 4 * d * d + 2 * d * ffn
+    out = int(audio.get("output_dim") or 0) * d // 2
+    return conv + int(audio["encoder_layers"]) * layer + out
 
 
 def projector_params_per_patch(proj: dict, vit_dim: int, dec_dim: int, vit: dict) -> float:

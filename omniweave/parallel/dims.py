@@ -6,8 +6,8 @@
 Mesh dims, outermost first: ``dp``, ``cp`` (or ``cp_ring`` x ``cp_ulysses`` with hybrid CP
 attention: Ulysses inside each group of ``cp_ulysses`` consecutive ranks, ring across them),
 ``tp_rep`` x ``tp_enc``. Tensor parallelism is per component (``model.foundation.tp``,
-``model.image_encoder.tp``): the foundation is sharded over the whole tp group
-(``tp_rep`` x ``tp_enc``), the encoder over ``tp_enc`` = its own, smaller, tp; over ``tp_rep`` the
+``model.image_encoder.tp`` = ``model.audio_encoder.tp``: the encoders share one): the foundation is
+sharded over the whole tp group (``tp_rep`` x ``tp_enc``), the encoders over ``tp_enc`` = their own, smaller, tp; over ``tp_rep`` the
 encoder's ranks act as extra data parallelism for encoding (each encodes a share of the media).
 TP is innermost (fastest links), then CP (the sequence exchange), then DP.
 
@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from omniweave.models.registry import MODALITIES
+
 CP_ATTENTION = ("ring", "allgather", "ulysses", "hybrid")
 
 
@@ -40,7 +42,7 @@ class ParallelDims:
     cp_attention: str = "ring"
     cp_ulysses: int = 1  # hybrid: Ulysses group size (inner), ring across cp / cp_ulysses groups
     vision_split: bool = True  # CP ranks share the vision encoder's work (else each encodes all media)
-    tp_encoder: int = 1  # model.image_encoder.tp; divides tp (= model.foundation.tp)
+    tp_encoder: int = 1  # model.image_encoder.tp (= model.audio_encoder.tp: one for all encoders); divides tp
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep data-parallel ranks
 
     @classmethod
@@ -50,13 +52,17 @@ class ParallelDims:
             raise NotImplementedError(f"parallel.tp={get('tp', 1)}: set tensor parallelism per component "
                                       "(model.foundation.tp, model.image_encoder.tp)")
         comp = (lambda c: (model.get(c) or {}).get("tp", 1) or 1) if model is not None else (lambda c: 1)
-        has_encoder = model is not None and model.get("image_encoder") is not None
+        encoders = [m.encoder for m in MODALITIES if model is not None and model.get(m.encoder) is not None]
+        encoder_tp = {e: int(comp(e)) for e in encoders}
+        if len(set(encoder_tp.values())) > 1:
+            raise ValueError("the encoders share one tp group: set the same tp for each "
+                             f"({', '.join(f'model.{e}.tp={t}' for e, t in encoder_tp.items())})")
         dp, cp, tp = int(get("dp", -1)), int(get("cp", 1)), int(comp("foundation"))
-        tp_enc = int(comp("image_encoder")) if has_encoder else 1
+        tp_enc, enc_key = next(iter(encoder_tp.values()), 1), f"model.{encoders[0] if encoders else 'image_encoder'}.tp"
         if cp < 1 or tp < 1 or tp_enc < 1:
-            raise ValueError(f"parallel.cp={cp}, model.foundation.tp={tp}, model.image_encoder.tp={tp_enc} must be >= 1")
+            raise ValueError(f"parallel.cp={cp}, model.foundation.tp={tp}, {enc_key}={tp_enc} must be >= 1")
         if tp % tp_enc:
-            raise ValueError(f"model.image_encoder.tp={tp_enc} must divide model.foundation.tp={tp} "
+            raise ValueError(f"{enc_key}={tp_enc} must divide model.foundation.tp={tp} "
                              "(the encoder's tp group sits inside the foundation's)")
         if dp == -1:
             if world_size % (cp * tp):

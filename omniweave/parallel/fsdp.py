@@ -1,9 +1,9 @@
 """Apply activation checkpointing and FSDP2 from outside the model (torchtitan's order: AC, then FSDP).
 
-The blocks are the foundation's decoder layers (``model.foundation.layers``) and, when present,
-the vision tower's blocks (``model.image_encoder.blocks``); the root ``fully_shard`` wraps the
-whole model, so the embeddings, final norm, LM head (the chunked loss reads
-``foundation.lm_head.weight`` directly) and the projector are sharded with the root.
+The blocks are the foundation's decoder layers (``model.foundation.layers``) and each encoder's
+repeated blocks (the ViT's ``blocks``, the audio tower's ``layers``); the root ``fully_shard``
+wraps the whole model, so the embeddings, final norm, LM head (the chunked loss reads
+``foundation.lm_head.weight`` directly) and the projectors are sharded with the root.
 """
 
 from __future__ import annotations
@@ -12,15 +12,23 @@ import torch
 from torch import nn
 
 
-def _block_lists(model: nn.Module) -> tuple[nn.ModuleList, nn.ModuleList | None]:
-    """The repeated blocks AC and FSDP wrap one by one: (decoder layers, ViT blocks or None)."""
-    return model.foundation.layers, getattr(getattr(model, "image_encoder", None), "blocks", None)
+def _encoders(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(encoder, projector) of every modality the model encodes."""
+    return [(getattr(model, m.encoder), getattr(model, m.projector)) for m in getattr(model, "modalities", ())]
+
+
+def _encoder_blocks(encoder: nn.Module) -> nn.ModuleList:
+    blocks = getattr(encoder, "blocks", None)
+    return blocks if blocks is not None else encoder.layers
+
+
+def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """The repeated blocks AC and FSDP wrap one by one: decoder layers, then each encoder's blocks."""
+    return [model.foundation.layers, *(_encoder_blocks(e) for e, _ in _encoders(model))]
 
 
 def _replace_blocks(model: nn.Module, wrap) -> None:
     for parent in _block_lists(model):
-        if parent is None:
-            continue
         for i, block in enumerate(list(parent)):
             parent[i] = wrap(block, i)
 
@@ -45,8 +53,8 @@ def apply_ac(model: nn.Module, mode: str = "none", every: int = 2) -> None:
 def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=None,
                experts: list[nn.Module] = (), experts_mesh=None) -> nn.Module:
     """``fully_shard`` every block and then the root over ``mesh``; with ``encoder_mesh`` (the
-    encoder's own data-parallel mesh, see ``dims.Meshes``) the vision blocks, the rest of the
-    encoder and the projector shard over that one instead.
+    encoders' own data-parallel mesh, see ``dims.Meshes``) the encoders' blocks, the rest of
+    each encoder and its projector shard over that one instead.
 
     Gradients are SUMMED over the ranks (divide factor 1), not averaged: the trainer divides
     every token's loss by the global number of loss tokens, whatever the layout.
@@ -71,15 +79,14 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
 
         for m in experts:
             fully_shard(m, mesh=experts_mesh, shard_placement_fn=placement, **extra)
-    encoder = getattr(model, "image_encoder", None)
-    layers, vision_blocks = _block_lists(model)
-    for block in layers:
+    for block in model.foundation.layers:
         fully_shard(block, mesh=mesh, **extra)
-    for block in vision_blocks if vision_blocks is not None else []:
-        fully_shard(block, mesh=mesh if encoder_mesh is None else encoder_mesh, **extra)
-    if encoder_mesh is not None and encoder is not None:
-        fully_shard(encoder, mesh=encoder_mesh, **extra)
-        fully_shard(model.projector, mesh=encoder_mesh, **extra)
+    for encoder, projector in _encoders(model):
+        for block in _encoder_blocks(encoder):
+            fully_shard(block, mesh=mesh if encoder_mesh is None else encoder_mesh, **extra)
+        if encoder_mesh is not None:
+            fully_shard(encoder, mesh=encoder_mesh, **extra)
+            fully_shard(projector, mesh=encoder_mesh, **extra)
     fully_shard(model, mesh=mesh, **extra)
     for m in model.modules():
         if isinstance(m, FSDPModule):

@@ -28,7 +28,7 @@ the same full gradients, so their parameters and gradients are identical across 
 Hand-off encoder -> decoder (``OmniModel``): the projected features ``[N, D]`` are replicated
 plain tensors, but each rank's embeddings are only its rows ``[r·L/tp, (r+1)·L/tp)``. A forward
 pre-hook gives the batch ``feature_rows`` for those rows (``sequence_parallel_row``) so each
-rank places the features of its own rows, and ``media_split`` wraps the features as
+rank places the features of its own rows, and each modality's ``media_splits`` hook wraps the features as
 Replicate -> local with a Partial gradient: identity forward, all-reduce of the per-rank
 feature gradients backward, so the encoder sees the complete gradient. The packed row length
 must be a multiple of the foundation's tp.
@@ -46,6 +46,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from omniweave.models.registry import MODALITIES
 from omniweave.parallel.context.sharding import feature_rows_from_spans
 from omniweave.parallel.tp_loss import vocab_parallel_ce_sum, vocab_parallel_ce_tokens
 from omniweave.parallel.tp_styles import FusedHeadsParallel, ReplicatedKVHeads
@@ -100,8 +101,9 @@ def check_vit_tp(cfg, tp: int) -> None:
 
 def sequence_parallel_row(batch: dict, tp_rank: int, tp: int) -> dict:
     """The batch as tp rank ``tp_rank`` feeds it to a sequence-parallel foundation: full-length
-    ``position_ids`` / ``cu_seqlens`` (defaults made explicit) and, with media, ``feature_rows``
-    for its rows ``[tp_rank·L/tp, (tp_rank+1)·L/tp)`` only. Other keys unchanged."""
+    ``position_ids`` / ``cu_seqlens`` (defaults made explicit) and, per modality with items, its
+    feature rows (``feature_rows``, ``audio_feature_rows``) for its rows
+    ``[tp_rank·L/tp, (tp_rank+1)·L/tp)`` only. Other keys unchanged."""
     ids = batch["input_ids"]
     length = ids.shape[0]
     if length % tp:
@@ -112,15 +114,16 @@ def sequence_parallel_row(batch: dict, tp_rank: int, tp: int) -> dict:
         out["position_ids"] = torch.arange(length, device=ids.device)[None]
     if out.get("cu_seqlens") is None:
         out["cu_seqlens"] = torch.tensor([0, length], dtype=torch.int32, device=ids.device)
-    grid_thw = batch.get("grid_thw")
-    if grid_thw is not None and grid_thw.shape[0] > 0:
-        rows = batch.get("feature_rows")
-        if rows is None:
-            if batch.get("media_spans") is None:
-                raise ValueError("batch has grid_thw but no media_spans to place the features")
-            rows = feature_rows_from_spans(batch["media_spans"], length)
-        shard = length // tp
-        out["feature_rows"] = rows[tp_rank * shard : (tp_rank + 1) * shard]
+    shard = length // tp
+    for m in MODALITIES:
+        grid = batch.get(m.grid)
+        if grid is not None and grid.shape[0] > 0:
+            rows = batch.get(m.rows)
+            if rows is None:
+                if batch.get(m.spans) is None:
+                    raise ValueError(f"batch has {m.grid} but no {m.spans} to place the features")
+                rows = feature_rows_from_spans(batch[m.spans], length)
+            out[m.rows] = rows[tp_rank * shard : (tp_rank + 1) * shard]
     return out
 
 
@@ -191,18 +194,19 @@ def parallelize_vit(encoder: nn.Module, mesh) -> None:
     parallelize_module(encoder, mesh, vit_plan(encoder.cfg, mesh.size()))
 
 
-def _features_into_tp(mesh, previous, encode, pixel_values, grid_thw) -> torch.Tensor:
-    """media_split under a tp foundation: replicated features [N, D] whose gradient is the sum
-    of every tp rank's (each rank's rows use some of them)."""
-    features = encode(pixel_values, grid_thw) if previous is None else previous(encode, pixel_values, grid_thw)
+def _features_into_tp(mesh, previous, encode, inputs, grid) -> torch.Tensor:
+    """A modality's media split under a tp foundation: replicated features [N, D] whose gradient is
+    the sum of every tp rank's (each rank's rows use some of them)."""
+    features = encode(inputs, grid) if previous is None else previous(encode, inputs, grid)
     placed = DTensor.from_local(features, mesh, [Replicate()], run_check=False)
     return placed.to_local(grad_placements=[Partial()])
 
 
 def _sequence_parallel_hook(mesh, model, args):
     batch = sequence_parallel_row(args[0], mesh.get_local_rank(), mesh.size())
-    if "feature_rows" in batch and batch.get("media_spans") is not None:  # the model's own span checks
-        model.check_media_spans(batch["media_spans"], batch["grid_thw"], batch["input_ids"].shape[0])
+    for m in getattr(model, "modalities", ()):  # the model's own span checks (its forward sees only this rank's rows)
+        if m.rows in batch and batch.get(m.spans) is not None:
+            model.check_media_spans(batch[m.spans], batch[m.grid], batch["input_ids"].shape[0], m.name)
     return (batch, *args[1:])
 
 
@@ -245,6 +249,7 @@ def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None, features
         model.ce_tokens = partial(vocab_parallel_ce_tokens, mesh=foundation_mesh)
         model.register_forward_pre_hook(partial(_sequence_parallel_hook, foundation_mesh))
         features_mesh = foundation_mesh if features_mesh == "foundation" else _mesh_or_none(features_mesh, "features")
-        if encoder is not None and features_mesh is not None:
-            model.media_split = partial(_features_into_tp, features_mesh, model.media_split)
+        if features_mesh is not None:
+            for m in getattr(model, "modalities", ()):
+                model.media_splits[m.name] = partial(_features_into_tp, features_mesh, model.media_splits.get(m.name))
     return model

@@ -3,8 +3,9 @@
 Every kept group (G samples of one prompt) becomes G documents ``prompt ‖ response_j``; groups are
 packed whole into rows of ``capacity`` tokens (best-fit decreasing over group lengths; a group
 longer than a row is cut into runs of its samples). A row carries each of its prompts' media
-**once** (``pixel_values`` / ``grid_thw``), and ``feature_rows`` sends the same features to the
-placeholder rows of all of that prompt's documents: the vision encoder runs once per prompt per
+**once** (per modality: ``pixel_values`` / ``grid_thw``, ``audio_features`` / ``audio_lengths``),
+and the modality's feature rows (``feature_rows``, ``audio_feature_rows``) send the same features to
+the placeholder rows of all of that prompt's documents: each encoder runs once per prompt per
 update, and its gradient sums over the G samples.
 
 Labels are the response tokens (shifted: the row before each response token predicts it) and
@@ -21,6 +22,8 @@ import numpy as np
 import torch
 
 from omniweave.data.packing import pack
+from omniweave.models.omni import cat_items
+from omniweave.models.registry import MODALITIES
 from omniweave.rl.rollout import Prompt, Rollout
 
 IGNORE = -100
@@ -60,25 +63,14 @@ def update_rows(prompts: list[Prompt], rollouts: list[Rollout], advantages: torc
 
 
 def _row(units, prompts: list[Prompt], rollouts: list[Rollout], advantages, group_size: int, loss_agg: str) -> dict:
-    ids, pos, labels, old, adv, weight, rows, lens = [], [], [], [], [], [], [], []
-    pixels, grids, feature_base = [], [], {}
-    n_features = 0
+    ids, pos, labels, old, adv, weight, lens = [], [], [], [], [], [], []
+    media = {m: _Items() for m in MODALITIES}
     for i, samples, _ in units:
         b = prompts[i].batch
-        if i not in feature_base and b.get("grid_thw") is not None and b["grid_thw"].shape[0]:
-            feature_base[i] = n_features
-            pixels.append(b["pixel_values"])
-            grids.append(b["grid_thw"])
-            n_features += int(b["media_spans"][:, 1].sum())
         n = b["input_ids"].shape[0]
         p_pos = b["position_ids"] if b["position_ids"].dim() == 2 else b["position_ids"][None]
         nxt = int(p_pos.max()) + 1
-        prompt_rows = torch.full((n,), -1, dtype=torch.long)
-        if i in feature_base:
-            offset = feature_base[i]
-            for start, length in b["media_spans"].reshape(-1, 2).tolist():
-                prompt_rows[start : start + length] = torch.arange(offset, offset + length)
-                offset += length
+        prompt_rows = {m: items.prompt_rows(i, b, m) for m, items in media.items()}
         for j in samples:
             r = rollouts[i * group_size + j]
             m = len(r.tokens)
@@ -93,18 +85,41 @@ def _row(units, prompts: list[Prompt], rollouts: list[Rollout], advantages, grou
             adv.append(torch.where(lab != IGNORE, float(advantages[i * group_size + j]), 0.0))
             w = 1.0 / m if loss_agg == "seq-mean-token-mean" else 1.0
             weight.append(torch.where(lab != IGNORE, w, 0.0))
-            rows.append(torch.cat([prompt_rows, torch.full((m,), -1, dtype=torch.long)]))
+            for modality, items in media.items():
+                items.rows.append(torch.cat([prompt_rows[modality], torch.full((m,), -1, dtype=torch.long)]))
             lens.append(n + m)
     out = {
         "input_ids": torch.cat(ids), "labels": torch.cat(labels), "position_ids": torch.cat(pos, -1),
         "cu_seqlens": torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32),
-        "feature_rows": torch.cat(rows),
         "token_data": {"old_logp": torch.cat(old), "advantages": torch.cat(adv), "weights": torch.cat(weight)},
         "num_loss_tokens": int(sum(len(rollouts[i * group_size + j].tokens) for i, s, _ in units for j in s)),
     }
-    if grids:
-        out.update(pixel_values=torch.cat(pixels), grid_thw=torch.cat(grids))
+    for m, items in media.items():
+        if items.grids:
+            out.update({m.rows: torch.cat(items.rows), m.inputs: cat_items(items.inputs), m.grid: torch.cat(items.grids)})
     return out
+
+
+class _Items:
+    """One modality's items in a row: each prompt's once, and every document's feature rows."""
+
+    def __init__(self):
+        self.inputs, self.grids, self.rows, self.base, self.count = [], [], [], {}, 0
+
+    def prompt_rows(self, i: int, b: dict, m) -> torch.Tensor:
+        """Feature rows of prompt ``i`` (its items added to the row on first sight)."""
+        if i not in self.base and b.get(m.grid) is not None and b[m.grid].shape[0]:
+            self.base[i] = self.count
+            self.inputs.append(b[m.inputs])
+            self.grids.append(b[m.grid])
+            self.count += int(b[m.spans][:, 1].sum())
+        rows = torch.full((b["input_ids"].shape[0],), -1, dtype=torch.long)
+        if i in self.base:
+            offset = self.base[i]
+            for start, length in b[m.spans].reshape(-1, 2).tolist():
+                rows[start : start + length] = torch.arange(offset, offset + length)
+                offset += length
+        return rows
 
 
 def num_sequences(row: dict) -> int:

@@ -41,6 +41,8 @@ import torch.nn.functional as F
 
 from omniweave.models.components.attention import attn, decode
 from omniweave.models.components.decoder import KVCache
+from omniweave.models.omni import cat_items
+from omniweave.models.registry import MODALITIES
 from omniweave.parallel.context.kernels import merge_partials
 
 
@@ -183,24 +185,28 @@ class GroupKVCache:
 
 
 def pack_prompts(prompts: list[Prompt]) -> dict:
-    """The prompts as one packed row (their documents side by side; media in prompt order)."""
-    ids, pos, spans, pixels, grids, offset = [], [], [], [], [], 0
+    """The prompts as one packed row (their documents side by side; each modality's items in
+    prompt order)."""
+    ids, pos, offset = [], [], 0
+    media = {m: ([], [], []) for m in MODALITIES}  # spans, inputs, grids
     for p in prompts:
         b = p.batch
         n = b["input_ids"].shape[0]
         ids.append(b["input_ids"])
         pos.append(b["position_ids"] if b.get("position_ids") is not None else torch.arange(n)[None])
-        if b.get("grid_thw") is not None and b["grid_thw"].shape[0]:
-            spans.append(b["media_spans"].reshape(-1, 2) + torch.tensor([offset, 0]))
-            pixels.append(b["pixel_values"])
-            grids.append(b["grid_thw"])
+        for m, (spans, inputs, grids) in media.items():
+            if b.get(m.grid) is not None and b[m.grid].shape[0]:
+                spans.append(b[m.spans].reshape(-1, 2) + torch.tensor([offset, 0]))
+                inputs.append(b[m.inputs])
+                grids.append(b[m.grid])
         offset += n
     lens = [p.batch["input_ids"].shape[0] for p in prompts]
     row = {"input_ids": torch.cat(ids), "labels": torch.full((offset,), -100, dtype=torch.long),
            "position_ids": torch.cat([x if x.dim() == 2 else x[None] for x in pos], dim=-1),
            "cu_seqlens": torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)}
-    if grids:
-        row.update(pixel_values=torch.cat(pixels), grid_thw=torch.cat(grids), media_spans=torch.cat(spans))
+    for m, (spans, inputs, grids) in media.items():
+        if grids:
+            row.update({m.inputs: cat_items(inputs), m.grid: torch.cat(grids), m.spans: torch.cat(spans)})
     return row
 
 

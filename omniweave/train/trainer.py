@@ -178,7 +178,8 @@ def _refit(refitter, loader, packs: list[dict], seconds: float, dp_rank: int, dp
 
     feats = sum(pack_features({
         "docs": [{"length": int(n)} for n in (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()],
-        "media": [{"grid_thw": g} for g in mb["grid_thw"].tolist()],
+        "media": [{"grid_thw": g} for g in mb.get("grid_thw", torch.zeros(0, 3)).tolist()]
+        + [{"kind": "audio", "start": s, "length": n} for s, n in mb.get("audio_spans", torch.zeros(0, 2)).tolist()],
     }) for mb in packs)  # fmt: skip
     row = torch.tensor([dp_rank, *feats, seconds], dtype=torch.float64)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]

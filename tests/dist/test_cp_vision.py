@@ -155,7 +155,7 @@ def _embeds_weights(row, width):
 def _omni_run(rank, world):
     model = _tiny_model()
     encoder = model.image_encoder
-    model.media_split = VisionSplit(dist.group.WORLD, encoder.dummy_input, encoder.cfg.hidden_size)
+    model.media_splits["vision"] = VisionSplit(dist.group.WORLD, encoder.dummy_input, encoder.cfg.hidden_size)
     results = []
     for row in _packed_rows():
         model.zero_grad()

@@ -11,8 +11,8 @@ What happens to a micro-batch (a packed row of text, image and video documents):
    2·cp−1−r (the causal work is then equal on every rank). ids, labels, positions and document
    boundaries are sharded with the same indices; ``feature_rows`` says which media feature each
    local row takes.
-2. ``vision`` (``parallel.vision_split``): the media of the row are divided over the CP ranks by
-   encoder cost — whole images, or temporal slices of videos (Qwen2-VL's vision attention never
+2. ``vision`` / ``audio`` (``parallel.vision_split``): the media of the row are divided over the
+   CP ranks by encoder cost — whole images and audio items, or temporal slices of videos (Qwen2-VL's vision attention never
    crosses a frame, so a video splits by frames exactly); each rank encodes its share and the
    features are all-gathered with an autograd-correct gather. Without the split every CP rank
    encodes every item. (A foundation with a larger tp than the encoder's also splits the media
@@ -30,13 +30,20 @@ from torch import nn
 
 
 def apply_vision_split(model: nn.Module, mesh) -> None:
-    """Share the encoding of each row's media over the ranks of ``mesh`` (None: no split)."""
-    encoder = getattr(model, "image_encoder", None)
-    if mesh is None or mesh.size() == 1 or encoder is None:
+    """Share the encoding of each row's media over the ranks of ``mesh`` (None: no split): every
+    encoder of the model (images / videos: ``VisionSplit``, audio: ``AudioSplit``)."""
+    if mesh is None or mesh.size() == 1:
         return
+    from omniweave.parallel.context.audio import AudioSplit
     from omniweave.parallel.context.vision import VisionSplit
 
-    model.media_split = VisionSplit(mesh.get_group(), encoder.dummy_input, encoder.cfg.hidden_size)
+    for m in getattr(model, "modalities", ()):
+        encoder, projector = getattr(model, m.encoder), getattr(model, m.projector)
+        if m.name == "vision":
+            model.media_splits[m.name] = VisionSplit(mesh.get_group(), encoder.dummy_input, encoder.cfg.hidden_size)
+        elif m.name == "audio":
+            model.media_splits[m.name] = AudioSplit(mesh.get_group(), encoder.dummy_input, projector.num_tokens,
+                                                    encoder.cfg.d_model)
 
 
 def apply_cp(model: nn.Module, dims, meshes, head_groups: int = 1) -> None:

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 import torch
 
 from omniweave.models.omni import feature_rows_from_spans  # noqa: F401 (the one implementation; tp.py imports it here)
+from omniweave.models.registry import MODALITIES
 
 # keys of a micro-batch (loader.collate_pack) that shard_batch rewrites / passes through
-_REWRITTEN_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "media_spans", "feature_rows", "token_data",
-                   "token_valid")
-_WHOLE_ROW_KEYS = ("pixel_values", "grid_thw", "num_loss_tokens")  # passed through unchanged
+_REWRITTEN_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_data", "token_valid",
+                   *(k for m in MODALITIES for k in (m.spans, m.rows)))
+_WHOLE_ROW_KEYS = ("num_loss_tokens", *(k for m in MODALITIES for k in (m.inputs, m.grid)))  # passed through unchanged
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,9 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
 
     input_ids [local_len] (``pad_id`` at pads), labels [local_len] (-100 at pads), position_ids
     with the same leading axes (computed on the whole row: arange(L) if the batch has none),
-    cu_seqlens = the local boundaries, feature_rows int64 [local_len] (index into the span-order
-    media features, -1 for text and pads) in place of media_spans (or sharded from the batch's own
+    cu_seqlens = the local boundaries, per modality (registry.MODALITIES) its feature rows int64
+    [local_len] (``feature_rows``, ``audio_feature_rows``: index into the span-order features of
+    that modality, -1 for text and pads) in place of its spans (or sharded from the batch's own
     ``feature_rows``: rows that share media, as RL's G samples of a prompt do); each tensor of
     ``token_data`` (per-token values [L], e.g. RL's advantages) sharded like the labels (0 at
     pads); pixel_values, grid_thw and num_loss_tokens (the pack's global count) unchanged, so the
@@ -171,20 +173,22 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(plan.row_len, device=ids.device)
-    grid_thw = batch.get("grid_thw")
-    spans, rows = batch.get("media_spans"), batch.get("feature_rows")
-    if spans is None and rows is None and grid_thw is not None and grid_thw.shape[0] > 0:
-        raise ValueError("batch has grid_thw but no media_spans to place the features")
-    if rows is None:
-        spans = torch.zeros(0, 2, dtype=torch.int64) if spans is None else spans.reshape(-1, 2)
-        rows = feature_rows_from_spans(spans, plan.row_len)
     out = {
         "input_ids": shard_rows(ids, plan, rank, fill=pad_id),
         "labels": shard_rows(batch["labels"], plan, rank, fill=-100),
         "position_ids": _shard_positions(positions, plan, rank),
         "cu_seqlens": plan.local_cu_seqlens().to(ids.device),
-        "feature_rows": shard_rows(rows, plan, rank, fill=-1).to(ids.device),
     }
+    for m in MODALITIES:
+        grid, spans, rows = batch.get(m.grid), batch.get(m.spans), batch.get(m.rows)
+        if grid is None and spans is None and rows is None:
+            continue  # the row has no keys of this modality
+        if spans is None and rows is None and grid.shape[0] > 0:
+            raise ValueError(f"batch has {m.grid} but no {m.spans} to place the features")
+        if rows is None:
+            spans = torch.zeros(0, 2, dtype=torch.int64) if spans is None else spans.reshape(-1, 2)
+            rows = feature_rows_from_spans(spans, plan.row_len)
+        out[m.rows] = shard_rows(rows, plan, rank, fill=-1).to(ids.device)
     if "token_data" in batch:
         out["token_data"] = {k: shard_rows(v, plan, rank, fill=0) for k, v in batch["token_data"].items()}
     valid = batch.get("token_valid")
@@ -225,8 +229,9 @@ def append_pad_document(batch: dict, length: int, pad_id: int = 0) -> dict:
     cu = batch.get("cu_seqlens")
     cu = torch.tensor([0, ids.shape[0]], dtype=torch.int32) if cu is None else cu
     out["cu_seqlens"] = torch.cat([cu, cu.new_tensor([int(cu[-1]) + length])])
-    if batch.get("feature_rows") is not None:
-        out["feature_rows"] = torch.cat([batch["feature_rows"], batch["feature_rows"].new_full((length,), -1)])
+    for m in MODALITIES:
+        if batch.get(m.rows) is not None:
+            out[m.rows] = torch.cat([batch[m.rows], batch[m.rows].new_full((length,), -1)])
     if "token_data" in batch:
         out["token_data"] = {k: torch.cat([v, v.new_zeros(length)]) for k, v in batch["token_data"].items()}
     valid = batch.get("token_valid")
