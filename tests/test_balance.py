@@ -185,7 +185,7 @@ def test_the_audio_tower_terms_come_from_its_config_and_refit_like_the_others():
     stem), q = 6 per tower parameter a frame runs (+ the linear projector on the pooled half)."""
     dec = {"hidden_size": 4096, "num_heads": 32, "num_kv_heads": 32, "intermediate_size": 11008,
            "num_layers": 32, "vocab_size": 156032}
-    audio = {"name": "qwen2_audio", "d_model": 1280, "encoder_layers": 32, "encoder_ffn_dim": 5120, "num_mel_bins": 128}
+    audio = {"name": "qwen2_audio", "hidden_size": 1280, "num_layers": 32, "intermediate_size": 5120, "num_mel_bins": 128}
     prior = CostModel.from_model_config({"foundation": dec, "audio_encoder": audio,
                                          "audio_projector": {"name": "linear"}})
     per_frame = 2 * 3 * 128 * 1280 + 3 * 1280**2 + 32 * (4 * 1280**2 + 2 * 1280 * 5120)

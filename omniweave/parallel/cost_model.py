@@ -135,7 +135,7 @@ class CostModel:
                 p += _passes(proj_trains, vit_trains) * projector_params_per_patch(proj, d, h, vit)
         f = q = 0.0
         if audio is not None:
-            d, layers = int(audio["d_model"]), int(audio["encoder_layers"])
+            d, layers = int(audio["hidden_size"]), int(audio["num_layers"])
             f = float((4 + 8 * audio_trains) * d * layers)
             q = _passes(audio_trains, False) * audio_params_per_frame(audio)
             if audio_proj is not None and audio_proj.get("name") == "linear":
@@ -212,11 +212,11 @@ def audio_params_per_frame(audio: dict) -> int:
     """Audio tower matmul parameters per frame after the conv stem (Whisper-style: conv1 k3 over
     2 mel frames per frame, conv2 k3, layers of attention + MLP, Qwen2.5-Omni's output proj on the
     pooled half)."""
-    d, ffn, mels = int(audio["d_model"]), int(audio["encoder_ffn_dim"]), int(audio["num_mel_bins"])
+    d, ffn, mels = int(audio["hidden_size"]), int(audio["intermediate_size"]), int(audio["num_mel_bins"])
     conv = 2 * 3 * mels * d + 3 * d * d
     layer = 4 * d * d + 2 * d * ffn
     out = int(audio.get("output_dim") or 0) * d // 2
-    return conv + int(audio["encoder_layers"]) * layer + out
+    return conv + int(audio["num_layers"]) * layer + out
 
 
 def projector_params_per_patch(proj: dict, vit_dim: int, dec_dim: int, vit: dict) -> float:

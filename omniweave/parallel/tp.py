@@ -1,7 +1,7 @@
 """Tensor parallelism (DTensor ``parallelize_module`` plans) applied from outside the model.
 
-Each component gets its own 1-D tp mesh (``model.foundation.tp``, ``model.image_encoder.tp``
-in a recipe); ``None`` (or a mesh of one rank) leaves it unsharded. Order in a run: TP -> CP ->
+Each component gets its own 1-D tp mesh (``model.foundation.tp``, ``model.image_encoder.tp`` =
+``model.audio_encoder.tp`` in a recipe: the encoders share theirs); ``None`` (or a mesh of one rank) leaves it unsharded. Order in a run: TP -> CP ->
 AC -> FSDP (``fully_shard`` over the dp mesh of a 2-D ``(dp, tp)`` mesh takes TP's DTensors).
 
 Decoder (Megatron TP + sequence parallelism on our one packed row, sequence dim 0):
@@ -181,6 +181,26 @@ def vit_plan(cfg, tp: int) -> dict:
     return {f"blocks.*.{name}": style for name, style in block.items()}
 
 
+def check_audio_tp(cfg, tp: int) -> None:
+    _divisible("audio num_heads", cfg.num_heads, tp)
+    _divisible("audio intermediate_size", cfg.intermediate_size, tp)
+
+
+def audio_plan(cfg, tp: int) -> dict:
+    """A Whisper-style audio tower's plan (components/audio_encoder.py), like the ViT's:
+    q / k / v column-wise (each rank its heads), out_proj row-wise, fc1 column-wise, fc2 row-wise;
+    the conv stem, norms, pooling and output projection stay replicated."""
+    check_audio_tp(cfg, tp)
+    layer = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+             "self_attn.v_proj": ColwiseParallel(), "self_attn.out_proj": RowwiseParallel(),
+             "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}  # fmt: skip
+    return {f"layers.*.{name}": style for name, style in layer.items()}
+
+
+# per modality (registry.MODALITIES): (layout check, parallelize_module plan) of its encoder
+ENCODER_TP = {"vision": (check_vit_tp, vit_plan), "audio": (check_audio_tp, audio_plan)}
+
+
 # ----------------------------------------------------------------------------- apply
 
 
@@ -188,10 +208,6 @@ def parallelize_decoder(decoder: nn.Module, mesh) -> None:
     parallelize_module(decoder, mesh, decoder_plan(decoder.config, mesh.size()))
     if decoder.config.tie_word_embeddings:  # both are Shard(0) of [V, D]: share the embedding's DTensor
         decoder.tie_weights()
-
-
-def parallelize_vit(encoder: nn.Module, mesh) -> None:
-    parallelize_module(encoder, mesh, vit_plan(encoder.cfg, mesh.size()))
 
 
 def _features_into_tp(mesh, previous, encode, inputs, grid) -> torch.Tensor:
@@ -219,8 +235,9 @@ def _mesh_or_none(mesh, what: str):
 
 
 def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None, features_mesh="foundation") -> nn.Module:
-    """Shard ``model.foundation`` over ``foundation_mesh`` and ``model.image_encoder`` over
-    ``encoder_mesh`` (1-D meshes; None or size 1 = that component unsharded), in place.
+    """Shard ``model.foundation`` over ``foundation_mesh`` and every encoder (``image_encoder``,
+    ``audio_encoder``: ``ENCODER_TP``) over ``encoder_mesh`` (1-D meshes; None or size 1 = that
+    component unsharded), in place.
 
     Every rank must hold the same weights beforehand (same seed or checkpoint). Under a tp
     foundation the model's loss is the vocab-parallel one and its forward takes each batch
@@ -230,19 +247,23 @@ def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None, features
     skips the forward hook) takes ``sequence_parallel_row(batch, tp_rank, tp)``.
 
     ``features_mesh``: the ranks over which the media features' gradient partials are summed
-    (default: the foundation's tp mesh). When the encoder's tp is smaller than the foundation's,
-    the media are split over the foundation's tp replicas of the encoder (``VisionSplit``, whose
-    backward sums over them), so only the encoder's own tp group is left: pass that mesh."""
+    (default: the foundation's tp mesh). When the encoders' tp is smaller than the foundation's,
+    the media are split over the foundation's tp replicas of the encoders (``VisionSplit``,
+    ``AudioSplit``, whose backward sums over them), so only the encoders' own tp group is left:
+    pass that mesh."""
     foundation_mesh = _mesh_or_none(foundation_mesh, "the foundation")
-    encoder_mesh = _mesh_or_none(encoder_mesh, "the image encoder")
-    encoder = getattr(model, "image_encoder", None)
-    if encoder_mesh is not None and encoder is None:
-        raise ValueError("encoder_mesh given but the model has no image_encoder")
+    encoder_mesh = _mesh_or_none(encoder_mesh, "the encoders")
+    modalities = getattr(model, "modalities", ())
+    if encoder_mesh is not None and not modalities:
+        raise ValueError("encoder_mesh given but the model has no encoder")
     if foundation_mesh is not None:
         check_decoder_tp(model.foundation.config, foundation_mesh.size())
     if encoder_mesh is not None:
-        check_vit_tp(encoder.cfg, encoder_mesh.size())
-        parallelize_vit(encoder, encoder_mesh)
+        for m in modalities:
+            ENCODER_TP[m.name][0](getattr(model, m.encoder).cfg, encoder_mesh.size())
+        for m in modalities:
+            encoder = getattr(model, m.encoder)
+            parallelize_module(encoder, encoder_mesh, ENCODER_TP[m.name][1](encoder.cfg, encoder_mesh.size()))
     if foundation_mesh is not None:
         parallelize_decoder(model.foundation, foundation_mesh)
         model.ce_sum = partial(vocab_parallel_ce_sum, mesh=foundation_mesh)
@@ -250,6 +271,6 @@ def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None, features
         model.register_forward_pre_hook(partial(_sequence_parallel_hook, foundation_mesh))
         features_mesh = foundation_mesh if features_mesh == "foundation" else _mesh_or_none(features_mesh, "features")
         if features_mesh is not None:
-            for m in getattr(model, "modalities", ()):
+            for m in modalities:
                 model.media_splits[m.name] = partial(_features_into_tp, features_mesh, model.media_splits.get(m.name))
     return model

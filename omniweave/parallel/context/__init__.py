@@ -43,7 +43,7 @@ def apply_vision_split(model: nn.Module, mesh) -> None:
             model.media_splits[m.name] = VisionSplit(mesh.get_group(), encoder.dummy_input, encoder.cfg.hidden_size)
         elif m.name == "audio":
             model.media_splits[m.name] = AudioSplit(mesh.get_group(), encoder.dummy_input, projector.num_tokens,
-                                                    encoder.cfg.d_model)
+                                                    encoder.cfg.hidden_size)
 
 
 def apply_cp(model: nn.Module, dims, meshes, head_groups: int = 1) -> None:
