@@ -154,32 +154,73 @@ def audio_sample(seed: int = 0, text: int = 6) -> dict:
             "audio_spans": torch.tensor(spans), "feature_attention_mask": mel.attention_mask()}  # fmt: skip
 
 
-def _load_components(path):
-    """Our three components with the checkpoint's tensors, through the adapter's names."""
-    from omniweave.models.hf.loading import iter_safetensors, read_hf_config
-
-    adapter = adapter_for("qwen2_audio")
-    model_cfg = adapter.model_config(read_hf_config(path))
-    tensors = {adapter.model_name_to_ours(n): t for n, t in iter_safetensors(path)}
-    parts = {}
-    for kind in ("foundation", "audio_encoder", "audio_projector"):
-        part = build_component(kind, {**model_cfg[kind], **({"attn_backend": "sdpa"} if kind == "audio_encoder" else {})})
-        part.load_state_dict({n[len(kind) + 1 :]: t for n, t in tensors.items() if n.startswith(kind + ".")}, strict=True)
-        parts[kind] = part.eval()
-    return parts
+def _batch(sample: dict) -> dict:
+    """Our batch keys (registry.MODALITIES audio): features, valid frames, placeholder spans."""
+    keys = ("input_ids", "audio_features", "audio_lengths", "audio_spans")
+    return {**{k: sample[k] for k in keys}, "cu_seqlens": torch.tensor([0, sample["input_ids"].numel()], dtype=torch.int32)}
 
 
-def test_logits_equal_transformers_with_two_clips_in_one_row(saved):
-    hf, path = saved
-    parts = _load_components(path)
+def _hf_forward(hf, sample: dict):
+    return hf(input_ids=sample["input_ids"][None], input_features=sample["audio_features"],
+              feature_attention_mask=sample["feature_attention_mask"]).logits[0]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ours(saved):
+    from omniweave.models.hf.loading import load_hf
+
+    model, model_cfg = load_hf(saved[1])
+    return model.eval(), model_cfg
+
+
+def test_logits_and_grads_equal_transformers_with_two_clips_in_one_row(saved, ours):
+    """OmniModel built by load_hf (registry.build_model of foundation + audio_encoder +
+    audio_projector) vs Qwen2AudioForConditionalGeneration: text and two clips in one row."""
+    hf, _ = saved
+    model, _ = ours
     sample = audio_sample()
-    with torch.no_grad():
-        ref = hf(input_ids=sample["input_ids"][None], input_features=sample["audio_features"],
-                 feature_attention_mask=sample["feature_attention_mask"]).logits[0]  # fmt: skip
-        enc, proj, lm = parts["audio_encoder"], parts["audio_projector"], parts["foundation"]
-        features = proj(enc(sample["audio_features"], sample["audio_lengths"]), sample["audio_lengths"])
-        embeds = lm.embed(sample["input_ids"])
-        embeds[sample["input_ids"] == AUDIO_TOKEN] = features
-        got = lm.logits(lm(inputs_embeds=embeds))
+    hf.zero_grad(), model.zero_grad()
+    ref = _hf_forward(hf, sample)
+    got = model.logits(_batch(sample))
     assert got.shape == ref.shape
     assert (got - ref).abs().max() <= 1e-5
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    (ref * weights).sum().backward()
+    (got * weights).sum().backward()
+    adapter = adapter_for("qwen2_audio")
+    hf_grads = {adapter.model_name_to_ours(n): p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    worst, checked = 0.0, set()
+    for name, p in model.named_parameters():
+        g_ref = hf_grads.get(name)
+        if g_ref is None or g_ref.norm() == 0:
+            continue
+        worst = max(worst, float((p.grad - g_ref).norm() / g_ref.norm()))
+        checked.add(name.split(".")[0])
+    assert worst <= 1e-4
+    assert checked == {"foundation", "audio_encoder", "audio_projector"}
+
+
+def test_a_row_without_audio_runs_the_dummy_item_and_equals_transformers(saved, ours):
+    """No audio in the row: the tower still runs (FSDP collectives) and changes nothing."""
+    hf, _ = saved
+    model, _ = ours
+    ids = torch.randint(10, 900, (17,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None]).logits[0]
+        got = model.logits({"input_ids": ids})
+    assert (got - ref).abs().max() <= 1e-5
+
+
+def test_export_writes_what_transformers_loads_back_identically(saved, ours, tmp_path):
+    from omniweave.models.hf.export import export_hf
+
+    hf, path = saved
+    model, model_cfg = ours
+    export_hf(model, model_cfg, tmp_path)
+    original, exported = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[n], original[n]) for n in original)
+    again = Qwen2AudioForConditionalGeneration.from_pretrained(tmp_path).eval()
+    sample = audio_sample(seed=1)
+    with torch.no_grad():
+        assert torch.equal(_hf_forward(again, sample), _hf_forward(hf, sample))
