@@ -48,7 +48,7 @@ def _hf_qwen2_audio():
     torch.manual_seed(0)
     cfg = HFQwen2AudioEncoderConfig(num_mel_bins=N_MELS, encoder_layers=2, encoder_attention_heads=HEADS,
                                     encoder_ffn_dim=FFN, d_model=D, max_source_positions=1500)  # fmt: skip
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = "sdpa"  # its 1500 positions per item: eager's backward is the slow part
     tower = HFQwen2AudioEncoder(cfg).eval()
     projector = torch.nn.Linear(D, TEXT)  # Qwen2AudioMultiModalProjector.linear
     return tower, projector

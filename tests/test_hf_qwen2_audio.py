@@ -224,3 +224,34 @@ def test_export_writes_what_transformers_loads_back_identically(saved, ours, tmp
     sample = audio_sample(seed=1)
     with torch.no_grad():
         assert torch.equal(_hf_forward(again, sample), _hf_forward(hf, sample))
+
+
+def test_hf_verify_audio_files_and_perturbed_weights(saved, tmp_path, monkeypatch, capsys):
+    """``omniweave hf verify DIR --audio FILE``: a 35 s wav (two encoder items) and a 2 s mp3 agree
+    on token counts from headers, mel features and logits; a perturbed projector fails."""
+    from omniweave.cli import main
+    from omniweave.models.hf import verify_audio
+    from tests.audio_factory import encode, signal
+
+    _, path = saved
+    files = []
+    for name, seconds, rate, fmt in (("long.wav", 35.0, 22050, "wav"), ("short.mp3", 2.0, 44100, "mp3")):
+        files += ["--audio", str(tmp_path / name)]
+        (tmp_path / name).write_bytes(encode(signal(seconds, rate, 2, seed=len(files)), rate, fmt))
+    assert main(["hf", "verify", str(path), *files]) == 0
+    out = capsys.readouterr().out
+    assert "from headers" in out and "OK" in out
+    assert out.count(", ") >= 2  # three encoder items: the 35 s clip is two
+
+    real_load = verify_audio.load_hf
+
+    def perturbed(hf_dir):
+        model, cfg = real_load(hf_dir)
+        with torch.no_grad():
+            model.audio_projector.linear.weight.mul_(1.5)
+        return model, cfg
+
+    monkeypatch.setattr(verify_audio, "load_hf", perturbed)
+    assert main(["hf", "verify", str(path), *files]) == 1
+    assert "FAIL: logits" in capsys.readouterr().out
+    assert main(["hf", "verify", str(path), "--image", "x.png"]) == 2

@@ -59,21 +59,24 @@ def _extractor(hf_dir: Path, n_mels: int):
     return WhisperFeatureExtractor(feature_size=n_mels)
 
 
-def _row(counts: list[list[int]], audio: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids [L], audio_spans [items, 2]): random text (ids below the audio specials) around
-    each clip's <audio_bos> run <audio_eos>, one span per encoder item."""
+def _row(counts: list[list[int]], audio: dict, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [L], audio_spans [items, 2]): random text (ids below the audio token) around
+    each clip's <audio_bos> run <audio_eos>, one span per encoder item. A bos / eos id outside the
+    vocabulary (tiny test models keep the real ids in the config) is left out."""
     g = torch.Generator().manual_seed(seed)
-    text = lambda n: torch.randint(0, min(audio.values()), (n,), generator=g)  # noqa: E731
+    text = lambda n: torch.randint(0, min(audio["audio_token_id"], vocab), (n,), generator=g)  # noqa: E731
+    marks = [torch.tensor([audio[k]] if audio[k] < vocab else [], dtype=torch.long)
+             for k in ("audio_bos_token_id", "audio_eos_token_id")]  # fmt: skip
     pieces, spans, at = [text(5)], [], 5
     for clip in counts:
-        pieces.append(torch.tensor([audio["audio_bos_token_id"]]))
-        at += 1
+        pieces.append(marks[0])
+        at += marks[0].numel()
         for n in clip:  # the items of one clip: consecutive spans
             spans.append((at, n))
             pieces.append(torch.full((n,), audio["audio_token_id"]))
             at += n
-        pieces += [torch.tensor([audio["audio_eos_token_id"]]), text(4)]
-        at += 5
+        pieces += [marks[1], text(4)]
+        at += marks[1].numel() + 4
     return torch.cat(pieces), torch.tensor(spans, dtype=torch.long).reshape(-1, 2)
 
 
@@ -106,7 +109,7 @@ def verify_audio(args, hf_dir: Path, hf_cfg: dict, report) -> int:
                  f"[{len(items)}, {n_mels}, {mel.features.shape[-1]}] log-mel vs WhisperFeatureExtractor"))  # fmt: skip
     if rows[0][1] is None or rows[1][1] is None:
         return report(rows, args.atol)
-    ids, spans = _row(counts, model_cfg["foundation"]["extra_hf"]["audio"], args.seed)
+    ids, spans = _row(counts, model_cfg["foundation"]["extra_hf"]["audio"], model_cfg["foundation"]["vocab_size"], args.seed)
     ours, _ = load_hf(hf_dir)
     ours.eval()
     batch = {"input_ids": ids, "audio_features": mel.features, "audio_lengths": mel.num_frames, "audio_spans": spans,
