@@ -255,3 +255,41 @@ def test_hf_verify_audio_files_and_perturbed_weights(saved, tmp_path, monkeypatc
     assert main(["hf", "verify", str(path), *files]) == 1
     assert "FAIL: logits" in capsys.readouterr().out
     assert main(["hf", "verify", str(path), "--image", "x.png"]) == 2
+
+
+def _audio_tokenizer(path):
+    """The demo tokenizer with Qwen2-Audio's three audio special tokens added."""
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer
+
+    from omniweave.data.tokenizer import resolve_tokenizer_dir
+
+    demo = resolve_tokenizer_dir("demo")
+    shutil.copytree(demo, path)
+    tok = Tokenizer.from_file(str(demo / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")])
+    tok.save(str(path / "tokenizer.json"))
+    return path, tok.token_to_id("<|AUDIO|>")
+
+
+def test_export_with_its_recipe_is_a_whole_qwen2_audio_directory(ours, tmp_path):
+    """With the recipe's data section: the audio token id comes from its tokenizer, and
+    AutoProcessor loads Qwen2AudioProcessor whose features equal ours (data/mel.log_mel)."""
+    import json
+
+    from transformers import AutoProcessor
+
+    from omniweave.data.mel import log_mel
+    from omniweave.models.hf.export import export_hf
+    from tests.audio_factory import signal
+
+    model, model_cfg = ours
+    tok_dir, audio_id = _audio_tokenizer(tmp_path / "tok")
+    out = export_hf(model, model_cfg, tmp_path / "hf", data_cfg={"tokenizer": str(tok_dir), "template": "chatml"})
+    assert json.loads((out / "config.json").read_text())["audio_token_index"] == audio_id
+    processor = AutoProcessor.from_pretrained(out)
+    assert type(processor).__name__ == "Qwen2AudioProcessor" and processor.audio_token_id == audio_id
+    clip = signal(4.2, 16000, 1, seed=5)[0]
+    theirs = processor.feature_extractor(clip, sampling_rate=16000, padding="max_length", return_tensors="pt")
+    assert (log_mel([torch.from_numpy(clip)], n_mels=128).features - theirs["input_features"]).abs().max() <= 1e-4

@@ -42,6 +42,7 @@ def tokenizer_hf_fields(data_cfg: dict | None) -> tuple[dict, Path | None]:
     ids = {}
     for key, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
                        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+                       ("audio_token_index", "<|AUDIO|>"),  # Qwen2-Audio's config key (set only where cfg has it)
                        ("eos_token_id", tok.eos_token), ("bos_token_id", tok.bos_token), ("pad_token_id", tok.pad_token)):
         if token and tok.has_token(token):
             ids[key] = tok.token_id(token)

@@ -13,6 +13,10 @@ rules of ``data.vision`` (:class:`omniweave.data.media.VisionConfig`), so that
     video_preprocessor_config.json              Qwen2VLVideoProcessor: video_min/max_pixels, fps, min/max_frames
     processor_config.json                       processor_class (Qwen2VLProcessor / Qwen2_5_VLProcessor / Qwen3VLProcessor)
 
+Audio models (Qwen2-Audio) get ``preprocessor_config.json`` as ``WhisperFeatureExtractor`` (the
+mel bins of the exported audio tower; 16 kHz, 30 s windows: ``data/mel.py``'s constants) and
+``processor_config.json`` naming ``Qwen2AudioProcessor``.
+
 The image and video configs are written as separate files with both the ``size`` dict
 (transformers 5) and the ``min_pixels`` / ``max_pixels`` keys (transformers 4, serving engines);
 ``processor_config.json`` holds no nested copies, so each setting lives in one place.
@@ -25,9 +29,11 @@ import shutil
 from pathlib import Path
 
 from omniweave.data.media import VisionConfig
+from omniweave.data.mel import CHUNK_SAMPLES, HOP_LENGTH, N_FFT, SAMPLE_RATE
 
 PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                      "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor"}  # fmt: skip
+AUDIO_PROCESSOR_CLASSES = {"qwen2_audio": "Qwen2AudioProcessor"}
 # Qwen3-VL's processor writes video timestamps and needs its own video processor (metadata)
 VIDEO_PROCESSOR_TYPES = {"Qwen3VLProcessor": "Qwen3VLVideoProcessor"}
 
@@ -123,6 +129,8 @@ def write_processor_files(out_dir: Path, data_cfg: dict, hf_cfg: dict, tok_dir: 
     written = []
     if tok_dir is not None:
         written += write_tokenizer_files(tok_dir, out_dir, str(data_cfg.get("template", "chatml")))
+    if hf_cfg.get("model_type") in AUDIO_PROCESSOR_CLASSES:
+        return written + write_audio_processor_files(out_dir, hf_cfg)
     processor_class = PROCESSOR_CLASSES.get(hf_cfg.get("model_type"))
     if processor_class is None:  # a text-only model: the tokenizer is its processor
         return written
@@ -134,3 +142,32 @@ def write_processor_files(out_dir: Path, data_cfg: dict, hf_cfg: dict, tok_dir: 
     for name, content in files.items():
         (out_dir / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return written + list(files)
+
+
+def audio_feature_extractor_config(n_mels: int, processor_class: str) -> dict:
+    """``preprocessor_config.json``: transformers' ``WhisperFeatureExtractor`` computing what
+    ``data/mel.log_mel`` computes (its tests compare the two)."""
+    return {
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "processor_class": processor_class,
+        "feature_size": n_mels,
+        "sampling_rate": SAMPLE_RATE,
+        "hop_length": HOP_LENGTH,
+        "n_fft": N_FFT,
+        "chunk_length": CHUNK_SAMPLES // SAMPLE_RATE,
+        "n_samples": CHUNK_SAMPLES,
+        "nb_max_frames": CHUNK_SAMPLES // HOP_LENGTH,
+        "padding_side": "right",
+        "padding_value": 0.0,
+        "return_attention_mask": True,
+    }
+
+
+def write_audio_processor_files(out_dir: Path, hf_cfg: dict) -> list[str]:
+    processor_class = AUDIO_PROCESSOR_CLASSES[hf_cfg["model_type"]]
+    n_mels = hf_cfg["audio_config"]["num_mel_bins"]
+    files = {"preprocessor_config.json": audio_feature_extractor_config(n_mels, processor_class),
+             "processor_config.json": {"processor_class": processor_class}}  # fmt: skip
+    for name, content in files.items():
+        (out_dir / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    return list(files)
