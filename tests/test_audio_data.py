@@ -14,6 +14,8 @@ import json
 import wave
 
 import numpy as np
+import pytest
+import torch
 
 from audio_factory import encode, signal
 from omniweave.data.shards import RawDataset
@@ -130,3 +132,189 @@ def test_auto_placeholders_prepend_audio_tags(tmp_path):
                        "--auto-placeholders") == 0
     conv = RawDataset(tmp_path / "raw")[0].conversation
     assert conv.messages[0].content == "<audio><audio>What is said?" and conv.audios == ["aud0.wav", "aud1.wav"]
+
+
+# ---------------------------------------------------------------------------- pack + loader
+
+DATA = """
+data:
+  tokenizer: demo
+  template: chatml
+  max_len: 2048
+  rope: mrope
+  audio: {family: %s}
+  vision: {min_pixels: 3136, max_pixels: 12544, video_min_pixels: 3136, video_max_pixels: 12544}
+"""
+MODELS = {  # pack looks only at which sections exist; nothing is built
+    "omni": "model:\n  image_encoder: {name: whatever}\n  audio_encoder: {name: whatever}\n  foundation: {name: x}\n",
+    "vision": "model:\n  image_encoder: {name: whatever}\n  foundation: {name: x}\n",
+    "text": "model:\n  foundation: {name: x}\n",
+    "none": "",
+}
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory):
+    from data_factory import png_bytes
+
+    root = tmp_path_factory.mktemp("audio_pack")
+    long = encode(signal(31.0, 16000, 1, seed=1), 16000, "wav")  # > 30 s: two Qwen2-Audio chunks
+    files = {"short__mp3": clip("mp3", 1.0, rate=22050, seed=2), "long__wav": long, "a__png": png_bytes(28, 28),
+             "mid__flac": clip("flac", 2.0, rate=8000, seed=3)}
+    rows = [
+        sharegpt("Compare <audio> and <audio>.", "same", id="two", audios=["short.mp3", "long.wav"]),
+        sharegpt("<image>Colour?", "red", id="img", images=["a.png"]),
+        sharegpt("<audio>Pitch?", "low", id="one", audios=["mid.flac"]),
+        sharegpt("2+2?", "4", id="txt"),
+        sharegpt("<image><audio>Both?", "yes", id="both", images=["a.png"], audios=["mid.flac"]),
+    ]
+    convert(root, rows, **files)
+    return root
+
+
+def pack(raw_root, tmp_path, model: str, family: str = "qwen2_audio") -> tuple[dict, "PackedDataset"]:  # noqa: F821
+    from omniweave.cli import main
+    from omniweave.data.packed import PackedDataset
+
+    recipe = tmp_path / f"{model}-{family}.yaml"
+    recipe.write_text(DATA % family + MODELS[model])
+    out = tmp_path / f"packed-{model}-{family}"
+    assert main(["data", "pack", "--input", str(raw_root / "raw-in"), "--output", str(out), "--recipe", str(recipe),
+                 "--workers", "1"]) == 0
+    return json.loads((out / "stats.json").read_text()), PackedDataset(out)
+
+
+def docs_by_id(ds) -> dict:
+    return {doc["id"]: (k, d) for k in range(len(ds)) for d, doc in enumerate(ds.record(k)["docs"])}
+
+
+@pytest.mark.parametrize("model, dropped, kept", [
+    ("vision", {"no_audio_encoder": 3}, {"img", "txt"}),
+    ("text", {"no_audio_encoder": 2, "no_image_encoder": 2}, {"txt"}),  # images are checked first: "both" is one
+    ("none", {}, {"two", "img", "one", "txt", "both"}),  # a data-only recipe says nothing about the model
+])
+def test_pack_drops_media_the_model_cannot_consume_and_counts_it(raw, tmp_path, model, dropped, kept):
+    stats, ds = pack(raw, tmp_path, model)
+    assert stats["dropped"] == dropped and stats["samples_packed"] + stats["dropped_total"] == stats["samples"] == 5
+    assert set(docs_by_id(ds)) == kept  # nothing else lost, nothing packed as bare text
+    assert stats["modalities"]["audios"] == (4 if model == "none" else 0)
+
+
+def test_pack_plans_audio_from_headers_and_loader_matches_whisper(raw, tmp_path):
+    from transformers import WhisperFeatureExtractor
+
+    from omniweave.data.audio import audio_tokens, encoder_tokens, load_audio, probe_audio, qwen2_audio_chunks
+    from omniweave.data.loader import collate_pack
+    from omniweave.data.tokenizer import load_tokenizer
+
+    stats, ds = pack(raw, tmp_path, "omni")
+    assert stats["dropped"] == {} and stats["samples_packed"] == 5
+    short, long, mid = ((raw / f).read_bytes() for f in ("short.mp3", "long.wav", "mid.flac"))
+    mod = stats["modalities"]
+    assert (mod["audio_samples"], mod["audios"], mod["text_only_samples"]) == (3, 4, 1)
+    assert mod["audio_seconds"] == pytest.approx(1.0 + 31.0 + 2 * 2.0, abs=1e-3)
+    assert mod["audio_bytes"] == len(short) + len(long) + 2 * len(mid)
+    assert stats["audio_tokens"] == sum(audio_tokens(probe_audio(b), "qwen2_audio") for b in (short, long, mid, mid))
+
+    k, d = docs_by_id(ds)["two"]
+    rec = ds.record(k)
+    clips = [m for m in rec["media"] if m["doc"] == d]
+    assert [m["kind"] for m in clips] == ["audio", "audio"] and "grid_thw" not in clips[0]
+    assert [m["num_samples"] for m in clips] == [16000, 31 * 16000]
+    assert [m["length"] for m in clips] == [audio_tokens(probe_audio(b), "qwen2_audio") for b in (short, long)]
+    assert "pieces" not in clips[0] and len(clips[1]["pieces"]) == 2  # one run per encoder item
+
+    batch = collate_pack(ds[k], ds.manifest["data_cfg"])
+    audio_pad = load_tokenizer("demo").token_id("<|AUDIO|>")
+    # reference: each clip of the pack (row order) decoded, cut into its 30 s chunks, each chunk
+    # through WhisperFeatureExtractor on its own (Qwen2AudioProcessor's features per chunk)
+    chunks = []
+    for m in ds[k]["media"]:
+        if m["kind"] == "audio":
+            samples = load_audio(m["bytes"])
+            bounds = np.cumsum([0, *qwen2_audio_chunks(len(samples))])
+            chunks += [samples[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    fe = WhisperFeatureExtractor(feature_size=128)
+    A = len(chunks)
+    feats, lengths, spans = batch["audio_features"], batch["audio_lengths"], batch["audio_spans"]
+    assert feats.shape == (A, 128, 3000) and feats.dtype == torch.float32
+    assert lengths.dtype == spans.dtype == torch.int64 and spans.shape == (A, 2)
+    worst = 0.0
+    for i, c in enumerate(chunks):
+        ref = fe(c, sampling_rate=16000, padding="max_length", truncation=False, return_attention_mask=True,
+                 return_tensors="np")
+        worst = max(worst, float(np.abs(feats[i].numpy() - ref["input_features"][0]).max()))
+        assert int(lengths[i]) == int(ref["attention_mask"].sum())
+    print(f"max |ours - WhisperFeatureExtractor| = {worst:.2e}")
+    assert worst <= 1e-4, worst
+    # spans: item order, back to back within a clip, each as long as the encoder's output for its frames
+    assert [int(n) for n in spans[:, 1]] == [encoder_tokens(int(n)) for n in lengths]
+    ids = batch["input_ids"].numpy()
+    covered = np.zeros(len(ids), bool)
+    for start, n in spans.tolist():
+        assert (ids[start:start + n] == audio_pad).all()
+        covered[start:start + n] = True
+    assert np.array_equal(covered, ids == audio_pad)
+    # audio pads are positioned as text: within a doc without images every M-RoPE row counts up
+    a, b = batch["cu_seqlens"][d].item(), batch["cu_seqlens"][d + 1].item()
+    pos = batch["position_ids"][:, a:b].numpy()
+    assert (pos == np.arange(b - a)[None]).all()
+
+
+
+def test_qwen2_5_omni_one_item_per_clip_padded_to_its_own_length(raw, tmp_path):
+    from transformers import WhisperFeatureExtractor
+
+    from omniweave.data.audio import audio_tokens, load_audio, probe_audio
+    from omniweave.data.loader import collate_pack
+
+    stats, ds = pack(raw, tmp_path, "omni", family="qwen2_5_omni")
+    k, d = docs_by_id(ds)["two"]
+    clips = [m for m in ds.record(k)["media"] if m["doc"] == d]
+    long = (raw / "long.wav").read_bytes()
+    assert "pieces" not in clips[1] and clips[1]["length"] == audio_tokens(probe_audio(long), "qwen2_5_omni")
+    batch = collate_pack(ds[k], ds.manifest["data_cfg"])
+    pack_clips = [m for m in ds[k]["media"] if m["kind"] == "audio"]
+    feats, lengths = batch["audio_features"], batch["audio_lengths"]
+    assert feats.shape == (len(pack_clips), 128, 3100)  # W: the 31 s clip's own padded length
+    fe = WhisperFeatureExtractor(feature_size=128)
+    worst = 0.0
+    for i, m in enumerate(pack_clips):
+        ref = fe(load_audio(m["bytes"]), sampling_rate=16000, padding="max_length", truncation=False,
+                 return_attention_mask=True, return_tensors="np")
+        width = ref["input_features"].shape[-1]
+        worst = max(worst, float(np.abs(feats[i, :, :width].numpy() - ref["input_features"][0]).max()))
+        assert (feats[i, :, width:] == 0).all() and int(lengths[i]) == int(ref["attention_mask"].sum())
+    print(f"max |ours - WhisperFeatureExtractor| = {worst:.2e}")
+    assert worst <= 1e-4, worst
+
+
+def test_truncation_never_cuts_an_audio_span(raw):
+    from omniweave.data.shards import RawDataset
+    from omniweave.data.tokenize import SampleProcessor, SampleRejected
+
+    sample = RawDataset(raw / "raw-in")[0]  # "two": 25 + 2 * 437 audio tokens after ~30 text tokens
+    full = SampleProcessor({"max_len": 4096}).tokenize(sample)
+    cut_inside = full.media[1].start + 10
+    with pytest.raises(SampleRejected) as e:
+        SampleProcessor({"max_len": cut_inside}).tokenize(sample)
+    assert e.value.reason == "audio_span_exceeds_max_len"
+
+
+def test_eval_prompt_batch_builds_the_same_audio_tensors(raw, tmp_path):
+    from omniweave.data.loader import media_batch
+    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.train.evaluate import prompt_batch, row_to_raw
+
+    proc = SampleProcessor({"max_len": 4096})
+    row = {"messages": [{"role": "user", "content": "<audio>Pitch?"}], "audios": ["mid.flac"], "answer": "low"}
+    raw_sample = row_to_raw(row, raw, 0)
+    batch = prompt_batch(proc, raw_sample)
+    sample = proc.tokenize_prompt(raw_sample)
+    ref = media_batch(proc, [(s, raw_sample.media[s.part]) for s in sample.media])
+    assert set(ref) >= {"audio_features", "audio_lengths", "audio_spans"} and batch["pixel_values"].shape[0] == 0
+    for key in ("audio_features", "audio_lengths", "audio_spans"):
+        assert torch.equal(batch[key], ref[key])
+    start, n = batch["audio_spans"][0].tolist()
+    assert (batch["input_ids"][start:start + n] == proc.audio_pad_id).all()
+    assert n == (batch["input_ids"] == proc.audio_pad_id).sum()
