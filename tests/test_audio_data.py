@@ -293,7 +293,7 @@ def test_truncation_never_cuts_an_audio_span(raw):
     from omniweave.data.shards import RawDataset
     from omniweave.data.tokenize import SampleProcessor, SampleRejected
 
-    sample = RawDataset(raw / "raw-in")[0]  # "two": 25 + 2 * 437 audio tokens after ~30 text tokens
+    sample = RawDataset(raw / "raw-in")[0]  # "two": 25 + 2 * 387 audio tokens (31 s: two 15.5 s chunks)
     full = SampleProcessor({"max_len": 4096}).tokenize(sample)
     cut_inside = full.media[1].start + 10
     with pytest.raises(SampleRejected) as e:
@@ -318,3 +318,25 @@ def test_eval_prompt_batch_builds_the_same_audio_tensors(raw, tmp_path):
     start, n = batch["audio_spans"][0].tolist()
     assert (batch["input_ids"][start:start + n] == proc.audio_pad_id).all()
     assert n == (batch["input_ids"] == proc.audio_pad_id).sum()
+
+
+def test_inspect_reports_audio_counts_durations_bytes_and_drops(raw, tmp_path, capsys):
+    from omniweave.cli import main
+
+    assert main(["data", "inspect", str(raw / "raw-in"), "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    clip_bytes = sorted(len((raw / f).read_bytes()) for f in ("short.mp3", "long.wav", "mid.flac", "mid.flac"))
+    assert out.strip().splitlines()[-1].endswith("text-only 1, image 1, video 0, audio 2, mixed 1")
+    assert f"audios: 4; bytes min {clip_bytes[0]:,}" in out and "total 36.0 s" in out
+    assert "sample rates 8000 Hz: 2, 16000 Hz: 1, 22050 Hz: 1; channels 1: 4" in out
+    assert "media stored: image 2, video 0, audio 4" in out and "[aud1.wav:" in out
+    stats, _ = pack(raw, tmp_path, "vision")
+    assert main(["data", "inspect", str(tmp_path / "packed-vision-qwen2_audio")]) == 0
+    out = capsys.readouterr().out
+    assert "dropped 3 {'no_audio_encoder': 3}" in out
+    stats, ds = pack(raw, tmp_path, "omni")
+    assert main(["data", "inspect", str(tmp_path / "packed-omni-qwen2_audio")]) == 0
+    out = capsys.readouterr().out
+    assert (f"with audio 3 (4 clips, 36.0 s, {sum(clip_bytes):,} bytes, {stats['audio_tokens']} audio tokens)"
+            in out)
+    assert "<audio×25>" in out and "<audio×387><audio×387>" in out  # the 31 s clip: two 15.5 s chunks
