@@ -340,3 +340,44 @@ def test_inspect_reports_audio_counts_durations_bytes_and_drops(raw, tmp_path, c
     assert (f"with audio 3 (4 clips, 36.0 s, {sum(clip_bytes):,} bytes, {stats['audio_tokens']} audio tokens)"
             in out)
     assert "<audio×25>" in out and "<audio×387><audio×387>" in out  # the 31 s clip: two 15.5 s chunks
+
+
+# ---------------------------------------------------------------------------- data demo --audio
+
+
+def test_demo_audio_tasks_hold_the_answer_and_pack(tmp_path):
+    from omniweave.cli import main
+    from omniweave.data.audio import load_audio, probe_audio
+    from omniweave.data.demo import AUDIO_CLASSES, PITCHES, generate
+
+    summary = generate(tmp_path / "demo", samples=66, eval_samples=36, seed=0, audio=True)
+    assert summary["train_tasks"]["pitch"] == summary["train_tasks"]["beeps"] == 6
+    rows = [json.loads(x) for x in (tmp_path / "demo/train.jsonl").read_text().splitlines()]
+    evals = [json.loads(x) for x in (tmp_path / "demo/eval.jsonl").read_text().splitlines()]
+    assert sorted(r["answer"] for r in evals if r["task"] == "beeps") == ["1", "1", "2", "3"]
+    heard = 0
+    for row in rows + [{**r, "messages": r["messages"] + [{"content": r["answer"]}]} for r in evals]:
+        if not row.get("audios"):
+            continue
+        question, answer = row["messages"][0]["content"], row["messages"][1]["content"]
+        assert question.startswith("<audio>") and ("beep" in question or "tone" in question)
+        data = (tmp_path / "demo/media" / row["audios"][0]).read_bytes()
+        info = probe_audio(data)
+        assert (info.sample_rate, info.channels, info.codec) == (16000, 1, "pcm_s16le") and info.duration_s <= 1.5
+        x = load_audio(data)
+        if "tone" in question:  # the spectrum's peak is the named pitch
+            peak = np.fft.rfftfreq(len(x), 1 / 16000)[np.abs(np.fft.rfft(x)).argmax()]
+            assert min(PITCHES, key=lambda p: abs(np.log(PITCHES[p] / peak))) == answer
+        else:  # bursts of energy above the noise floor, counted in 10 ms frames
+            loud = np.abs(x[: len(x) // 160 * 160]).reshape(-1, 160).max(axis=1) > 0.2
+            assert int((np.diff(loud.astype(int)) == 1).sum() + loud[0]) == int(answer)
+        assert answer in AUDIO_CLASSES["pitch" if "tone" in question else "beeps"]
+        heard += 1
+    assert heard == 12 + 8
+    assert main(["data", "convert", "--input", str(tmp_path / "demo/train.jsonl"), "--media-dir",
+                 str(tmp_path / "demo/media"), "--output", str(tmp_path / "raw"), "--workers", "1", "--no-progress"]) == 0
+    (tmp_path / "omni.yaml").write_text(DATA % "qwen2_audio" + MODELS["omni"])
+    assert main(["data", "pack", "--input", str(tmp_path / "raw"), "--output", str(tmp_path / "packed"),
+                 "--recipe", str(tmp_path / "omni.yaml"), "data.max_len=1024", "--workers", "1"]) == 0
+    stats = json.loads((tmp_path / "packed/stats.json").read_text())
+    assert stats["dropped"] == {} and stats["modalities"]["audios"] == 12
