@@ -71,7 +71,7 @@ def inspect_packed(root, color: bool, pack_id: int = 0) -> int:
               f"({s['real_tokens']} real / {s['capacity_tokens']} capacity tokens), loss tokens {s['loss_tokens']}")
         print(f"  text-only {mod['text_only_samples']}, with image {mod['image_samples']}, with video "
               f"{mod['video_samples']} ({mod['images']} images, {mod['videos']} videos, {s['vision_tokens']} vision tokens)")
-        if "audios" in mod:
+        if mod.get("audios"):
             print(f"  with audio {mod['audio_samples']} ({mod['audios']} clips, {mod['audio_seconds']:.1f} s, "
                   f"{mod['audio_bytes']:,} bytes, {s['audio_tokens']} audio tokens)")
         print(f"  truncated {s['truncated']}, dropped {s['dropped_total']} {s['dropped'] or ''}")
