@@ -80,7 +80,8 @@ def test_openai_input_audio_and_audio_url_parts(tmp_path):
     data = clip("mp3", seed=3)
     b64 = base64.b64encode(data).decode()
     rows = [
-        openai([{"type": "input_audio", "input_audio": {"data": b64, "format": "mp3"}}, {"type": "text", "text": "Say?"}]),
+        openai([{"type": "input_audio", "input_audio": {"data": b64, "format": "mp3"}},
+                {"type": "text", "text": "Say?"}]),
         openai([{"type": "text", "text": "Which? "}, {"type": "audio_url", "audio_url": {"url": "b.flac"}}]),
         openai([{"type": "audio_url", "audio_url": {"url": f"data:audio/mpeg;base64,{b64}"}}]),
         openai([{"type": "audio", "audio": "b.flac"}, {"type": "image_url", "image_url": {"url": "missing.png"}}]),
@@ -375,9 +376,55 @@ def test_demo_audio_tasks_hold_the_answer_and_pack(tmp_path):
         heard += 1
     assert heard == 12 + 8
     assert main(["data", "convert", "--input", str(tmp_path / "demo/train.jsonl"), "--media-dir",
-                 str(tmp_path / "demo/media"), "--output", str(tmp_path / "raw"), "--workers", "1", "--no-progress"]) == 0
+                 str(tmp_path / "demo/media"), "--output", str(tmp_path / "raw"), "--workers", "1",
+                 "--no-progress"]) == 0
     (tmp_path / "omni.yaml").write_text(DATA % "qwen2_audio" + MODELS["omni"])
     assert main(["data", "pack", "--input", str(tmp_path / "raw"), "--output", str(tmp_path / "packed"),
                  "--recipe", str(tmp_path / "omni.yaml"), "data.max_len=1024", "--workers", "1"]) == 0
     stats = json.loads((tmp_path / "packed/stats.json").read_text())
     assert stats["dropped"] == {} and stats["modalities"]["audios"] == 12
+
+
+# ---------------------------------------------------------------------------- template
+
+
+def test_audio_placeholder_renders_and_exports_like_the_other_media():
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from omniweave.data.sample import Message
+    from omniweave.data.template import BUILTIN_TEMPLATES, hf_chat_template, render
+
+    t = BUILTIN_TEMPLATES["chatml"]
+    messages = [Message("user", "<image>Look, then <audio>listen."), Message("assistant", "done")]
+    r = render(t, messages)
+    assert "<|vision_end|>Look, then <|audio_bos|><|AUDIO|><|audio_eos|>listen." in r.text
+    assert r.media_kinds == ["image", "audio"]
+    parts = [{"type": "image"}, {"type": "text", "text": "Look, then "}, {"type": "audio"},
+             {"type": "text", "text": "listen."}]
+    for content in (messages[0].content, parts):
+        hf = [{"role": "user", "content": content}, {"role": "assistant", "content": "done"}]
+        got, _ = render_jinja_template(conversations=[hf], chat_template=hf_chat_template(t))
+        assert got[0] == r.text
+
+
+def test_eval_prompts_packed_together_keep_each_prompts_audio(raw):
+    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.rl.rollout import Prompt, pack_prompts
+    from omniweave.train.evaluate import prompt_batch, row_to_raw
+
+    proc = SampleProcessor({"max_len": 4096, "audio": {"family": "qwen2_5_omni"}})
+    rows = [{"messages": [{"role": "user", "content": f"<audio>{q}"}], "audios": [f], "answer": "x"}
+            for q, f in (("Pitch?", "mid.flac"), ("Long?", "long.wav"))]
+    batches = [prompt_batch(proc, row_to_raw(r, raw, i)) for i, r in enumerate(rows)]
+    assert [b["audio_features"].shape[-1] for b in batches] == [3000, 3100]
+    row = pack_prompts([Prompt(uid=i, batch=b) for i, b in enumerate(batches)])
+    n0 = batches[0]["input_ids"].shape[0]
+    assert row["audio_features"].shape == (2, 128, 3100)
+    assert torch.equal(row["audio_features"][0, :, :3000], batches[0]["audio_features"][0])
+    assert (row["audio_features"][0, :, 3000:] == 0).all()
+    assert torch.equal(row["audio_features"][1], batches[1]["audio_features"][0])
+    (s0, l0), (s1, l1) = batches[0]["audio_spans"][0].tolist(), batches[1]["audio_spans"][0].tolist()
+    assert row["audio_spans"].tolist() == [[s0, l0], [s1 + n0, l1]]
+    assert torch.equal(row["audio_lengths"], torch.cat([b["audio_lengths"] for b in batches]))
+    start, n = row["audio_spans"][1].tolist()
+    assert (row["input_ids"][start:start + n] == proc.audio_pad_id).all()

@@ -1,9 +1,10 @@
 """Media omniweave cannot store is never dropped silently (issue 14).
 
 A row that carries a file part, a content part of an unknown type, or an unmapped column holding
-media is rejected with its own reason (audio is stored since issue 19: tests/test_audio_data.py;
-here an audio row naming a file that is not there is rejected as ``missing_media``); any other unmapped column is warned about once per file and kept in
-``meta.extra``. The good rows of the same files convert exactly as they would alone.
+media is rejected with its own reason (audio is stored since issue 19, see tests/test_audio_data.py;
+here an audio row naming a file that is not there is rejected as ``missing_media``); any other
+unmapped column is warned about once per file and kept in ``meta.extra``. The good rows of the same
+files convert exactly as they would alone.
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("auto", "openai", "sharegpt"), default="auto")
     p.add_argument("--mapping", help="YAML with formatting/columns/tags (LLaMA-Factory dataset_info style)")
     p.add_argument("--auto-placeholders", action="store_true",
-                   help="rows with media but no <image>/<video>/<audio> at all get them prepended to the first user turn")
+                   help="rows with media but no <image>/<video>/<audio> at all get them prepended to the first "
+                   "user turn")
     for name in COLUMN_FIELDS:
         p.add_argument(f"--{name}-key", dest=name, metavar="COLUMN", help=f"column holding the {name} (remap)")
     tag_help = {
@@ -373,7 +374,8 @@ def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, n_rows: in
         print(f"convert: warning: {file}: column(s) no mapping reads: "
               + ", ".join(f"'{c}' ({n} rows)" for c, n in sorted(columns.items()))
               + "; they are kept in each sample's meta.extra but not trained on. If one holds turns, a system "
-              "prompt or media, map it (--messages-key, --system-key, --images-key, --videos-key, --audios-key or --mapping)",
+              "prompt or media, map it (--messages-key, --system-key, --images-key, --videos-key, --audios-key or "
+              "--mapping)",
               file=sys.stderr)
     reasons = ", ".join(f"{k}: {v}" for k, v in by_reason.items())
     stored = ", ".join(f"{n} {kind}(s)" for kind, n in media_items.items())

@@ -107,7 +107,7 @@ def _audio_tensors(proc, audio: list[tuple[MediaSpan, bytes]]) -> dict:
     mel = log_mel(clips, n_mels=proc.audio.n_mels, padding="max_length", truncation=False)
     tokens = [encoder_tokens(int(n)) for n in mel.num_frames]
     if tokens != [n for _, n in runs]:
-        raise AssertionError(f"audio items give {tokens} encoder tokens, the row holds runs of {[n for _, n in runs]} pads")
+        raise AssertionError(f"audio items give {tokens} encoder tokens, the row holds pad runs {[n for _, n in runs]}")
     return {"audio_features": mel.features, "audio_lengths": mel.num_frames.to(torch.int64),
             "audio_spans": torch.tensor(runs, dtype=torch.int64).reshape(-1, 2)}
 

@@ -90,7 +90,8 @@ def _build_id(args, data_cfg: dict, fingerprint: dict, raw_shards: list[dict], k
               media_kinds: list[str] | None = None) -> dict:
     """What decides the output; every done marker stores it and a restart must match it."""
     return {
-        "kind": kind, "fingerprint": fingerprint, "media_kinds": media_kinds, "algorithm": args.algorithm, "packs_per_shard": args.packs_per_shard,
+        "kind": kind, "fingerprint": fingerprint, "media_kinds": media_kinds,
+        "algorithm": args.algorithm, "packs_per_shard": args.packs_per_shard,
         "max_media_per_pack": args.max_media_per_pack, "max_vision_tokens_per_pack": args.max_vision_tokens_per_pack,
         "num_workers": args.num_workers, "source": raw_shards,
     }
@@ -133,7 +134,7 @@ def _tokenize(raw) -> tuple:
     conv, allowed = raw.conversation, _W["media_kinds"]
     for kind, items in (("image", conv.images), ("video", conv.videos), ("audio", conv.audios)):
         if items and allowed is not None and kind not in allowed:
-            raise SampleRejected(DROP_REASONS[kind], f"{len(items)} {kind} item(s) but the recipe's model has no encoder for them")
+            raise SampleRejected(DROP_REASONS[kind], f"{len(items)} {kind} item(s); the model has no encoder for them")
     if _W["kind"] == KIND_PROMPTS:
         sample, answer = tokenize_rl_prompt(_W["proc"], raw)
         return sample, {"answer": answer}
@@ -289,7 +290,8 @@ def write_phase(args, out: Path, data_cfg: dict, build: dict, info: dict) -> lis
     if todo:
         _W["out"] = str(out)
         _pool_map(_write_shard, todo, args.workers,
-                  (args.input, data_cfg, build["kind"], build["media_kinds"], str(out / "plan" / "plan.npz")), f"write {i}/{N}")
+                  (args.input, data_cfg, build["kind"], build["media_kinds"], str(out / "plan" / "plan.npz")),
+                  f"write {i}/{N}")
     return todo
 
 

@@ -211,8 +211,9 @@ def hf_chat_template(template: ChatTemplate) -> str:
     on an exported model reproduces what it was trained on.
 
     Messages are HF-style: ``content`` is a string (``<image>`` / ``<video>`` / ``<audio>``
-    placeholders expand as here) or a list of ``{"type": "text" | "image" | "video" | "audio"}`` parts; the role ``tool`` is
-    accepted as ``observation``. Unknown roles and part types raise, as they do here.
+    placeholders expand as here) or a list of ``{"type": "text" | "image" | "video" | "audio"}``
+    parts; the role ``tool`` is accepted as ``observation``. Unknown roles and part types raise, as
+    they do here.
     """
     roles = {role: getattr(template, role).split("{content}") for role in ROLES}
     roles["tool"] = roles["observation"]
@@ -234,7 +235,8 @@ def hf_chat_template(template: ChatTemplate) -> str:
         "{%- if message['role'] not in t.roles -%}{{- raise_exception('unknown role ' ~ message['role']) -}}{%- endif -%}\n"
         "{{- t.roles[message['role']][0] -}}\n"
         "{%- if message['content'] is string -%}\n"
-        "{{- message['content'] | replace('<image>', t.image) | replace('<video>', t.video) | replace('<audio>', t.audio) -}}\n"
+        "{{- message['content'] | replace('<image>', t.image) | replace('<video>', t.video)"
+        " | replace('<audio>', t.audio) -}}\n"
         "{%- else -%}{%- for part in message['content'] -%}\n"
         "{%- if part['type'] == 'image' -%}{{- t.image -}}\n"
         "{%- elif part['type'] == 'video' -%}{{- t.video -}}\n"

@@ -12,8 +12,8 @@ text positions (each M-RoPE row counts on through them, as for text).
 
 Truncation never cuts a media span. ``truncation: drop`` rejects an over-long sample
 (reason ``too_long``, or ``vision_span_exceeds_max_len`` / ``audio_span_exceeds_max_len`` when
-``max_len`` falls inside a media block); ``drop_turns`` drops trailing turns so the sample ends with the last complete assistant
-turn that fits, keeping at least one, and sets ``truncated=True``.
+``max_len`` falls inside a media block); ``drop_turns`` drops trailing turns so the sample ends
+with the last complete assistant turn that fits, keeping at least one, and sets ``truncated=True``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from omniweave.config import DataSchema
 from omniweave.data import media as M
 from omniweave.data.audio import AudioConfig, AudioPlan, audio_items, plan_audio, probe_audio
 from omniweave.data.rope_index import ROPE_KINDS, position_ids
-from omniweave.data.sample import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MediaSpan, Message, RawSample,
-                                   TokenizedSample)
+from omniweave.data.sample import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MediaSpan, Message,
+                                   RawSample, TokenizedSample)
 from omniweave.data.template import IGNORE_INDEX, LOSS_ROLES, encode_conversation, load_template
 from omniweave.data.tokenizer import load_tokenizer
 

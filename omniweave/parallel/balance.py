@@ -41,8 +41,8 @@ def pack_features(record: dict) -> np.ndarray:
     """A packed-dataset record (``PackedDataset.record``: ``docs`` with ``length``, ``media`` with
     ``grid_thw`` [t, h, w] in patches) -> float64 [F]: (Σ len², Σ len, docs, Σ t·(h·w)², Σ t·h·w)."""
     lengths = np.array([d["length"] for d in record["docs"]], dtype=np.float64)
-    grid = np.array([m["grid_thw"] for m in record.get("media", []) if m["kind"] != "audio"],
-                    dtype=np.float64).reshape(-1, 3)
+    # audio items have no patch grid (their encoder's cost is not modelled here)
+    grid = np.array([m["grid_thw"] for m in record.get("media", []) if "grid_thw" in m], dtype=np.float64).reshape(-1, 3)
     frame = grid[:, 1] * grid[:, 2]  # patches per frame [M]
     return np.array([lengths @ lengths, lengths.sum(), len(lengths), grid[:, 0] @ frame**2, grid[:, 0] @ frame])
 

@@ -61,7 +61,7 @@ class SamplingParams:
 @dataclass
 class Prompt:
     uid: int  # stable id of the prompt (its dataset index): part of every sample's seed
-    batch: dict  # input_ids [L], position_ids [A, L] (optional), pixel_values, grid_thw, media_spans
+    batch: dict  # input_ids [L], position_ids [A, L] (optional), pixel_values, grid_thw, media_spans, [audio_*]
 
 
 @dataclass
@@ -184,7 +184,7 @@ class GroupKVCache:
 
 def pack_prompts(prompts: list[Prompt]) -> dict:
     """The prompts as one packed row (their documents side by side; media in prompt order)."""
-    ids, pos, spans, pixels, grids, offset = [], [], [], [], [], 0
+    ids, pos, spans, pixels, grids, audio, offset = [], [], [], [], [], [], 0
     for p in prompts:
         b = p.batch
         n = b["input_ids"].shape[0]
@@ -194,6 +194,8 @@ def pack_prompts(prompts: list[Prompt]) -> dict:
             spans.append(b["media_spans"].reshape(-1, 2) + torch.tensor([offset, 0]))
             pixels.append(b["pixel_values"])
             grids.append(b["grid_thw"])
+        if b.get("audio_spans") is not None:
+            audio.append((b, offset))
         offset += n
     lens = [p.batch["input_ids"].shape[0] for p in prompts]
     row = {"input_ids": torch.cat(ids), "labels": torch.full((offset,), -100, dtype=torch.long),
@@ -201,6 +203,14 @@ def pack_prompts(prompts: list[Prompt]) -> dict:
            "cu_seqlens": torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)}
     if grids:
         row.update(pixel_values=torch.cat(pixels), grid_thw=torch.cat(grids), media_spans=torch.cat(spans))
+    if audio:  # audio items side by side, features zero-padded to the widest (loader.media_batch's layout)
+        width = max(b["audio_features"].shape[-1] for b, _ in audio)
+        pad = torch.nn.functional.pad
+        row.update(
+            audio_features=torch.cat([pad(b["audio_features"], (0, width - b["audio_features"].shape[-1])) for b, _ in audio]),
+            audio_lengths=torch.cat([b["audio_lengths"] for b, _ in audio]),
+            audio_spans=torch.cat([b["audio_spans"] + torch.tensor([start, 0]) for b, start in audio]),
+        )
     return row
 
 
