@@ -77,7 +77,9 @@ def test_every_format_converts_and_is_stored_byte_identical(tmp_path):
 
 
 def test_openai_input_audio_and_audio_url_parts(tmp_path):
-    data = clip("mp3", seed=3)
+    from data_factory import png_bytes
+
+    data, png = clip("mp3", seed=3), png_bytes(16, 16)
     b64 = base64.b64encode(data).decode()
     rows = [
         openai([{"type": "input_audio", "input_audio": {"data": b64, "format": "mp3"}},
@@ -87,11 +89,13 @@ def test_openai_input_audio_and_audio_url_parts(tmp_path):
         openai([{"type": "audio", "audio": "b.flac"}, {"type": "image_url", "image_url": {"url": "missing.png"}}]),
         openai([{"type": "input_audio", "input_audio": {"data": "%%%", "format": "mp3"}}]),
         openai([{"type": "input_file", "input_file": {"file_id": "f"}}]),
+        openai([{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{base64.b64encode(png).decode()}"}}]),
     ]
     report, rejects, ds = convert(tmp_path, rows, b__flac=clip("flac", seed=4))
     assert {r["row"]: r["reason"] for r in rejects} == {3: "missing_media", 4: "bad_data_url",
                                                          5: "unsupported_modality:file"}
-    inline, url, data_url = (s.conversation for s in ds)
+    inline, url, data_url, image = (s.conversation for s in ds)
+    assert image.images == ["img0.png"] and ds[3].media["img0.png"] == png  # data: URLs work for any kind
     assert inline.messages[0].content == "<audio>Say?" and inline.audios == ["aud0.mp3"]
     assert ds[0].media["aud0.mp3"] == data and ds[2].media["aud0.mp3"] == data
     assert inline.meta["source_audios"] == [f"data:audio/mp3;base64,... ({len(b64)} characters)"]  # not the bytes
