@@ -56,6 +56,15 @@ def _vision_schema():
                                            *map(optional, fields(VisionConfig))])
 
 
+def _audio_schema():
+    """``data.audio``: the fields of ``audio.AudioConfig`` with its defaults."""
+    from omniweave.data.audio import AudioConfig
+
+    types = {"int": int, "float": float, "str": str}
+    return make_dataclass("AudioSchema", [(f.name, types[str(f.type)], field(default=f.default))
+                                          for f in fields(AudioConfig)])
+
+
 @dataclass
 class DataSchema:
     path: str = MISSING  # packed dataset (omniweave data pack)
@@ -68,6 +77,7 @@ class DataSchema:
     truncation: str = "drop"
     rope: str = "mrope"
     vision: Any = field(default_factory=lambda: _vision_schema()())
+    audio: Any = field(default_factory=lambda: _audio_schema()())
 
 
 @dataclass

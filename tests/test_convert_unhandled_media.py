@@ -1,9 +1,10 @@
 """Media omniweave cannot store is never dropped silently (issue 14).
 
-A row that carries audio (an ``audios`` column, ``<audio>`` tags, ``input_audio`` / ``audio_url``
-parts), a file part, a content part of an unknown type, or an unmapped column holding media is
-rejected with its own reason; any other unmapped column is warned about once per file and kept in
-``meta.extra``. The good rows of the same files convert exactly as they would alone.
+A row that carries a file part, a content part of an unknown type, or an unmapped column holding
+media is rejected with its own reason (audio is stored since issue 19, see tests/test_audio_data.py;
+here an audio row naming a file that is not there is rejected as ``missing_media``); any other
+unmapped column is warned about once per file and kept in ``meta.extra``. The good rows of the same
+files convert exactly as they would alone.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 
 import pytest
 
+from audio_factory import encode, signal
 from data_factory import png_bytes, video_bytes
 from omniweave.data.formats import FormatError, parse_row, unused_columns
 from omniweave.data.mapping import Mapping
@@ -33,18 +35,18 @@ def openai(parts, answer="ok", **columns):
 # LLaMA-Factory's audio layout: an ``audios`` column and ``<audio>`` tags
 SHAREGPT_ROWS = [
     (None, sharegpt("<image>What colour?", images=["a.png"], audios=[])),  # empty audios column: fine
-    ("unsupported_modality:audio", sharegpt("<audio>What is said?", audios=["speech.wav"])),
-    ("unsupported_modality:audio", sharegpt("<image><audio>Describe both.", images=["a.png"], audios=["s.wav"])),
-    ("unsupported_modality:audio", sharegpt("Transcribe <audio> please")),  # tag without a column
+    (None, sharegpt("<audio>What is said?", audios=["s.wav"])),
+    ("missing_media", sharegpt("<image><audio>Describe both.", images=["a.png"], audios=["speech.wav"])),
+    ("placeholder_mismatch", sharegpt("Transcribe <audio> please")),  # tag without a column
     (None, sharegpt("2+2?", "4")),
     ("unknown_media_column:image", sharegpt("<image>typo'd column", image=["a.png"])),
 ]
 OPENAI_ROWS = [
     (None, openai([{"type": "image_url", "image_url": {"url": "a.png"}}, {"type": "text", "text": "What?"}])),
     (None, openai([{"type": "video_url", "video_url": {"url": "v.mp4"}}, {"type": "text", "text": "Which way?"}])),
-    ("unsupported_modality:audio",
+    ("not_audio",  # base64 of b"RIFF": no audio behind the header
      openai([{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, {"type": "text", "text": "?"}])),
-    ("unsupported_modality:audio", openai([{"type": "audio_url", "audio_url": {"url": "s.mp3"}}])),
+    ("missing_media", openai([{"type": "audio_url", "audio_url": {"url": "s.mp3"}}])),
     ("unsupported_modality:file", openai([{"type": "file", "file": {"file_id": "file-1"}}, {"type": "text", "text": "sum"}])),
     ("unknown_content_part:point_cloud", openai([{"type": "point_cloud", "point_cloud": "scan.ply"}])),
     (None, openai("Repeat: apple", "apple", difficulty="easy", source="web")),  # extra non-media columns: warned
@@ -57,6 +59,7 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("unhandled")
     (root / "a.png").write_bytes(png_bytes(20, 28))
     (root / "v.mp4").write_bytes(video_bytes(4, height=28, width=28))
+    (root / "s.wav").write_bytes(encode(signal(0.2, 16000, 1), 16000, "wav"))
     out = {}
     for name, rows in (("sharegpt", SHAREGPT_ROWS), ("openai", OPENAI_ROWS)):
         path = root / f"{name}.jsonl"
@@ -95,21 +98,22 @@ def test_good_rows_convert_exactly_as_they_would_alone(run, fmt):
         for c in (ca, cb):  # only the row's position and source file differ
             c.pop("id"), c["meta"].pop("index"), c["meta"].pop("source")
         assert ca == cb and a.media == b.media
-    # no "<audio>" or other tag leaked into any stored text
-    assert not any("<audio>" in m.content for s in mixed for m in s.conversation.messages)
+    # a stored <audio> tag always has its clip
+    assert all(sum(m.content.count("<audio>") for m in s.conversation.messages) == len(s.conversation.audios)
+               for s in mixed)
 
 
 def test_media_items_stored_per_modality_in_report_and_summary(run, capsys):
     root, _ = run["openai"]
     report = json.loads((root / "raw-openai-all/convert_report.json").read_text())
-    assert report["media_items"] == {"image": 1, "video": 1}
+    assert report["media_items"] == {"image": 1, "video": 1, "audio": 0}
     report = json.loads((run["sharegpt"][0] / "raw-sharegpt-all/convert_report.json").read_text())
-    assert report["media_items"] == {"image": 1, "video": 0}
+    assert report["media_items"] == {"image": 1, "video": 0, "audio": 1}
     rc = run_convert("--input", str(root / "openai.jsonl"), "--output", str(root / "raw-again"), "--workers", "1")
     out = capsys.readouterr()
     assert rc == 0
-    assert "media: 1 image(s), 1 video(s)" in out.out
-    assert "unsupported_modality:audio: 2" in out.out and "unknown_content_part:point_cloud: 1" in out.out
+    assert "media: 1 image(s), 1 video(s), 0 audio(s)" in out.out
+    assert "not_audio: 1" in out.out and "unknown_content_part:point_cloud: 1" in out.out
 
 
 def test_unmapped_column_is_warned_once_per_file_and_kept(run, tmp_path, capsys):
@@ -145,8 +149,8 @@ def test_strict_fails_on_unhandled_media(run, tmp_path):
     rc = run_convert("--input", str(root / "sharegpt.jsonl"), "--output", str(tmp_path / "raw"), "--strict",
                      "--workers", "1")
     assert rc == 1
-    assert json.loads((tmp_path / "raw/convert_report.json").read_text())["rejected_by_reason"][
-        "unsupported_modality:audio"] == 3
+    assert json.loads((tmp_path / "raw/convert_report.json").read_text())["rejected_by_reason"] == {
+        "missing_media": 1, "placeholder_mismatch": 1, "unknown_media_column:image": 1}
 
 
 def test_inspect_lists_reasons_media_and_unmapped_columns(run, capsys):
@@ -155,8 +159,8 @@ def test_inspect_lists_reasons_media_and_unmapped_columns(run, capsys):
     root, _ = run["openai"]
     assert main(["data", "inspect", str(root / "raw-openai-all"), "--show", "0"]) == 0
     out = capsys.readouterr().out
-    assert "media stored: image 1, video 1" in out
-    assert "unsupported_modality:audio" in out and "unknown_media_column:thumbnail" in out
+    assert "media stored: image 1, video 1, audio 0" in out
+    assert "unsupported_modality:file" in out and "unknown_media_column:thumbnail" in out
     assert "difficulty (1 rows)" in out
 
 
@@ -181,8 +185,9 @@ def test_typo_in_a_media_column_suggests_the_right_name():
         parse_row(sharegpt("<image>hi", imagse=["a.png"]), SHAREGPT, row_id="r")
 
 
-def test_audios_column_can_be_remapped_and_is_still_rejected():
+def test_audios_column_can_be_remapped():
     m = Mapping(audios="speech").resolved("sharegpt")
-    with pytest.raises(FormatError) as e:
-        parse_row(sharegpt("<audio>hi", speech=["a.wav"]), m, row_id="r")
-    assert e.value.reason == "unsupported_modality:audio" and "'speech'" in e.value.message
+    assert parse_row(sharegpt("<audio>hi", speech=["a.wav"]), m, row_id="r").audios == ["a.wav"]
+    with pytest.raises(FormatError) as e:  # the default column name, unmapped, is media nobody reads
+        parse_row(sharegpt("<audio>hi", audios=["a.wav"]), m, row_id="r")
+    assert e.value.reason == "unknown_media_column:audios"

@@ -82,7 +82,8 @@ def test_stats_account_for_every_sample_and_manifest_records_the_build(packed):
     assert stats["samples_packed"] + stats["dropped_total"] == 40
     assert stats["dropped"] == {"no_assistant_turn": 1, "too_long": 1}
     assert stats["modalities"] == {"text_only_samples": 24, "image_samples": 10, "video_samples": 4,
-                                   "images": 15, "videos": 4}
+                                   "images": 15, "videos": 4, "audio_samples": 0, "audios": 0,
+                                   "audio_seconds": 0.0, "audio_bytes": 0}
     real = sum(ds.record(k)["length"] for k in range(len(ds)))
     assert stats["real_tokens"] == real and stats["packs"] == len(ds)
     assert stats["efficiency"] == pytest.approx(real / (len(ds) * 512))

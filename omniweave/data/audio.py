@@ -40,9 +40,10 @@ clip, so one clip is one item: the count is that of ``WhisperFeatureExtractor(tr
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from fractions import Fraction
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -279,16 +280,88 @@ def qwen2_5_omni_tokens(num_samples: int) -> int:
     return encoder_tokens(qwen2_5_omni_frames(num_samples))
 
 
-def audio_tokens(info: AudioInfo, family: str) -> int:
-    """Total audio placeholder tokens of a clip, from its header; refuses a clip too short to give
-    one token (< 3 mel frames, 30 ms) rather than emitting an empty span."""
-    n = info.num_samples(SAMPLE_RATE)
+AUDIO_FAMILIES = ("qwen2_audio", "qwen2_5_omni")
+
+
+def encoder_items(num_samples: int, family: str) -> list[int]:
+    """Sample counts of a clip's audio-encoder items: Qwen2-Audio's <= 30 s chunks, or (Qwen2.5-Omni)
+    the whole clip as one item."""
     if family == "qwen2_audio":
-        counts = qwen2_audio_tokens(n)
-    elif family == "qwen2_5_omni":
-        counts = [qwen2_5_omni_tokens(n)]
-    else:
-        raise ValueError(f"unknown audio family {family!r}; known: 'qwen2_audio', 'qwen2_5_omni'")
+        return qwen2_audio_chunks(num_samples)
+    if family == "qwen2_5_omni":
+        return [num_samples]
+    raise ValueError(f"unknown audio family {family!r}; known: {', '.join(map(repr, AUDIO_FAMILIES))}")
+
+
+def audio_item_tokens(info: AudioInfo, family: str) -> list[int]:
+    """Audio placeholder tokens of each encoder item of a clip, from its header; refuses a clip too
+    short to give one token (< 3 mel frames, 30 ms) rather than emitting an empty span."""
+    if family not in AUDIO_FAMILIES:
+        raise ValueError(f"unknown audio family {family!r}; known: {', '.join(map(repr, AUDIO_FAMILIES))}")
+    n = info.num_samples(SAMPLE_RATE)
+    counts = qwen2_audio_tokens(n) if family == "qwen2_audio" else [qwen2_5_omni_tokens(n)]
     if min(counts) <= 0:
         raise MediaError("audio_too_short", f"{info.duration_s * 1000:.1f} ms gives no encoder token (need >= 30 ms)")
-    return sum(counts)
+    return counts
+
+
+def audio_tokens(info: AudioInfo, family: str) -> int:
+    """Total audio placeholder tokens of a clip, from its header (the sum over its encoder items)."""
+    return sum(audio_item_tokens(info, family))
+
+
+# ---------------------------------------------------------------------------- recipe settings and plans
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    """Audio processing parameters (a recipe's ``data.audio``): whose token rule (``family``, see
+    ``encoder_items``) and how many mel bins the encoder reads (128 for both Qwen audio models)."""
+
+    family: str = "qwen2_audio"
+    n_mels: int = 128
+
+    def __post_init__(self):
+        if self.family not in AUDIO_FAMILIES:
+            raise ValueError(f"data.audio.family={self.family!r}; choose one of {AUDIO_FAMILIES}")
+        if self.n_mels < 1:
+            raise ValueError(f"data.audio.n_mels must be positive, got {self.n_mels}")
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping | None) -> "AudioConfig":
+        cfg = {k: v for k, v in (cfg or {}).items() if v is not None}
+        known = {f.name for f in fields(cls)}
+        unknown = set(cfg) - known
+        if unknown:
+            raise ValueError(f"unknown audio keys {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**cfg)
+
+    def spec(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class AudioPlan:
+    """One clip as the model will see it, from its header: ``num_samples`` at 16 kHz, split into
+    encoder items of ``item_samples`` samples giving ``item_tokens`` placeholder tokens each."""
+
+    num_samples: int
+    item_samples: tuple[int, ...]
+    item_tokens: tuple[int, ...]
+
+    kind = "audio"
+
+
+def plan_audio(info: AudioInfo, cfg: AudioConfig) -> AudioPlan:
+    n = info.num_samples(SAMPLE_RATE)
+    return AudioPlan(n, tuple(encoder_items(n, cfg.family)), tuple(audio_item_tokens(info, cfg.family)))
+
+
+def audio_items(data: PathOrBytes, cfg: AudioConfig, num_samples: int | None = None) -> list[np.ndarray]:
+    """The decoded clip (``load_audio``) cut into its encoder items, as ``plan_audio`` planned them;
+    ``num_samples``: the planned length, checked against the decoded one."""
+    samples = load_audio(data)
+    if num_samples is not None and len(samples) != num_samples:
+        raise AssertionError(f"decoded {len(samples)} samples, planned {num_samples}")
+    bounds = np.cumsum([0, *encoder_items(len(samples), cfg.family)])
+    return [samples[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

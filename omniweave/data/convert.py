@@ -6,7 +6,8 @@
 Every input row is either written (sample key ``s{global_row:09d}``, the row's 0-based position
 across all inputs) or rejected with a reason into ``RAW/rejects.jsonl``; ``RAW/convert_report.json``
 holds the counts (``input == written + rejected``). Media bytes are copied unchanged, after a
-header check (Pillow open + verify for images, the PyAV stream header for videos).
+header check (Pillow open + verify for images, the PyAV stream header for videos, ``probe_audio``
+for audio: wav, flac, mp3, m4a/aac, ogg); a ``data:`` URL's bytes are stored as a file like any other.
 
 Parallelism and crash safety: rows are cut into blocks of ``--maxcount`` consecutive rows; each
 block is one job that a worker turns into shard(s) under ``RAW/.work/`` (temporary name, renamed
@@ -33,14 +34,16 @@ from pathlib import Path
 from omniweave.data import shards as sh
 from omniweave.data.formats import FormatError, parse_row
 from omniweave.data.mapping import COLUMN_FIELDS, TAG_FIELDS, Mapping, detect_format, mapping_from_yaml
-from omniweave.data.media_files import load_media
+from omniweave.data.media_files import load_media, media_extension, source_name
 
 # the fixed reasons; parameterised ones are "unsupported_modality:<kind>", "unknown_content_part:<type>",
 # "unknown_media_column:<column>" (docs/data.md, "Reject reasons")
 REJECT_REASONS = (
     "malformed_json", "bad_schema", "missing_media", "unreadable_media", "undecodable_media",
     "placeholder_mismatch", "empty_conversation", "no_assistant_turn", "unknown_role", "bad_turn_order",
-    "media_path_escapes", "absolute_path_outside",
+    "media_path_escapes", "absolute_path_outside", "bad_data_url",
+    # audio whose header does not read (audio.probe_audio's MediaError reasons)
+    "not_audio", "no_audio_stream", "empty_audio", "audio_truncated", "bad_audio",
 )
 KILL_ENV = "OMNIWEAVE_TEST_KILL_AFTER_ROWS"  # tests: a worker os._exit()s after this many rows
 
@@ -63,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("auto", "openai", "sharegpt"), default="auto")
     p.add_argument("--mapping", help="YAML with formatting/columns/tags (LLaMA-Factory dataset_info style)")
     p.add_argument("--auto-placeholders", action="store_true",
-                   help="rows with media but no <image>/<video> at all get them prepended to the first user turn")
+                   help="rows with media but no <image>/<video>/<audio> at all get them prepended to the first "
+                   "user turn")
     for name in COLUMN_FIELDS:
         p.add_argument(f"--{name}-key", dest=name, metavar="COLUMN", help=f"column holding the {name} (remap)")
     tag_help = {
@@ -154,16 +158,17 @@ def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: b
     stem = Path(row.file).stem
     conv = parse_row(raw, mapping, row_id=f"{stem}-{row.index}", auto_placeholders=auto_placeholders)
     media: dict[str, bytes] = {}
-    names = {"image": [], "video": []}
-    for kind, paths, prefix in (("image", conv.images, "img"), ("video", conv.videos, "vid")):
+    names = {"image": [], "video": [], "audio": []}
+    sources = (("image", conv.images, "img"), ("video", conv.videos, "vid"), ("audio", conv.audios, "aud"))
+    for kind, paths, prefix in sources:
         for i, path in enumerate(paths):
-            ext = Path(path).suffix.lower().lstrip(".") or "bin"
-            name = f"{prefix}{i}.{ext}"
+            name = f"{prefix}{i}.{media_extension(path)}"
             media[name] = load_media(path, media_dir, kind)
             names[kind].append(name)
     conv.meta = {"source": Path(row.file).name, "index": row.index,
-                 "source_images": conv.images, "source_videos": conv.videos, **conv.meta}
-    conv.images, conv.videos = names["image"], names["video"]
+                 "source_images": conv.images, "source_videos": conv.videos,
+                 **({"source_audios": [source_name(p) for p in conv.audios]} if conv.audios else {}), **conv.meta}
+    conv.images, conv.videos, conv.audios = names["image"], names["video"], names["audio"]
     return conv, media
 
 
@@ -220,7 +225,7 @@ def run_job(job: Job) -> dict:
                 writer = sh.ShardWriter(work / f"job-{job.number:06d}-{len(records):03d}.tar.tmp")
             sh.write_conversation_sample(writer, sh.sample_key(g), conv, media)
             media_bytes += sum(len(b) for b in media.values())
-            media_items.update(image=len(conv.images), video=len(conv.videos))
+            media_items.update(image=len(conv.images), video=len(conv.videos), audio=len(conv.audios))
             if conv.meta.get("extra"):
                 unused.setdefault(row.file, Counter()).update(conv.meta["extra"].keys())
         _rows_done_in_process += 1
@@ -332,7 +337,7 @@ def run(args) -> int:
 
 def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, n_rows: int, t0: float) -> int:
     shard_records, rejects, media_bytes = [], [], 0
-    media_items = Counter({"image": 0, "video": 0})
+    media_items = Counter({"image": 0, "video": 0, "audio": 0})
     unused: dict[str, Counter] = {}
     for job in jobs:
         rec = done[job.number]
@@ -369,7 +374,8 @@ def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, n_rows: in
         print(f"convert: warning: {file}: column(s) no mapping reads: "
               + ", ".join(f"'{c}' ({n} rows)" for c, n in sorted(columns.items()))
               + "; they are kept in each sample's meta.extra but not trained on. If one holds turns, a system "
-              "prompt or media, map it (--messages-key, --system-key, --images-key, --videos-key or --mapping)",
+              "prompt or media, map it (--messages-key, --system-key, --images-key, --videos-key, --audios-key or "
+              "--mapping)",
               file=sys.stderr)
     reasons = ", ".join(f"{k}: {v}" for k, v in by_reason.items())
     stored = ", ".join(f"{n} {kind}(s)" for kind, n in media_items.items())

@@ -4,7 +4,8 @@
     OUT/eval.jsonl    held-out rows: the user turn only, plus ``answer`` and ``task``
     OUT/rl.jsonl      RL prompts of the visual tasks (user question + the answer as the assistant
                       turn): convert, pack with an RL recipe, reward by exact match
-    OUT/media/        small PNG images and 4-frame MPEG-4 videos; rows name them relative to it
+    OUT/media/        small PNG images, 4-frame MPEG-4 videos (and with ``--audio`` 16 kHz wav clips);
+                      rows name them relative to it
     OUT/demo.json     what was generated (seed, counts per task, answer classes)
 
 Tasks (answers from a small closed vocabulary, exactly balanced per task, wording independent of
@@ -20,6 +21,12 @@ the answer, so a model that ignores the pixels scores chance ~1/#classes):
     add         text only: What is 3 plus 4?         0 .. 8
     copy        text only: Repeat the word: blue     the word
 
+With ``--audio`` (opt-in: without it the output is unchanged) two listening tasks join the train
+and eval splits, each a 1-1.5 s 16 kHz mono wav written with the ``wave`` module:
+
+    pitch       (audio) Is the tone low, mid or high?  low | mid | high   (~220 / 550 / 1400 Hz)
+    beeps       (audio) How many beeps are there?      1 | 2 | 3
+
 Images are ``size``×``size`` pixels (default 56: one 28-px merged token per quadrant for
 Qwen2-VL-style vision with patch 14, merge 2). Pack/train with ``min_pixels`` (and
 ``video_min_pixels``) at or below ``size**2`` so they are not upscaled.
@@ -31,6 +38,7 @@ import argparse
 import io
 import json
 import time
+import wave
 from fractions import Fraction
 from pathlib import Path
 
@@ -46,6 +54,10 @@ ORDINALS = ("first", "second")
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon")
 BACKGROUND = (110, 110, 110)
 
+PITCHES = {"low": 220.0, "mid": 550.0, "high": 1400.0}  # Hz: a few mel bands apart at 128 bins
+BEEPS = ("1", "2", "3")
+AUDIO_RATE = 16000
+
 CLASSES = {
     "color": tuple(COLORS), "shape": SHAPES, "position": POSITIONS, "count": COUNTS,
     "motion": DIRECTIONS, "which_red": ORDINALS, "two_turns": tuple(COLORS),
@@ -54,6 +66,8 @@ CLASSES = {
 TRAIN_TASKS = ("color", "shape", "position", "count", "motion", "which_red", "two_turns", "add", "copy")
 EVAL_TASKS = ("color", "shape", "position", "count", "motion", "which_red", "add")
 RL_TASKS = ("color", "shape", "position", "count", "motion", "which_red")  # only solvable by looking
+AUDIO_CLASSES = {"pitch": tuple(PITCHES), "beeps": BEEPS}
+AUDIO_TASKS = tuple(AUDIO_CLASSES)  # with --audio, in train and eval
 
 QUESTIONS = {
     "color": ("What colour is the shape?", "Name the colour of the shape.", "Which colour does the shape have?"),
@@ -62,6 +76,8 @@ QUESTIONS = {
     "count": ("How many shapes are there?", "Count the shapes.", "How many shapes do you see?"),
     "motion": ("Which way does the shape move?", "In which direction does the shape travel?"),
     "which_red": ("Which image has the red shape?", "In which image is the shape red?"),
+    "pitch": ("Is the tone low, mid or high?", "How high is the tone?", "Name the pitch of the tone."),
+    "beeps": ("How many beeps are there?", "Count the beeps.", "How many beeps do you hear?"),
 }
 
 
@@ -110,6 +126,24 @@ def mp4(frames: list[Image.Image], fps: int = 2) -> bytes:
     return buf.getvalue()
 
 
+def wav(samples: np.ndarray, rate: int = AUDIO_RATE) -> bytes:
+    """16-bit PCM mono wav of float samples in [-1, 1] (the stdlib ``wave`` module)."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(samples, -1.0, 1.0) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def tone(freq: float, seconds: float, rate: int = AUDIO_RATE, fade: float = 0.01) -> np.ndarray:
+    """A sine with 10 ms linear fades (no clicks), amplitude 0.4."""
+    t = np.arange(round(seconds * rate)) / rate
+    ramp = np.clip(np.minimum(t, seconds - t) / fade, 0.0, 1.0)
+    return 0.4 * np.sin(2 * np.pi * freq * t) * ramp
+
+
 # ---------------------------------------------------------------------------- one sample per task
 
 
@@ -138,11 +172,27 @@ class Maker:
         cx, cy = where[0] + self.jitter(), where[1] + self.jitter()
         return self.save(png(render([(kind, cx, cy, r, color)], self.size)), "png")
 
-    def make(self, task: str, answer: str) -> tuple[list[dict], list[str], list[str]]:
-        """-> (messages incl. the assistant answer, images, videos)."""
+    def sound(self, task: str, answer: str) -> str:
+        """A wav whose pitch (task ``pitch``) or number of beeps (``beeps``) is the answer, with a
+        little noise and jittered frequency / timing so that only the named property is constant."""
+        noise = lambda n: 0.01 * self.rng.standard_normal(n)  # noqa: E731
+        if task == "pitch":
+            clip = tone(PITCHES[answer] * float(self.rng.uniform(0.95, 1.05)), 1.0)
+        else:
+            clip = np.zeros(round(1.5 * AUDIO_RATE))
+            freq = float(self.rng.uniform(500, 900))
+            for slot in sorted(self.rng.permutation(3)[: int(answer)].tolist()):  # 3 slots of 0.5 s
+                start = round((0.5 * slot + 0.1 + self.jitter(0.05)) * AUDIO_RATE)
+                beep = tone(freq, 0.15)
+                clip[start : start + len(beep)] += beep
+        return self.save(wav(clip + noise(len(clip))), "wav")
+
+    def make(self, task: str, answer: str) -> tuple[list[dict], list[str], list[str], list[str]]:
+        """-> (messages incl. the assistant answer, images, videos, audios)."""
         q = self.pick(QUESTIONS[task]) if task in QUESTIONS else ""
         images: list[str] = []
         videos: list[str] = []
+        audios: list[str] = []
         if task == "color":
             images = [self.one_shape(color=answer)]
         elif task == "shape":
@@ -178,20 +228,22 @@ class Maker:
                 {"role": "assistant", "content": answer},
                 {"role": "user", "content": self.pick(QUESTIONS["shape"])},
                 {"role": "assistant", "content": kind},
-            ], images, videos
+            ], images, videos, audios
         elif task == "add":
             s = int(answer)
             a = int(self.rng.integers(max(0, s - 4), min(4, s) + 1))
             q = f"What is {a} plus {s - a}?"
         elif task == "copy":
             q = f"Repeat the word: {answer}"
+        elif task in AUDIO_CLASSES:
+            audios = [self.sound(task, answer)]
         else:
             raise ValueError(f"unknown demo task {task!r}")
         if task == "which_red":
             prompt = f"First image: <image> Second image: <image> {q}"
         else:
-            prompt = "<image>" * len(images) + "<video>" * len(videos) + q
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}], images, videos
+            prompt = "<image>" * len(images) + "<video>" * len(videos) + "<audio>" * len(audios) + q
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}], images, videos, audios
 
 
 def _balanced(tasks: tuple[str, ...], n: int, rng: np.random.Generator) -> list[tuple[str, str]]:
@@ -200,7 +252,7 @@ def _balanced(tasks: tuple[str, ...], n: int, rng: np.random.Generator) -> list[
     pairs = []
     for i in range(n):
         task = tasks[i % len(tasks)]
-        classes = CLASSES[task]
+        classes = CLASSES.get(task) or AUDIO_CLASSES[task]
         pairs.append((task, classes[seen[task] % len(classes)]))
         seen[task] += 1
     order = rng.permutation(n)
@@ -208,12 +260,14 @@ def _balanced(tasks: tuple[str, ...], n: int, rng: np.random.Generator) -> list[
 
 
 def generate(out_dir: str | Path, samples: int = 1000, eval_samples: int = 200, seed: int = 0, size: int = 56,
-             rl_samples: int = 0) -> dict:
-    """Write the demo dataset to ``out_dir``; returns a summary (also saved as ``demo.json``)."""
+             rl_samples: int = 0, audio: bool = False) -> dict:
+    """Write the demo dataset to ``out_dir``; returns a summary (also saved as ``demo.json``).
+    ``audio``: add the listening tasks (``AUDIO_TASKS``) to train and eval."""
     out = Path(out_dir)
     summary = {"seed": seed, "size": size, "train": samples, "eval": eval_samples, "rl": rl_samples,
-               "classes": CLASSES}
-    splits = [("train", samples, TRAIN_TASKS, 0), ("eval", eval_samples, EVAL_TASKS, 1)]
+               "classes": {**CLASSES, **(AUDIO_CLASSES if audio else {})}, **({"audio": True} if audio else {})}
+    extra = AUDIO_TASKS if audio else ()
+    splits = [("train", samples, TRAIN_TASKS + extra, 0), ("eval", eval_samples, EVAL_TASKS + extra, 1)]
     if rl_samples:
         splits.append(("rl", rl_samples, RL_TASKS, 2))
     for split, n, tasks, sub_seed in splits:
@@ -223,8 +277,9 @@ def generate(out_dir: str | Path, samples: int = 1000, eval_samples: int = 200, 
         counts: dict[str, int] = {}
         with open(out / f"{split}.jsonl", "w") as f:
             for i, (task, answer) in enumerate(_balanced(tasks, n, rng)):
-                messages, images, videos = maker.make(task, answer)
-                row = {"id": f"{split}-{i:06d}", "messages": messages, "images": images, "videos": videos}
+                messages, images, videos, audios = maker.make(task, answer)
+                row = {"id": f"{split}-{i:06d}", "messages": messages, "images": images, "videos": videos,
+                       **({"audios": audios} if audios else {})}
                 if split == "eval":
                     row = {**row, "messages": messages[:-1], "answer": answer, "task": task}
                 f.write(json.dumps(row) + "\n")
@@ -241,14 +296,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rl-samples", type=int, default=1000, help="RL prompt rows (rl.jsonl; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", type=int, default=56, help="image / video side in pixels")
+    p.add_argument("--audio", action="store_true",
+                   help="add the listening tasks pitch / beeps (wav clips) to train and eval; pack them with a "
+                   "recipe whose model has an audio_encoder")
 
 
 def run(args) -> int:
     t0 = time.perf_counter()
     s = generate(args.out, samples=args.samples, eval_samples=args.eval_samples, seed=args.seed, size=args.size,
-                 rl_samples=args.rl_samples)
+                 rl_samples=args.rl_samples, audio=args.audio)
     print(
         f"demo: {s['train']} train + {s['eval']} eval + {s['rl']} RL rows, {len(s['train_tasks'])} tasks, "
-        f"{args.size}px media in {time.perf_counter() - t0:.1f}s -> {args.out}"
+        f"{args.size}px media{' + wav clips' if args.audio else ''} in {time.perf_counter() - t0:.1f}s -> {args.out}"
     )
     return 0

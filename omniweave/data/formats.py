@@ -4,25 +4,29 @@ Two input formats (JSON array or JSONL, one conversation per row)::
 
     openai    {"messages": [{"role": "user", "content": "<image>What colour?"},
                             {"role": "assistant", "content": "red"}],
-               "images": ["a.png"], "videos": []}
+               "images": ["a.png"], "videos": [], "audios": []}
               content may also be a list of parts: {"type": "text", "text": ...},
               {"type": "image"[, "image": PATH]}, {"type": "image_url", "image_url": {"url": PATH}},
-              {"type": "video"[, "video": PATH]}, {"type": "video_url", "video_url": {"url": PATH}}
-    sharegpt  {"conversations": [{"from": "human", "value": "<image>What colour?"},
-                                 {"from": "gpt", "value": "red"}], "images": ["a.png"]}
+              {"type": "video"[, "video": PATH]}, {"type": "video_url", "video_url": {"url": PATH}},
+              {"type": "audio"[, "audio": PATH]}, {"type": "audio_url", "audio_url": {"url": PATH}},
+              {"type": "input_audio", "input_audio": {"data": BASE64, "format": "wav"}}
+    sharegpt  {"conversations": [{"from": "human", "value": "<audio>What is said?"},
+                                 {"from": "gpt", "value": "hello"}], "audios": ["a.wav"]}
+
+A media reference is a path relative to the media directory or a ``data:`` URL
+(``data:audio/wav;base64,...``); an ``input_audio`` part becomes the ``data:`` URL of its bytes.
 
 Column names and role keys can be remapped (``Mapping``, in ``mapping.py``: flags or a small
 YAML in the style of LLaMA-Factory's ``dataset_info.json`` entries; format auto-detection).
 
 Validation errors raise ``FormatError`` whose ``reason`` is the reject reason ``convert`` records.
 
-Nothing a row carries is dropped silently. Media omniweave cannot store yet (audio, files: an
-``audios`` column, ``<audio>`` placeholders, ``input_audio`` / ``audio_url`` / ``file`` parts) reject
-the row as ``unsupported_modality:<kind>``; a content part of a type we do not know rejects it as
-``unknown_content_part:<type>``; a column nobody mapped whose values look like media (file names
-with a media extension, data URLs, objects with ``bytes`` / ``array`` or a media ``path`` / ``url``) rejects it as
-``unknown_media_column:<column>``. Any other unmapped column is kept in ``meta["extra"]`` and
-reported by ``unused_columns`` (``convert`` warns once per file).
+Nothing a row carries is dropped silently. Media omniweave cannot store yet (``file`` /
+``input_file`` parts) reject the row as ``unsupported_modality:<kind>``; a content part of a type we
+do not know rejects it as ``unknown_content_part:<type>``; a column nobody mapped whose values look
+like media (file names with a media extension, data URLs, objects with ``bytes`` / ``array`` or a
+media ``path`` / ``url``) rejects it as ``unknown_media_column:<column>``. Any other unmapped column
+is kept in ``meta["extra"]`` and reported by ``unused_columns`` (``convert`` warns once per file).
 """
 
 from __future__ import annotations
@@ -33,11 +37,10 @@ import re
 from typing import Any
 
 from omniweave.data.mapping import Mapping
-from omniweave.data.sample import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation, Message
+from omniweave.data.sample import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation, Message
 
-PLACEHOLDER_RE = re.compile(r"<image>|<video>")
-# placeholders of modalities omniweave reads in the formats but cannot store yet
-UNSUPPORTED_PLACEHOLDERS = {"<audio>": "audio"}
+PLACEHOLDER_RE = re.compile(r"<image>|<video>|<audio>")
+PLACEHOLDERS = {"image": IMAGE_PLACEHOLDER, "video": VIDEO_PLACEHOLDER, "audio": AUDIO_PLACEHOLDER}
 # content-part type -> what it is. Chat-Completions, HF processor and Responses-API spellings.
 PART_KINDS = {
     "text": "text", "input_text": "text", "output_text": "text", "refusal": "text",
@@ -46,7 +49,7 @@ PART_KINDS = {
     "audio": "audio", "input_audio": "audio", "audio_url": "audio",
     "file": "file", "input_file": "file",
 }
-STORED_MODALITIES = ("image", "video")
+STORED_MODALITIES = ("image", "video", "audio")
 MEDIA_SUFFIX_RE = re.compile(
     r"\.(png|jpe?g|gif|bmp|webp|tiff?|heic|mp4|avi|mov|mkv|webm|m4v|flv|mpe?g|wav|mp3|flac|ogg|oga|opus|m4a"
     r"|aac|wma|pdf|npy|npz)$", re.IGNORECASE,
@@ -85,7 +88,16 @@ def _media_list(row: dict, key: str, kind: str) -> list[str]:
 
 
 def _part_ref(part: dict, kind: str) -> str | None:
-    """The path a media part names, in any of the common spellings (``image``, ``image_url.url`` ...)."""
+    """The path a media part names, in any of the common spellings (``image``, ``image_url.url`` ...);
+    an ``input_audio`` part's base64 ``data`` as a ``data:audio/<format>;base64,`` URL."""
+    if part.get("type") == "input_audio":
+        audio = part.get("input_audio")
+        if not isinstance(audio, dict) or not isinstance(audio.get("data"), str) or not audio["data"]:
+            raise FormatError("bad_schema", "an input_audio part needs {'data': BASE64, 'format': 'wav'|'mp3'|...}")
+        fmt = audio.get("format") or "wav"
+        if not isinstance(fmt, str) or not fmt.isalnum():
+            raise FormatError("bad_schema", f"input_audio format must be a short name like 'wav', got {fmt!r}")
+        return f"data:audio/{fmt.lower()};base64,{audio['data']}"
     for key in (part.get("type"), kind, f"{kind}_url", "url", "path"):
         ref = part.get(key) if key else None
         if isinstance(ref, dict):
@@ -95,8 +107,8 @@ def _part_ref(part: dict, kind: str) -> str | None:
     return None
 
 
-def _content_text(content: Any, part_images: list[str], part_videos: list[str]) -> str:
-    """A message's content as text with placeholders; media paths named in parts are collected."""
+def _content_text(content: Any, part_media: dict[str, list[str]]) -> str:
+    """A message's content as text with placeholders; media named in parts are collected per kind."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -121,10 +133,10 @@ def _content_text(content: Any, part_images: list[str], part_videos: list[str]) 
             text = part.get("text", part.get(part["type"], ""))
             pieces.append(text if isinstance(text, str) else "")
             continue
-        pieces.append(VIDEO_PLACEHOLDER if kind == "video" else IMAGE_PLACEHOLDER)
+        pieces.append(PLACEHOLDERS[kind])
         ref = _part_ref(part, kind)
         if ref:
-            (part_videos if kind == "video" else part_images).append(ref)
+            part_media[kind].append(ref)
     return "".join(pieces)
 
 
@@ -145,11 +157,7 @@ def known_columns(m: Mapping) -> set[str]:
 
 
 def _check_unmapped_media(row: dict, m: Mapping) -> None:
-    """Reject rows whose audio or unmapped media columns would otherwise be lost."""
-    audios = row.get(m.audios)
-    if audios not in (None, [], "", {}):
-        raise FormatError("unsupported_modality:audio",
-                          f"column '{m.audios}' holds audio, which omniweave cannot store yet")
+    """Reject rows whose unmapped media columns would otherwise be lost."""
     known = known_columns(m)
     for column, value in row.items():
         if column not in known and _looks_like_media(value):
@@ -158,7 +166,7 @@ def _check_unmapped_media(row: dict, m: Mapping) -> None:
             raise FormatError(
                 f"unknown_media_column:{column}",
                 f"column '{column}' holds media but is not mapped{hint}map it with --images-key/--videos-key "
-                "or --mapping, or drop it",
+                "--audios-key or --mapping, or drop it",
             )
 
 
@@ -182,8 +190,7 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
         raise FormatError("bad_schema", f"'{m.messages}' must be a list of turns")
     _check_unmapped_media(row, m)
     roles = m.roles()
-    part_images: list[str] = []
-    part_videos: list[str] = []
+    part_media: dict[str, list[str]] = {kind: [] for kind in STORED_MODALITIES}
     messages = []
     if m.system and isinstance(row.get(m.system), str) and row[m.system]:
         messages.append(Message("system", row[m.system]))
@@ -199,22 +206,22 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
             content = json.dumps(turn["tool_calls"], ensure_ascii=False)
         elif role == "assistant" and content is None and turn.get("tool_calls"):
             role, content = "function", json.dumps(turn["tool_calls"], ensure_ascii=False)
-        messages.append(Message(role, _content_text(content, part_images, part_videos)))
+        messages.append(Message(role, _content_text(content, part_media)))
     if not messages or all(not msg.content.strip() for msg in messages if msg.role != "system"):
         raise FormatError("empty_conversation", "no turn has any content")
-    images = _media_list(row, m.images, "image") or part_images
-    videos = _media_list(row, m.videos, "video") or part_videos
+    media = {kind: _media_list(row, getattr(m, f"{kind}s"), kind) or part_media[kind] for kind in STORED_MODALITIES}
     solution = row.get(m.solution)
     if solution is not None and not isinstance(solution, (str, int, float)):
         raise FormatError("bad_schema", f"'{m.solution}' must be a string or a number, got {type(solution).__name__}")
     solution = None if solution is None or not str(solution).strip() else str(solution).strip()
     _check_turn_order(messages, prompt_only=solution is not None)
     if auto_placeholders:
-        _insert_missing_placeholders(messages, images, videos)
-    _check_placeholders(messages, images, videos)
+        _insert_missing_placeholders(messages, media)
+    _check_placeholders(messages, media)
     extra = {c: row[c] for c in unused_columns(row, m)}
     meta = {**({"extra": extra} if extra else {}), **({"solution": solution} if solution is not None else {})}
-    return Conversation(id=str(row.get(m.id, row_id)), messages=messages, images=images, videos=videos, meta=meta)
+    return Conversation(id=str(row.get(m.id, row_id)), messages=messages, images=media["image"], videos=media["video"],
+                        audios=media["audio"], meta=meta)
 
 
 def _check_turn_order(messages: list[Message], prompt_only: bool = False) -> None:
@@ -237,33 +244,27 @@ def _check_turn_order(messages: list[Message], prompt_only: bool = False) -> Non
         raise FormatError("bad_turn_order", f"the conversation ends with a {body[-1].role!r} turn")
 
 
-def _insert_missing_placeholders(messages: list[Message], images: list[str], videos: list[str]) -> None:
+def _insert_missing_placeholders(messages: list[Message], media: dict[str, list[str]]) -> None:
     """Rows with media but no placeholders at all get them prepended to the first user turn."""
     text = "".join(msg.content for msg in messages)
-    missing = ""
-    if images and IMAGE_PLACEHOLDER not in text:
-        missing += IMAGE_PLACEHOLDER * len(images)
-    if videos and VIDEO_PLACEHOLDER not in text:
-        missing += VIDEO_PLACEHOLDER * len(videos)
+    missing = "".join(PLACEHOLDERS[kind] * len(items) for kind, items in media.items()
+                      if items and PLACEHOLDERS[kind] not in text)
     if missing:
         first_user = next(msg for msg in messages if msg.role == "user")
         first_user.content = missing + first_user.content
 
 
-def _check_placeholders(messages: list[Message], images: list[str], videos: list[str]) -> None:
-    counts = {IMAGE_PLACEHOLDER: 0, VIDEO_PLACEHOLDER: 0}
+def _check_placeholders(messages: list[Message], media: dict[str, list[str]]) -> None:
+    """Media tags only in prompt turns, and the i-th tag of a kind for the i-th file of that kind."""
+    counts = {tag: 0 for tag in PLACEHOLDERS.values()}
     for i, msg in enumerate(messages):
-        for tag, kind in UNSUPPORTED_PLACEHOLDERS.items():
-            if tag in msg.content:
-                raise FormatError(f"unsupported_modality:{kind}",
-                                  f"turn {i} holds {tag}; omniweave cannot store {kind} yet")
         found = PLACEHOLDER_RE.findall(msg.content)
         if found and msg.role not in PROMPT_ROLES:
             raise FormatError("placeholder_mismatch", f"turn {i} ({msg.role}) holds {found[0]}; media belong in user turns")
         for tag in found:
             counts[tag] += 1
-    for tag, media in ((IMAGE_PLACEHOLDER, images), (VIDEO_PLACEHOLDER, videos)):
-        if counts[tag] != len(media):
+    for kind, tag in PLACEHOLDERS.items():
+        if counts[tag] != len(media[kind]):
             raise FormatError(
-                "placeholder_mismatch", f"{counts[tag]} {tag} placeholder(s) but {len(media)} {tag[1:-1]} file(s)"
+                "placeholder_mismatch", f"{counts[tag]} {tag} placeholder(s) but {len(media[kind])} {kind} file(s)"
             )

@@ -1,7 +1,8 @@
 """``omniweave data inspect PATH``: a human summary of a raw shard directory or a packed dataset.
 
-Raw (``RAW/.nv-meta`` + shards): samples by modality (text-only / image / video / mixed),
-turns per conversation, media sizes (bytes, and pixel sizes / frames read from the headers),
+Raw (``RAW/.nv-meta`` + shards): samples by modality (text-only / image / video / audio / mixed),
+turns per conversation, media sizes (bytes, and pixel sizes / frames / audio durations, sample
+rates and channels read from the headers),
 the reject summary of ``convert_report.json``, and a few rendered samples.
 Packed (``PATH/manifest.json``): handed to ``omniweave.data.inspect_packed``.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+MODALITIES = ("text-only", "image", "video", "audio", "mixed")
 ROLE_COLORS = {"system": "35", "user": "36", "assistant": "32", "observation": "33", "function": "33"}
 
 
@@ -66,19 +68,22 @@ def _bar_histogram(counter: Counter, color: bool, width: int = 40) -> list[str]:
 
 
 def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -> int:
+    from omniweave.data.audio import probe_audio
     from omniweave.data.media import MediaError, probe_image, probe_video
 
     total = len(ds)
     scanned = min(total, max_scan)
     modality, turns, roles = Counter(), Counter(), Counter()
     img_bytes, img_hw, vid_bytes, vid_frames, vid_hw, bad_headers = [], [], [], [], [], 0
+    aud_bytes, aud_seconds, aud_rates, aud_channels = [], [], Counter(), Counter()
     per_sample_images = Counter()
     for i, sample in enumerate(ds):
         if i >= scanned:
             break
         conv = sample.conversation
-        n_img, n_vid = len(conv.images), len(conv.videos)
-        modality["mixed" if n_img and n_vid else "image" if n_img else "video" if n_vid else "text-only"] += 1
+        n_img = len(conv.images)
+        kinds = [k for k, items in (("image", conv.images), ("video", conv.videos), ("audio", conv.audios)) if items]
+        modality["mixed" if len(kinds) > 1 else kinds[0] if kinds else "text-only"] += 1
         per_sample_images[n_img] += 1
         turns[sum(m.role in ("assistant", "function") for m in conv.messages)] += 1
         roles.update(m.role for m in conv.messages)
@@ -99,6 +104,16 @@ def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -
                 vid_hw.append((info.height, info.width))
             except MediaError:
                 bad_headers += 1
+        for name in conv.audios:
+            data = sample.media[name]
+            aud_bytes.append(len(data))
+            try:
+                info = probe_audio(data)
+                aud_seconds.append(info.duration_s)
+                aud_rates[info.sample_rate] += 1
+                aud_channels[info.channels] += 1
+            except MediaError:
+                bad_headers += 1
 
     size = sum(s.bytes for s in ds.shards)
     bold = lambda t: _c(t, "1", color)  # noqa: E731
@@ -106,7 +121,7 @@ def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -
     print(f"  {total:,} samples in {len(ds.shards)} shard(s), {size / 1e6:,.1f} MB"
           + (f"; statistics over the first {scanned:,}" if scanned < total else ""))
     print(bold("  modality"))
-    for key in ("text-only", "image", "video", "mixed"):
+    for key in MODALITIES:
         n = modality[key]
         print(f"    {key:<10} {n:>8,}  {100 * n / max(1, scanned):5.1f}%")
     multi = sum(n for k, n in per_sample_images.items() if k > 1)
@@ -121,6 +136,11 @@ def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -
     if vid_hw:
         print(f"            frames {_stats(vid_frames)}\n            height {_stats([h for h, _ in vid_hw])}"
               f"\n            width  {_stats([w for _, w in vid_hw])}")
+    print(f"    audios: {len(aud_bytes):,}; bytes {_stats(aud_bytes)}")
+    if aud_seconds:
+        print(f"            seconds {_stats(aud_seconds, lambda v: f'{v:,.2f}')}, total {sum(aud_seconds):,.1f} s"
+              f"\n            sample rates " + ", ".join(f"{r} Hz: {n:,}" for r, n in sorted(aud_rates.items()))
+              + "; channels " + ", ".join(f"{c}: {n:,}" for c, n in sorted(aud_channels.items())))
     if bad_headers:
         print(_c(f"    {bad_headers} media item(s) with unreadable headers", "31", color))
 
@@ -147,8 +167,8 @@ def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -
         for m in conv.messages:
             text = m.content if len(m.content) <= 300 else m.content[:300] + " …"
             print(f"    {_c(f'{m.role:>11}', ROLE_COLORS.get(m.role, '0'), color)}: {text}")
-        for name in [*conv.images, *conv.videos]:
+        for name in [*conv.images, *conv.videos, *conv.audios]:
             print(f"    {'':>11}  [{name}: {len(sample.media[name]):,} bytes]")
     print(f"inspect: {total:,} samples, {len(ds.shards)} shard(s), "
-          + ", ".join(f"{k} {modality[k]:,}" for k in ("text-only", "image", "video", "mixed")))
+          + ", ".join(f"{k} {modality[k]:,}" for k in MODALITIES))
     return 0

@@ -1,5 +1,6 @@
 """Human summary of a packed dataset: efficiency, fill histogram, and one pack rendered as text
-with ``<image×N>`` / ``<video×N>`` markers and the loss-carrying tokens highlighted
+with ``<image×N>`` / ``<video×N>`` / ``<audio×N>`` markers (one per run of pads: an audio clip
+shows one marker per encoder item) and the loss-carrying tokens highlighted
 (green with ANSI colour, ``[[…]]`` without). ``omniweave data inspect PACKED`` dispatches here."""
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def inspect_packed(root, color: bool, pack_id: int = 0) -> int:
               f"({s['real_tokens']} real / {s['capacity_tokens']} capacity tokens), loss tokens {s['loss_tokens']}")
         print(f"  text-only {mod['text_only_samples']}, with image {mod['image_samples']}, with video "
               f"{mod['video_samples']} ({mod['images']} images, {mod['videos']} videos, {s['vision_tokens']} vision tokens)")
+        if mod.get("audios"):
+            print(f"  with audio {mod['audio_samples']} ({mod['audios']} clips, {mod['audio_seconds']:.1f} s, "
+                  f"{mod['audio_bytes']:,} bytes, {s['audio_tokens']} audio tokens)")
         print(f"  truncated {s['truncated']}, dropped {s['dropped_total']} {s['dropped'] or ''}")
         print(f"  attention cost spread: max/mean {s['attention_cost_spread']['max_over_mean']:.2f}, "
               f"cv {s['attention_cost_spread']['cv']:.2f}")

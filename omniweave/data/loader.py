@@ -51,18 +51,70 @@ def _processor(data_cfg: dict):
     return _PROCESSORS[key]
 
 
+def span_from_record(m: dict) -> MediaSpan:
+    """A packed media descriptor (``packed.py``) as the MediaSpan it was written from."""
+    pieces = [tuple(p) for p in m["pieces"]] if m.get("pieces") else None
+    if m["kind"] == "audio":
+        return MediaSpan(kind="audio", part=m["part"], grid_thw=(0, 0, 0), resized_hw=(0, 0), start=m["start"],
+                         length=m["length"], pieces=pieces, num_samples=m["num_samples"])
+    return MediaSpan(kind=m["kind"], part=m["part"], grid_thw=tuple(m["grid_thw"]), resized_hw=tuple(m["resized_hw"]),
+                     start=m["start"], length=m["length"], frame_indices=m["frame_indices"],
+                     second_per_grid=m["second_per_grid"], pieces=pieces)
+
+
+def media_batch(proc, items: list[tuple[MediaSpan, bytes]]) -> dict:
+    """The media tensors of one row from its media spans (positions in the row) and their bytes: the
+    one place they are built, for packed micro-batches and evaluation prompts alike.
+
+        pixel_values    float32 [P, C*t*p*p]   patches of the images / videos, in order
+        grid_thw        int64 [M, 3]           one row per image / video
+        media_spans     int64 [S, 2]           (start, length) of each run of vision pads (S >= M)
+
+    and, only when the row has audio (one row per audio-encoder item: a Qwen2-Audio clip over 30 s
+    is several items, a Qwen2.5-Omni clip one):
+
+        audio_features  float32 [A, n_mels, W] log-mel of each item padded to 30 s (or its own length
+                                               when longer), W the longest; zeros past an item's own
+        audio_lengths   int64 [A]              valid mel frames per item
+        audio_spans     int64 [A, 2]           (start, length) of each item's run of audio pads;
+                                               length == audio.encoder_tokens(audio_lengths[i])
+    """
+    vision = [(span, data) for span, data in items if span.kind != "audio"]
+    audio = [(span, data) for span, data in items if span.kind == "audio"]
+    vc = proc.vision
+    patch_dim = 3 * vc.temporal_patch_size * vc.patch_size**2
+    pixels = [proc.process_media(span, data) for span, data in vision]
+    out = {
+        "pixel_values": torch.from_numpy(np.concatenate(pixels).astype(np.float32)) if pixels
+        else torch.zeros(0, patch_dim, dtype=torch.float32),
+        "grid_thw": torch.tensor([span.grid_thw for span, _ in vision], dtype=torch.int64).reshape(-1, 3),
+        "media_spans": torch.tensor([r for span, _ in vision for r in span.ranges()], dtype=torch.int64).reshape(-1, 2),
+    }
+    if audio:
+        out.update(_audio_tensors(proc, audio))
+    return out
+
+
+def _audio_tensors(proc, audio: list[tuple[MediaSpan, bytes]]) -> dict:
+    """Decode each clip, cut it into the encoder items it was planned with, log-mel them in one batch."""
+    from omniweave.data.audio import encoder_tokens
+    from omniweave.data.mel import log_mel
+
+    clips, runs = [], []
+    for span, data in audio:
+        clips += [torch.from_numpy(item) for item in proc.process_audio(span, data)]
+        runs += span.ranges()
+    mel = log_mel(clips, n_mels=proc.audio.n_mels, padding="max_length", truncation=False)
+    tokens = [encoder_tokens(int(n)) for n in mel.num_frames]
+    if tokens != [n for _, n in runs]:
+        raise AssertionError(f"audio items give {tokens} encoder tokens, the row holds pad runs {[n for _, n in runs]}")
+    return {"audio_features": mel.features, "audio_lengths": mel.num_frames.to(torch.int64),
+            "audio_spans": torch.tensor(runs, dtype=torch.int64).reshape(-1, 2)}
+
+
 def collate_pack(pack: dict, data_cfg: dict) -> dict:
     """One pack read by PackedDataset -> the model's micro-batch dict (torch tensors, no batch dim)."""
     proc = _processor(data_cfg)
-    vc = proc.vision
-    patch_dim = 3 * vc.temporal_patch_size * vc.patch_size**2
-    pixels = []
-    for m in pack["media"]:
-        span = MediaSpan(kind=m["kind"], part=m["part"], grid_thw=tuple(m["grid_thw"]),
-                         resized_hw=tuple(m["resized_hw"]), start=m["start"], length=m["length"],
-                         frame_indices=m["frame_indices"], second_per_grid=m["second_per_grid"])
-        pixels.append(proc.process_media(span, m["bytes"]))
-    media = pack["media"]
     extra = {}
     if pack["docs"] and "answer" in pack["docs"][0]:  # an RL prompt (data/prompts.py): who it is, what it expects
         extra["prompt"] = {"uid": int(pack["docs"][0]["index"]), "id": pack["docs"][0]["id"],
@@ -72,11 +124,7 @@ def collate_pack(pack: dict, data_cfg: dict) -> dict:
         "labels": torch.from_numpy(pack["labels"].astype(np.int64)),  # [L] shifted
         "position_ids": torch.from_numpy(pack["position_ids"].astype(np.int64)),  # [3 or 1, L]
         "cu_seqlens": torch.from_numpy(pack["cu_seqlens"].astype(np.int32)),  # [D+1]
-        "pixel_values": torch.from_numpy(np.concatenate(pixels).astype(np.float32)) if pixels
-        else torch.zeros(0, patch_dim, dtype=torch.float32),  # [P, C*t*p*p]
-        "grid_thw": torch.tensor([m["grid_thw"] for m in media], dtype=torch.int64).reshape(-1, 3),  # [M, 3]
-        "media_spans": torch.tensor([r for m in media for r in m.get("pieces") or [[m["start"], m["length"]]]],
-                                    dtype=torch.int64).reshape(-1, 2),  # [S, 2]: S >= M when items are split
+        **media_batch(proc, [(span_from_record(m), m["bytes"]) for m in pack["media"]]),
         "num_loss_tokens": int(pack["num_loss_tokens"]),
     }
 

@@ -2,7 +2,7 @@
 YAML in the style of LLaMA-Factory's ``dataset_info.json`` entries, and format auto-detection::
 
     formatting: sharegpt            # or openai; omitted = auto-detect
-    columns: {messages: conversations, images: images, videos: videos, system: system}
+    columns: {messages: conversations, images: images, videos: videos, audios: audios, system: system}
     tags: {role_tag: from, content_tag: value, user_tag: human, assistant_tag: gpt,
            system_tag: system, observation_tag: observation, function_tag: function_call}
 """
@@ -27,7 +27,7 @@ class Mapping:
     messages: str | None = None  # column holding the turns
     images: str = "images"
     videos: str = "videos"
-    audios: str = "audios"  # read so audio is never dropped silently; rows with audio are rejected for now
+    audios: str = "audios"
     system: str | None = None  # optional column holding a system prompt
     id: str = "id"
     solution: str = "solution"  # RL: the reference answer (then the row may end with the user's turn)

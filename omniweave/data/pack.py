@@ -1,6 +1,6 @@
 """``omniweave data pack``: raw shards -> packed dataset, in three restartable phases.
 
-    scan   tokenize every sample (metadata only: vision tokens from media headers)
+    scan   tokenize every sample (metadata only: vision / audio tokens from media headers)
            -> PACKED/scan/slice-IIIII-of-NNNNN.{npz,json}     (json written last = done)
     plan   global packing plan over all slices; stats.json, lengths.png
            -> PACKED/plan/plan.{npz,json}
@@ -11,6 +11,12 @@
 ``--phase scan --worker-index i --num-workers N``, one job runs ``--phase plan --num-workers N``,
 then array jobs run ``--phase write --worker-index i --num-workers N`` (docs/packing.md). A phase
 or shard whose done marker exists is never redone; a marker built with other settings is an error.
+
+Media the recipe's model cannot consume are dropped at scan time with a counted reason, never
+packed as bare text: with a ``model:`` section but no ``model.image_encoder``, samples with images
+or videos are dropped as ``no_image_encoder``; without ``model.audio_encoder``, samples with audio
+as ``no_audio_encoder``. Only the sections' presence counts (no model is built). A recipe without
+any ``model:`` section (a data-only recipe) says nothing about the model: every modality is kept.
 """
 
 from __future__ import annotations
@@ -33,7 +39,11 @@ from omniweave.data.pack_stats import build_stats, plot_lengths
 from omniweave.data.shards import META_DIR
 from omniweave.errors import UserError
 
-SCAN_FIELDS = ("index", "length", "media", "vision", "images", "videos", "truncated", "loss")
+SCAN_FIELDS = ("index", "length", "media", "vision", "images", "videos", "audios", "audio_tokens", "audio_samples",
+               "audio_bytes", "truncated", "loss")
+# model section -> the media kinds it consumes
+ENCODER_MEDIA = {"image_encoder": ("image", "video"), "audio_encoder": ("audio",)}
+DROP_REASONS = {"image": "no_image_encoder", "video": "no_image_encoder", "audio": "no_audio_encoder"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,9 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-vision-tokens-per-pack", type=int, default=None)
 
 
-def data_config(recipe: str, max_len: int | None, overrides: list[str] = ()) -> tuple[dict, str]:
+def consumable_media(model_cfg: dict | None) -> list[str] | None:
+    """The media kinds a recipe's ``model:`` section has encoders for; None without a model section."""
+    if not model_cfg:
+        return None
+    return [kind for section, kinds in ENCODER_MEDIA.items() if model_cfg.get(section) for kind in kinds]
+
+
+def data_config(recipe: str, max_len: int | None, overrides: list[str] = ()) -> tuple[dict, str, list[str] | None]:
     """(the recipe's ``data:`` section with ``key=value`` overrides, minus the loader-only keys;
-    what to write: ``sft`` packs or RL ``prompts``, from its ``train.phase``)."""
+    what to write: ``sft`` packs or RL ``prompts``, from its ``train.phase``; the media kinds its
+    model consumes, ``consumable_media``)."""
     from omniweave.config import load_recipe, to_dict
     from omniweave.data.loader import LOADER_ONLY_KEYS
     from omniweave.data.prompts import dataset_kind
@@ -65,13 +83,15 @@ def data_config(recipe: str, max_len: int | None, overrides: list[str] = ()) -> 
         data.pop(key, None)
     if max_len is not None:
         data["max_len"] = int(max_len)
-    return data, dataset_kind((cfg.get("train") or {}).get("phase"))
+    return data, dataset_kind((cfg.get("train") or {}).get("phase")), consumable_media(cfg.get("model"))
 
 
-def _build_id(args, data_cfg: dict, fingerprint: dict, raw_shards: list[dict], kind: str) -> dict:
+def _build_id(args, data_cfg: dict, fingerprint: dict, raw_shards: list[dict], kind: str,
+              media_kinds: list[str] | None = None) -> dict:
     """What decides the output; every done marker stores it and a restart must match it."""
     return {
-        "kind": kind, "fingerprint": fingerprint, "algorithm": args.algorithm, "packs_per_shard": args.packs_per_shard,
+        "kind": kind, "fingerprint": fingerprint, "media_kinds": media_kinds,
+        "algorithm": args.algorithm, "packs_per_shard": args.packs_per_shard,
         "max_media_per_pack": args.max_media_per_pack, "max_vision_tokens_per_pack": args.max_vision_tokens_per_pack,
         "num_workers": args.num_workers, "source": raw_shards,
     }
@@ -92,13 +112,15 @@ def _check_marker(path: Path, build: dict) -> bool:
 _W: dict = {}
 
 
-def _init_worker(raw_root: str, data_cfg: dict, kind: str, plan_file: str | None = None) -> None:
+def _init_worker(raw_root: str, data_cfg: dict, kind: str, media_kinds: list[str] | None,
+                 plan_file: str | None = None) -> None:
     from omniweave.data.shards import RawDataset
     from omniweave.data.tokenize import SampleProcessor
 
     _W["ds"] = RawDataset(raw_root)
     _W["proc"] = SampleProcessor(data_cfg)
     _W["kind"] = kind
+    _W["media_kinds"] = media_kinds
     if plan_file:
         with np.load(plan_file, allow_pickle=False) as z:
             _W["plan"] = {k: z[k] for k in z.files}
@@ -107,7 +129,12 @@ def _init_worker(raw_root: str, data_cfg: dict, kind: str, plan_file: str | None
 def _tokenize(raw) -> tuple:
     """(tokenized sample, extra doc info): an SFT sample, or an RL prompt with its answer."""
     from omniweave.data.prompts import KIND_PROMPTS, tokenize_rl_prompt
+    from omniweave.data.tokenize import SampleRejected
 
+    conv, allowed = raw.conversation, _W["media_kinds"]
+    for kind, items in (("image", conv.images), ("video", conv.videos), ("audio", conv.audios)):
+        if items and allowed is not None and kind not in allowed:
+            raise SampleRejected(DROP_REASONS[kind], f"{len(items)} {kind} item(s); the model has no encoder for them")
     if _W["kind"] == KIND_PROMPTS:
         sample, answer = tokenize_rl_prompt(_W["proc"], raw)
         return sample, {"answer": answer}
@@ -121,16 +148,19 @@ def _scan_range(bounds: tuple[int, int]) -> tuple[dict, dict]:
     rows, rejects = [], {}
     for i in range(*bounds):
         try:
-            s, _ = _tokenize(ds[i])
+            raw = ds[i]
+            s, _ = _tokenize(raw)
         except SampleRejected as e:
             rejects.setdefault(e.reason, []).append(i)
             continue
         except Exception as e:  # noqa: BLE001  (a broken sample is counted, never fatal)
             rejects.setdefault(f"unreadable:{type(e).__name__}", []).append(i)
             continue
-        n_img = sum(m.kind == "image" for m in s.media)
-        rows.append((i, len(s), len(s.media), sum(m.length for m in s.media), n_img, len(s.media) - n_img,
-                     int(s.truncated), int((s.labels != -100).sum())))
+        audio = [m for m in s.media if m.kind == "audio"]
+        rows.append((i, len(s), len(s.media), sum(m.length for m in s.media if m.kind != "audio"),
+                     sum(m.kind == "image" for m in s.media), sum(m.kind == "video" for m in s.media), len(audio),
+                     sum(m.length for m in audio), sum(m.num_samples for m in audio),
+                     sum(len(raw.media[m.part]) for m in audio), int(s.truncated), int((s.labels != -100).sum())))
     arr = np.asarray(rows, dtype=np.int64).reshape(-1, len(SCAN_FIELDS))
     return {f: arr[:, k] for k, f in enumerate(SCAN_FIELDS)}, rejects
 
@@ -187,7 +217,8 @@ def scan_phase(args, out: Path, data_cfg: dict, build: dict, n_raw: int) -> Path
     lo, hi = i * n_raw // N, (i + 1) * n_raw // N
     step = max(1, min(256, (hi - lo) // max(1, 4 * args.workers) or 1))
     chunks = [(a, min(a + step, hi)) for a in range(lo, hi, step)]
-    results = _pool_map(_scan_range, chunks, args.workers, (args.input, data_cfg, build["kind"]), f"scan {i}/{N}",
+    results = _pool_map(_scan_range, chunks, args.workers, (args.input, data_cfg, build["kind"], build["media_kinds"]),
+                        f"scan {i}/{N}",
                         weights=[b - a for a, b in chunks])
     arrays = {f: np.concatenate([r[0][f] for r in results]) if results else np.zeros(0, np.int64) for f in SCAN_FIELDS}
     rejects: dict[str, list[int]] = {}
@@ -258,7 +289,8 @@ def write_phase(args, out: Path, data_cfg: dict, build: dict, info: dict) -> lis
         print(f"write: {len(mine) - len(todo)} of {len(mine)} shards already done", file=sys.stderr)
     if todo:
         _W["out"] = str(out)
-        _pool_map(_write_shard, todo, args.workers, (args.input, data_cfg, build["kind"], str(out / "plan" / "plan.npz")),
+        _pool_map(_write_shard, todo, args.workers,
+                  (args.input, data_cfg, build["kind"], build["media_kinds"], str(out / "plan" / "plan.npz")),
                   f"write {i}/{N}")
     return todo
 
@@ -292,7 +324,7 @@ def run(args) -> int:
     t0 = time.time()
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    data_cfg, kind = data_config(args.recipe, args.max_len, args.overrides)
+    data_cfg, kind, media_kinds = data_config(args.recipe, args.max_len, args.overrides)
     if kind == "prompts":  # RL prompts: each is its own pack, handed out one by one
         args.algorithm = "single"
     if not (Path(args.input) / META_DIR).is_dir():
@@ -301,7 +333,7 @@ def run(args) -> int:
     fingerprint = SampleProcessor(data_cfg).fingerprint()
     raw = RawDataset(args.input)
     source = [{"name": s.name, "count": s.count, "bytes": s.bytes} for s in raw.shards]
-    build = _build_id(args, data_cfg, fingerprint, source, kind)
+    build = _build_id(args, data_cfg, fingerprint, source, kind, media_kinds)
     if args.phase in ("scan", "all"):
         scan_phase(args, out, data_cfg, build, len(raw))
     if args.phase in ("plan", "all"):

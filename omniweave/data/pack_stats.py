@@ -7,18 +7,19 @@ from pathlib import Path
 
 import numpy as np
 
+from omniweave.data.mel import SAMPLE_RATE
 from omniweave.data.packing import PackPlan, cost_spread
 
 
 def build_stats(scan: dict, plan: PackPlan, rejects: Counter, pack_drops: Counter, algorithm: str) -> dict:
-    """scan: per-sample arrays over accepted samples (length, images, videos, vision, truncated, loss);
-    plan indexes into those arrays."""
+    """scan: per-sample arrays over accepted samples (length, images, videos, vision, audios,
+    audio_tokens, audio_samples, audio_bytes, truncated, loss); plan indexes into those arrays."""
     lengths = scan["length"]
     packed = plan.items
     fills = plan.fills(lengths)
     real = int(fills.sum())
     capacity_tokens = plan.num_packs * plan.capacity
-    img, vid = scan["images"][packed], scan["videos"][packed]
+    img, vid, aud = scan["images"][packed], scan["videos"][packed], scan["audios"][packed]
     dropped = dict(rejects)
     for reason, n in pack_drops.items():
         dropped[reason] = dropped.get(reason, 0) + n
@@ -33,12 +34,17 @@ def build_stats(scan: dict, plan: PackPlan, rejects: Counter, pack_drops: Counte
         "efficiency": real / capacity_tokens if capacity_tokens else 0.0,
         "loss_tokens": int(scan["loss"][packed].sum()),
         "vision_tokens": int(scan["vision"][packed].sum()),
+        "audio_tokens": int(scan["audio_tokens"][packed].sum()),
         "modalities": {
-            "text_only_samples": int(((img == 0) & (vid == 0)).sum()),
+            "text_only_samples": int(((img == 0) & (vid == 0) & (aud == 0)).sum()),
             "image_samples": int((img > 0).sum()),
             "video_samples": int((vid > 0).sum()),
+            "audio_samples": int((aud > 0).sum()),
             "images": int(img.sum()),
             "videos": int(vid.sum()),
+            "audios": int(aud.sum()),
+            "audio_seconds": round(float(scan["audio_samples"][packed].sum()) / SAMPLE_RATE, 3),
+            "audio_bytes": int(scan["audio_bytes"][packed].sum()),
         },
         "truncated": int(scan["truncated"][packed].sum()),
         "dropped": dict(sorted(dropped.items())),

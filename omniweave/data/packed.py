@@ -8,6 +8,10 @@
     PACKED/packs-NNNNNN.json             index of the shard (written last = the shard is done):
                                            {"packs": [record, …]} with, per pack, its byte offset,
                                            L, R, cu_seqlens, docs and media descriptors
+                                           (every item: kind, part, doc, sample, start, length,
+                                           offset, size, [pieces]; images / videos: grid_thw,
+                                           resized_hw, frame_indices, second_per_grid; audio:
+                                           num_samples at 16 kHz, one piece per encoder item)
 
 Labels are stored shifted: ``labels[i]`` is the target of position i, -100 on the last token of
 every document (it predicts nothing) and wherever the unshifted label was -100.
@@ -60,6 +64,14 @@ def pack_arrays(samples: list[TokenizedSample]) -> dict:
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "cu_seqlens": cu_seqlens}
 
 
+def _kind_fields(span) -> dict:
+    """The descriptor fields of one kind of media: the patch grid of an image / video, the length of a clip."""
+    if span.kind == "audio":
+        return {"num_samples": span.num_samples}
+    return {"resized_hw": list(span.resized_hw), "grid_thw": list(span.grid_thw),
+            "frame_indices": span.frame_indices, "second_per_grid": span.second_per_grid}
+
+
 class PackedShardWriter:
     """Appends packs to ``packs-NNNNNN.bin.tmp``; ``close()`` publishes .bin then .json atomically."""
 
@@ -82,10 +94,8 @@ class PackedShardWriter:
             for span in sample.media:
                 data = media_bytes[span.part]
                 media.append({
-                    "kind": span.kind, "part": span.part, "doc": d,
-                    "sample": info["index"], "resized_hw": list(span.resized_hw),
-                    "grid_thw": list(span.grid_thw), "frame_indices": span.frame_indices,
-                    "second_per_grid": span.second_per_grid, "start": doc_start + span.start,
+                    "kind": span.kind, "part": span.part, "doc": d, "sample": info["index"],
+                    **_kind_fields(span), "start": doc_start + span.start,
                     "length": span.length, "offset": self._file.tell(), "size": len(data),
                     **({"pieces": [[doc_start + a, n] for a, n in span.pieces]} if span.pieces else {}),
                 })

@@ -7,6 +7,9 @@ M-RoPE gives every token three coordinates (temporal, height, width):
   ``interval`` is 1, except for Qwen2.5-VL videos: ``tokens_per_second · second_per_grid``,
   multiplied in float32 and truncated, as the model does with its float32 tensor.
 
+Audio spans are not vision blocks: their pad tokens take text positions (all three coordinates
+equal, counting on), as Qwen2-Audio does with 1-D positions. (Qwen2.5-Omni's TMRoPE is not here.)
+
 Qwen3-VL (``mrope_qwen3vl``) writes a timestamp before each temporal patch of a video, so each
 run of its pad tokens (``MediaSpan.ranges()``) is a block of its own with grid (1, h, w): the
 temporal coordinate restarts at the block's start, as transformers splits ``video_grid_thw``
@@ -86,6 +89,7 @@ def position_ids(
     rope: str, length: int, media: list[MediaSpan], merge_size: int, tokens_per_second: float
 ) -> np.ndarray:
     """int32 [3, L] for ``mrope`` / ``mrope_qwen25`` / ``mrope_qwen3vl``, int32 [1, L] for ``rope1d``."""
+    media = [s for s in media if s.kind != "audio"]  # audio pads are positioned as text
     if rope == "mrope":
         return mrope_position_ids(length, media, merge_size)
     if rope == "mrope_qwen25":

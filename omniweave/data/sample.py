@@ -6,8 +6,8 @@
     packed.py   -> packs of TokenizedSamples + media bytes
 
 Roles are normalised to: system, user, assistant, observation, function.
-Media placeholders inside message text are exactly ``<image>`` and ``<video>``; the i-th
-``<image>`` in reading order refers to ``images[i]`` (same for videos).
+Media placeholders inside message text are exactly ``<image>``, ``<video>`` and ``<audio>``; the
+i-th ``<image>`` in reading order refers to ``images[i]`` (same for videos and audios).
 """
 
 from __future__ import annotations
@@ -20,27 +20,30 @@ import numpy as np
 ROLES = ("system", "user", "assistant", "observation", "function")
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
-MediaKind = Literal["image", "video"]
+AUDIO_PLACEHOLDER = "<audio>"
+MediaKind = Literal["image", "video", "audio"]
 
 
 @dataclass
 class Message:
     role: str  # one of ROLES
-    content: str  # text with <image> / <video> placeholders
+    content: str  # text with <image> / <video> / <audio> placeholders
 
 
 @dataclass
 class Conversation:
     """One normalised training sample.
 
-    ``images`` / ``videos`` are paths relative to the media directory while converting, and the
-    names of the media parts in the shard once written (e.g. ``img0.png``, ``vid0.mp4``).
+    ``images`` / ``videos`` / ``audios`` are paths (or ``data:`` URLs) relative to the media directory
+    while converting, and the names of the media parts in the shard once written (e.g. ``img0.png``,
+    ``vid0.mp4``, ``aud0.wav``).
     """
 
     id: str
     messages: list[Message]
     images: list[str] = field(default_factory=list)
     videos: list[str] = field(default_factory=list)
+    audios: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)  # e.g. {"source": "f.jsonl", "index": 12}
 
     def to_json(self) -> dict[str, Any]:
@@ -49,6 +52,7 @@ class Conversation:
             "messages": [{"role": m.role, "content": m.content} for m in self.messages],
             "images": list(self.images),
             "videos": list(self.videos),
+            "audios": list(self.audios),
             "meta": dict(self.meta),
         }
 
@@ -59,6 +63,7 @@ class Conversation:
             messages=[Message(m["role"], m["content"]) for m in obj["messages"]],
             images=list(obj.get("images", [])),
             videos=list(obj.get("videos", [])),
+            audios=list(obj.get("audios", [])),
             meta=dict(obj.get("meta", {})),
         )
 
@@ -77,7 +82,11 @@ class MediaSpan:
     """Where one media item sits in a tokenized sample and how to turn its bytes into patches.
 
     Everything here is computed from the file's header / stream metadata alone, and equals what
-    full decoding + processing produces later (``media.py`` guarantees it).
+    full decoding + processing produces later (``media.py`` / ``audio.py`` guarantee it).
+
+    Audio items have no patch grid: ``grid_thw`` / ``resized_hw`` are zeros, ``num_samples`` is the
+    clip's length at 16 kHz and ``pieces`` holds one run of pad tokens per encoder item (Qwen2-Audio
+    splits audio over 30 s into chunks; each chunk is one item of the audio encoder).
     """
 
     kind: MediaKind
@@ -92,6 +101,7 @@ class MediaSpan:
     # temporal patch), the (start, length) of each run of pads; ``start`` is then the first run's
     # start and ``length`` the sum. None: one run, (start, length).
     pieces: list[tuple[int, int]] | None = None
+    num_samples: int | None = None  # audio: samples at 16 kHz (``AudioInfo.num_samples()``)
 
     def ranges(self) -> list[tuple[int, int]]:
         """(start, length) of every run of this item's pad tokens, in order."""

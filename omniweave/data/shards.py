@@ -3,7 +3,7 @@
 Layout of a raw dataset directory RAW::
 
     RAW/shard-000000.tar        WebDataset samples, key ``s{global_index:09d}``; parts
-                                ``json`` (Conversation.to_json(), images/videos = part names),
+                                ``json`` (Conversation.to_json(), images/videos/audios = part names),
                                 ``img{i}.{ext}`` / ``vid{i}.{ext}`` (original file bytes)
     RAW/shard-000000.tar.idx    little-endian uint64 byte offset of each sample's first tar
                                 header, plus the end offset of the last sample (Energon format)
@@ -121,9 +121,9 @@ class ShardWriter:
 
 
 def write_conversation_sample(writer: ShardWriter, key: str, conv: Conversation, media: dict[str, bytes]) -> None:
-    """``conv.images``/``conv.videos`` must already name parts present in ``media``."""
+    """``conv.images``/``conv.videos``/``conv.audios`` must already name parts present in ``media``."""
     parts = {"json": json.dumps(conv.to_json(), ensure_ascii=False).encode("utf-8")}
-    for name in [*conv.images, *conv.videos]:
+    for name in [*conv.images, *conv.videos, *conv.audios]:
         parts[name] = media[name]
     writer.write(key, parts)
 
@@ -237,7 +237,7 @@ def parse_sample_bytes(chunk: bytes) -> tuple[str, dict[str, bytes]]:
 
 def raw_sample_from_parts(key: str, parts: dict[str, bytes]) -> RawSample:
     conv = Conversation.from_json(json.loads(parts["json"].decode("utf-8")))
-    media = {name: parts[name] for name in [*conv.images, *conv.videos]}
+    media = {name: parts[name] for name in [*conv.images, *conv.videos, *conv.audios]}
     return RawSample(key=key, conversation=conv, media=media)
 
 

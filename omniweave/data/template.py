@@ -12,9 +12,10 @@ format string carry loss; the role header before ``{content}`` does not. For Cha
 template and Qwen2.5-VL's own fine-tuning script (both label ``<|im_end|>\\n``). Media blocks never
 carry loss. Every assistant turn of a multi-turn conversation is labelled.
 
-Media placeholders ``<image>`` / ``<video>`` become ``image`` / ``video`` (by default
-``<|vision_start|><|image_pad|><|vision_end|>``); tokenize.py later repeats the pad token once per
-vision token. Custom templates: a YAML file with any of the ChatTemplate fields, e.g.::
+Media placeholders ``<image>`` / ``<video>`` / ``<audio>`` become ``image`` / ``video`` / ``audio``
+(by default ``<|vision_start|><|image_pad|><|vision_end|>`` and, as Qwen2-Audio / Qwen2.5-Omni write
+it, ``<|audio_bos|><|AUDIO|><|audio_eos|>``); tokenize.py later repeats the pad token once per
+media token. Custom templates: a YAML file with any of the ChatTemplate fields, e.g.::
 
     name: my_chatml
     system: "<|im_start|>system\\n{content}<|im_end|>\\n"
@@ -38,12 +39,13 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from omniweave.data.sample import IMAGE_PLACEHOLDER, ROLES, VIDEO_PLACEHOLDER, Message
+from omniweave.data.sample import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, ROLES, VIDEO_PLACEHOLDER, Message
 from omniweave.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
 LOSS_ROLES = ("assistant", "function")
-_PLACEHOLDER_RE = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
+_PLACEHOLDER_KINDS = {IMAGE_PLACEHOLDER: "image", VIDEO_PLACEHOLDER: "video", AUDIO_PLACEHOLDER: "audio"}
+_PLACEHOLDER_RE = re.compile("(" + "|".join(map(re.escape, _PLACEHOLDER_KINDS)) + ")")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class ChatTemplate:
     video: str = "<|vision_start|><|video_pad|><|vision_end|>"
     image_pad: str = "<|image_pad|>"  # the token repeated once per image token
     video_pad: str = "<|video_pad|>"
+    audio: str = "<|audio_bos|><|AUDIO|><|audio_eos|>"  # Qwen2-Audio / Qwen2.5-Omni
+    audio_pad: str = "<|AUDIO|>"  # repeated once per audio token
     stop_tokens: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -67,8 +71,8 @@ class ChatTemplate:
             fmt = getattr(self, role)
             if fmt.count("{content}") != 1:
                 raise ValueError(f"template {self.name!r}: {role} format must hold '{{content}}' once: {fmt!r}")
-        if self.image_pad not in self.image or self.video_pad not in self.video:
-            raise ValueError(f"template {self.name!r}: image/video formats must contain their pad token")
+        if self.image_pad not in self.image or self.video_pad not in self.video or self.audio_pad not in self.audio:
+            raise ValueError(f"template {self.name!r}: image/video/audio formats must contain their pad token")
 
     def spec(self) -> dict:
         """JSON-serialisable description (for fingerprints)."""
@@ -141,7 +145,7 @@ class Rendered:
     text: str
     loss_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) char ranges
     message_ends: list[int] = field(default_factory=list)  # char offset after each message
-    media_kinds: list[str] = field(default_factory=list)  # "image"/"video" in reading order
+    media_kinds: list[str] = field(default_factory=list)  # "image"/"video"/"audio" in reading order
 
 
 def render(template: ChatTemplate, messages: list[Message], add_generation_prompt: bool = False) -> Rendered:
@@ -162,11 +166,11 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
         carries_loss = msg.role in LOSS_ROLES
         loss_from = len(out.text)
         for piece in _PLACEHOLDER_RE.split(msg.content):
-            if piece in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
-                kind = "image" if piece == IMAGE_PLACEHOLDER else "video"
+            if piece in _PLACEHOLDER_KINDS:
+                kind = _PLACEHOLDER_KINDS[piece]
                 if carries_loss and loss_from < len(out.text):
                     out.loss_spans.append((loss_from, len(out.text)))
-                out.text += template.image if kind == "image" else template.video
+                out.text += getattr(template, kind)
                 out.media_kinds.append(kind)
                 loss_from = len(out.text)
             else:
@@ -206,9 +210,10 @@ def hf_chat_template(template: ChatTemplate) -> str:
     that renders the same text as :func:`render` for the same messages, so ``apply_chat_template``
     on an exported model reproduces what it was trained on.
 
-    Messages are HF-style: ``content`` is a string (``<image>`` / ``<video>`` placeholders expand
-    as here) or a list of ``{"type": "text" | "image" | "video"}`` parts; the role ``tool`` is
-    accepted as ``observation``. Unknown roles and part types raise, as they do here.
+    Messages are HF-style: ``content`` is a string (``<image>`` / ``<video>`` / ``<audio>``
+    placeholders expand as here) or a list of ``{"type": "text" | "image" | "video" | "audio"}``
+    parts; the role ``tool`` is accepted as ``observation``. Unknown roles and part types raise, as
+    they do here.
     """
     roles = {role: getattr(template, role).split("{content}") for role in ROLES}
     roles["tool"] = roles["observation"]
@@ -216,7 +221,7 @@ def hf_chat_template(template: ChatTemplate) -> str:
     if template.default_system is not None:
         default_system = template.system.format(content=template.default_system)
     constants = {"name": template.name, "bos": template.bos, "roles": roles, "default_system": default_system,
-                 "image": template.image, "video": template.video}  # fmt: skip
+                 "image": template.image, "video": template.video, "audio": template.audio}  # fmt: skip
     # JSON string escapes are Jinja string escapes; non-ASCII stays literal (Jinja re-escapes it)
     literal = json.dumps(constants, ensure_ascii=False)
     return (
@@ -230,11 +235,14 @@ def hf_chat_template(template: ChatTemplate) -> str:
         "{%- if message['role'] not in t.roles -%}{{- raise_exception('unknown role ' ~ message['role']) -}}{%- endif -%}\n"
         "{{- t.roles[message['role']][0] -}}\n"
         "{%- if message['content'] is string -%}\n"
-        "{{- message['content'] | replace('<image>', t.image) | replace('<video>', t.video) -}}\n"
+        "{{- message['content'] | replace('<image>', t.image) | replace('<video>', t.video)"
+        " | replace('<audio>', t.audio) -}}\n"
         "{%- else -%}{%- for part in message['content'] -%}\n"
         "{%- if part['type'] == 'image' -%}{{- t.image -}}\n"
         "{%- elif part['type'] == 'video' -%}{{- t.video -}}\n"
-        "{%- elif part['type'] == 'text' -%}{{- part['text'] | replace('<image>', t.image) | replace('<video>', t.video) -}}\n"
+        "{%- elif part['type'] == 'audio' -%}{{- t.audio -}}\n"
+        "{%- elif part['type'] == 'text' -%}{{- part['text'] | replace('<image>', t.image) | replace('<video>', t.video)"
+        " | replace('<audio>', t.audio) -}}\n"
         "{%- else -%}{{- raise_exception('unsupported content part ' ~ part['type']) -}}\n"
         "{%- endif -%}\n"
         "{%- endfor -%}{%- endif -%}\n"

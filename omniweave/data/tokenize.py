@@ -5,10 +5,15 @@ M-RoPE positions and media-aware truncation. Metadata only: no pixel is ever dec
     sample = proc.tokenize(raw)                              # raises SampleRejected(reason)
     pixel_values = proc.process_media(sample.media[0], raw.media[sample.media[0].part])
 
-Truncation never cuts a vision span. ``truncation: drop`` rejects an over-long sample
-(reason ``too_long``, or ``vision_span_exceeds_max_len`` when ``max_len`` falls inside a vision
-block); ``drop_turns`` drops trailing turns so the sample ends with the last complete assistant
-turn that fits, keeping at least one, and sets ``truncated=True``.
+Audio (``<audio>``, recipe section ``data.audio``) is planned from the header too: the clip's
+encoder items (``audio.encoder_items``: Qwen2-Audio's 30 s chunks, or the whole clip for
+Qwen2.5-Omni) each become one run of ``<|AUDIO|>`` pads, ``audio_item_tokens`` long; audio pads get
+text positions (each M-RoPE row counts on through them, as for text).
+
+Truncation never cuts a media span. ``truncation: drop`` rejects an over-long sample
+(reason ``too_long``, or ``vision_span_exceeds_max_len`` / ``audio_span_exceeds_max_len`` when
+``max_len`` falls inside a media block); ``drop_turns`` drops trailing turns so the sample ends
+with the last complete assistant turn that fits, keeping at least one, and sets ``truncated=True``.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import numpy as np
 
 from omniweave.config import DataSchema
 from omniweave.data import media as M
+from omniweave.data.audio import AudioConfig, AudioPlan, audio_items, plan_audio, probe_audio
 from omniweave.data.rope_index import ROPE_KINDS, position_ids
-from omniweave.data.sample import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MediaSpan, Message, RawSample, TokenizedSample
+from omniweave.data.sample import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MediaSpan, Message,
+                                   RawSample, TokenizedSample)
 from omniweave.data.template import IGNORE_INDEX, LOSS_ROLES, encode_conversation, load_template
 from omniweave.data.tokenizer import load_tokenizer
 
@@ -49,10 +56,16 @@ def _plain(cfg) -> dict:
     return dict(cfg)
 
 
+MEDIA_KINDS = ("image", "video", "audio")
+PLACEHOLDERS = {"image": IMAGE_PLACEHOLDER, "video": VIDEO_PLACEHOLDER, "audio": AUDIO_PLACEHOLDER}
+
+
 def overflow_reason(spans: list[MediaSpan], max_len: int) -> str:
     """Why a sample longer than max_len cannot simply be cut there."""
-    cuts_vision = any(s.start <= max_len <= s.end for s in spans)
-    return "vision_span_exceeds_max_len" if cuts_vision else "too_long"
+    cut = next((s for s in spans if s.start <= max_len <= s.end), None)
+    if cut is None:
+        return "too_long"
+    return "audio_span_exceeds_max_len" if cut.kind == "audio" else "vision_span_exceeds_max_len"
 
 
 class SampleProcessor:
@@ -61,6 +74,7 @@ class SampleProcessor:
         self.tokenizer = load_tokenizer(cfg["tokenizer"])
         self.template = load_template(cfg["template"])
         self.vision = M.VisionConfig.from_mapping(_plain(cfg.get("vision")))
+        self.audio = AudioConfig.from_mapping(_plain(cfg.get("audio")))
         self.max_len = int(cfg["max_len"])
         self.truncation = str(cfg["truncation"])
         self.rope = str(cfg["rope"])
@@ -72,6 +86,9 @@ class SampleProcessor:
             raise ValueError(f"data.max_len must be positive, got {self.max_len}")
         self.image_pad_id = self.tokenizer.token_id(self.template.image_pad)
         self.video_pad_id = self.tokenizer.token_id(self.template.video_pad)
+        # a tokenizer without audio tokens still serves image / video / text data
+        has_audio = self.tokenizer.has_token(self.template.audio_pad)
+        self.audio_pad_id = self.tokenizer.token_id(self.template.audio_pad) if has_audio else None
         if self.rope == "mrope_qwen3vl":  # video timestamps: each temporal patch in its own vision block
             self.vision_start_id = self.tokenizer.token_id("<|vision_start|>")
             self.vision_end_id = self.tokenizer.token_id("<|vision_end|>")
@@ -84,6 +101,7 @@ class SampleProcessor:
             "tokenizer_sha256": self.tokenizer.sha256(),
             "template": self.template.spec(),
             "vision": self.vision.spec(),
+            "audio": self.audio.spec(),
             "max_len": self.max_len,
             "rope": self.rope,
             "truncation": self.truncation,
@@ -91,10 +109,12 @@ class SampleProcessor:
 
     # ------------------------------------------------------------------ metadata-only path
 
-    def plan_media(self, kind: str, data: bytes) -> M.MediaPlan:
-        """Grid / resize / frames of one media item from its header."""
+    def plan_media(self, kind: str, data: bytes) -> M.MediaPlan | AudioPlan:
+        """Grid / resize / frames of one image or video, or the encoder items of a clip, from its header."""
         if kind == "image":
             return M.plan_image(M.probe_image(data), self.vision)
+        if kind == "audio":
+            return plan_audio(probe_audio(data), self.audio)
         return M.plan_video(M.probe_video(data), self.vision)
 
     def tokenize(self, raw: RawSample) -> TokenizedSample:
@@ -124,8 +144,8 @@ class SampleProcessor:
 
     def _plan_all(self, raw: RawSample) -> dict:
         conv = raw.conversation
-        plans = {"image": [], "video": []}
-        for kind, parts in (("image", conv.images), ("video", conv.videos)):
+        plans = {kind: [] for kind in MEDIA_KINDS}
+        for kind, parts in (("image", conv.images), ("video", conv.videos), ("audio", conv.audios)):
             for part in parts:
                 if part not in raw.media:
                     raise SampleRejected("missing_media", f"{kind} part {part!r} not in the sample")
@@ -139,17 +159,20 @@ class SampleProcessor:
         """Render, tokenize, and expand each media pad token to the item's token count."""
         ids, labels, rendered, _ = encode_conversation(self.template, self.tokenizer, messages, add_generation_prompt)
         kinds = rendered.media_kinds
-        if kinds.count("image") != len(plans["image"]) or kinds.count("video") != len(plans["video"]):
+        if any(kinds.count(k) != len(plans[k]) for k in MEDIA_KINDS):
             raise SampleRejected(
                 "media_count_mismatch",
-                f"{kinds.count('image')} <image>/{kinds.count('video')} <video> placeholders for "
-                f"{len(plans['image'])} images/{len(plans['video'])} videos",
+                "/".join(f"{kinds.count(k)} {PLACEHOLDERS[k]}" for k in MEDIA_KINDS) + " placeholders for "
+                + "/".join(f"{len(plans[k])} {k}s" for k in MEDIA_KINDS),
             )
-        pad_at = np.flatnonzero((ids == self.image_pad_id) | (ids == self.video_pad_id))
-        pad_kinds = ["image" if ids[i] == self.image_pad_id else "video" for i in pad_at]
+        if "audio" in kinds and self.audio_pad_id is None:
+            raise SampleRejected("no_audio_token", f"the tokenizer has no {self.template.audio_pad!r} token")
+        pad_ids = {self.image_pad_id: "image", self.video_pad_id: "video", self.audio_pad_id: "audio"}
+        pad_at = np.flatnonzero(np.isin(ids, [i for i in pad_ids if i is not None]))
+        pad_kinds = [pad_ids[int(ids[i])] for i in pad_at]
         if pad_kinds != kinds:  # e.g. a literal <|image_pad|> typed in the text
             raise SampleRejected("placeholder_mismatch", f"pad tokens {pad_kinds} != placeholders {kinds}")
-        next_item = {"image": iter(plans["image"]), "video": iter(plans["video"])}
+        next_item = {kind: iter(plans[kind]) for kind in MEDIA_KINDS}
         ordered = [next(next_item[k]) for k in kinds]  # (part, plan) in reading order
         id_parts, label_parts, spans = [], [], []
         cursor, out_len = 0, 0  # next original token to copy; tokens written so far
@@ -159,12 +182,7 @@ class SampleProcessor:
             out_len += i - cursor
             tokens, runs = self._media_tokens(plan, int(ids[i]))
             runs = [(out_len + start, n) for start, n in runs]
-            spans.append(MediaSpan(
-                kind=plan.kind, part=part, grid_thw=tuple(plan.grid_thw), resized_hw=tuple(plan.resized_hw),
-                start=runs[0][0], length=sum(n for _, n in runs),
-                frame_indices=list(plan.frame_indices) if plan.frame_indices is not None else None,
-                second_per_grid=plan.second_per_grid, pieces=runs if len(runs) > 1 else None,
-            ))  # fmt: skip
+            spans.append(_span(plan, part, runs))
             id_parts.append(tokens.astype(ids.dtype))
             label_parts.append(np.full(len(tokens), IGNORE_INDEX, dtype=labels.dtype))  # media tokens carry no loss
             out_len += len(tokens)
@@ -174,11 +192,15 @@ class SampleProcessor:
         pos = position_ids(self.rope, len(input_ids), spans, self.vision.merge_size, self.vision.tokens_per_second)
         return TokenizedSample(id=sample_id, input_ids=input_ids, labels=label_ids, position_ids=pos, media=spans)
 
-    def _media_tokens(self, plan: M.MediaPlan, pad_id: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    def _media_tokens(self, plan: M.MediaPlan | AudioPlan, pad_id: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """What one media pad token becomes, and the (start, length) runs of pads in it: the pad
-        repeated once per feature; with ``rope: mrope_qwen3vl`` a video is, per temporal patch,
-        ``<{t:.1f} seconds>`` + vision_start + pads + vision_end (transformers' Qwen3VLProcessor,
-        which keeps the template's own vision_start / vision_end around the whole video)."""
+        repeated once per feature (audio: one run per encoder item, back to back); with ``rope:
+        mrope_qwen3vl`` a video is, per temporal patch, ``<{t:.1f} seconds>`` + vision_start + pads +
+        vision_end (transformers' Qwen3VLProcessor, which keeps the template's own vision_start /
+        vision_end around the whole video)."""
+        if isinstance(plan, AudioPlan):
+            starts = np.cumsum([0, *plan.item_tokens])[:-1].tolist()
+            return np.full(sum(plan.item_tokens), pad_id, dtype=np.int64), list(zip(starts, plan.item_tokens))
         n = plan.num_tokens(self.vision.merge_size)
         if self.rope != "mrope_qwen3vl" or plan.kind != "video":
             return np.full(n, pad_id, dtype=np.int64), [(0, n)]
@@ -195,14 +217,20 @@ class SampleProcessor:
         ends = [k + 1 for k, m in enumerate(messages) if m.role in LOSS_ROLES]
         for k in reversed(ends[:-1] if ends and ends[-1] == len(messages) else ends):
             kept = messages[:k]
-            n_img = sum(m.content.count(IMAGE_PLACEHOLDER) for m in kept)
-            n_vid = sum(m.content.count(VIDEO_PLACEHOLDER) for m in kept)
-            sample = self._encode(sample_id, kept, {"image": plans["image"][:n_img], "video": plans["video"][:n_vid]})
+            counts = {kind: sum(m.content.count(PLACEHOLDERS[kind]) for m in kept) for kind in MEDIA_KINDS}
+            sample = self._encode(sample_id, kept, {kind: plans[kind][:n] for kind, n in counts.items()})
             if len(sample) <= self.max_len:
                 return dataclasses.replace(sample, truncated=True)
         raise SampleRejected(overflow_reason(full.media, self.max_len), "no assistant turn fits max_len")
 
     # ------------------------------------------------------------------ full processing
+
+    def process_audio(self, span: MediaSpan, data: bytes) -> list[np.ndarray]:
+        """Decode one clip (16 kHz mono) and cut it into the encoder items its span was planned with."""
+        items = audio_items(data, self.audio, span.num_samples)
+        if len(items) != len(span.ranges()):
+            raise AssertionError(f"{span.part}: {len(items)} encoder items, planned {len(span.ranges())}")
+        return items
 
     def process_media(self, span: MediaSpan, data: bytes) -> np.ndarray:
         """Decode + resize + patchify one media item: float32 [t*h*w, 3*tp*p*p] matching span.grid_thw."""
@@ -218,3 +246,15 @@ class SampleProcessor:
                 f"{span.part}: processed grid {plan.grid_thw} ({pixel_values.shape[0]} patches) != planned {span.grid_thw}"
             )
         return pixel_values
+
+
+def _span(plan: M.MediaPlan | AudioPlan, part: str, runs: list[tuple[int, int]]) -> MediaSpan:
+    """The MediaSpan of one planned item whose pad tokens sit in ``runs`` (absolute positions)."""
+    common = dict(part=part, start=runs[0][0], length=sum(n for _, n in runs), pieces=runs if len(runs) > 1 else None)
+    if isinstance(plan, AudioPlan):  # no patch grid: zeros
+        return MediaSpan(kind="audio", grid_thw=(0, 0, 0), resized_hw=(0, 0), num_samples=plan.num_samples, **common)
+    return MediaSpan(
+        kind=plan.kind, grid_thw=tuple(plan.grid_thw), resized_hw=tuple(plan.resized_hw),
+        frame_indices=list(plan.frame_indices) if plan.frame_indices is not None else None,
+        second_per_grid=plan.second_per_grid, **common,
+    )

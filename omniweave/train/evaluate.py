@@ -1,7 +1,7 @@
 """Generation evaluation: greedy decoding batched over prompts, exact-match accuracy.
 
-The eval split is a JSONL file of OpenAI-messages rows (``messages``, ``images``, ``videos``
-relative to a media directory) that also carry the expected ``answer`` and a ``task`` name, as
+The eval split is a JSONL file of OpenAI-messages rows (``messages``, ``images``, ``videos``,
+``audios`` relative to a media directory) that also carry the expected ``answer`` and a ``task`` name, as
 ``omniweave data demo`` writes it. Each row's trailing assistant turn (if any) is removed, the
 assistant header is appended, and the model continues greedily until a stop token::
 
@@ -28,6 +28,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from omniweave.data.loader import media_batch
 from omniweave.data.sample import Conversation, Message, RawSample, TokenizedSample
 from omniweave.data.tokenize import SampleProcessor, SampleRejected
 from omniweave.rl.rollout import Prompt, SamplingParams, TorchRollout
@@ -58,14 +59,14 @@ def row_to_raw(row: dict[str, Any], media_dir: str | Path, index: int) -> RawSam
         content = t.get("content", t.get("value"))
         messages.append(Message(_ROLE_ALIASES.get(role, role), content))
     media: dict[str, bytes] = {}
-    parts: dict[str, list[str]] = {"images": [], "videos": []}
-    for key, prefix in (("images", "img"), ("videos", "vid")):
+    parts: dict[str, list[str]] = {"images": [], "videos": [], "audios": []}
+    for key, prefix in (("images", "img"), ("videos", "vid"), ("audios", "aud")):
         for i, rel in enumerate(row.get(key) or []):
             path = Path(media_dir) / rel
             name = f"{prefix}{i}{path.suffix.lower()}"
             media[name] = path.read_bytes()
             parts[key].append(name)
-    conv = Conversation(str(row.get("id", index)), messages, parts["images"], parts["videos"])
+    conv = Conversation(str(row.get("id", index)), messages, parts["images"], parts["videos"], parts["audios"])
     return RawSample(key=f"eval{index}", conversation=conv, media=media)
 
 
@@ -73,18 +74,13 @@ def prompt_batch(processor: SampleProcessor, raw: RawSample) -> dict:
     """The model batch of one generation prompt (the micro-batch contract, one document; on the
     CPU: the rollout engine packs prompts there and moves the row to the model's device)."""
     sample: TokenizedSample = processor.tokenize_prompt(raw)
-    patches = [processor.process_media(span, raw.media[span.part]) for span in sample.media]
-    width = 3 * processor.vision.temporal_patch_size * processor.vision.patch_size**2
-    pixel_values = np.concatenate(patches) if patches else np.zeros((0, width), np.float32)
     length = len(sample)
     return {
         "input_ids": torch.as_tensor(sample.input_ids, dtype=torch.long),
         "labels": torch.full((length,), -100, dtype=torch.long),
         "position_ids": torch.as_tensor(sample.position_ids, dtype=torch.long),
         "cu_seqlens": torch.tensor([0, length], dtype=torch.int32),
-        "pixel_values": torch.as_tensor(pixel_values, dtype=torch.float32),
-        "grid_thw": torch.tensor([s.grid_thw for s in sample.media], dtype=torch.long).reshape(-1, 3),
-        "media_spans": torch.tensor([r for s in sample.media for r in s.ranges()], dtype=torch.long).reshape(-1, 2),
+        **media_batch(processor, [(span, raw.media[span.part]) for span in sample.media]),
         "num_loss_tokens": 0,
     }
 

@@ -2,7 +2,9 @@
 
 A byte-level BPE (like Qwen2 / Llama-3) trained with ``tokenizers`` on a fixed built-in corpus,
 single-threaded, so the output is byte-identical on every run. It holds the ChatML / Qwen2-VL
-special tokens and the Llama-3 ones, so every built-in chat template works with it.
+special tokens and the Llama-3 ones, so every built-in chat template works with it, and the
+Qwen2-Audio / Qwen2.5-Omni audio tokens. Those were added after the others: they are appended
+after training (ids past the learned vocabulary), so every id the tokenizer had before stays.
 
     python omniweave/assets/tokenizers/make_demo_tokenizer.py [OUT_DIR]
 """
@@ -30,7 +32,13 @@ LLAMA3_SPECIAL = [
     "<|end_header_id|>",
     "<|eot_id|>",
 ]
-SPECIAL_TOKENS = QWEN_SPECIAL + LLAMA3_SPECIAL
+# appended after training (``add_special_tokens``), so no earlier id moves
+AUDIO_SPECIAL = [
+    "<|audio_bos|>",
+    "<|AUDIO|>",
+    "<|audio_eos|>",
+]
+SPECIAL_TOKENS = QWEN_SPECIAL + LLAMA3_SPECIAL + AUDIO_SPECIAL
 VOCAB_SIZE = 1024
 
 # Qwen2's pre-tokenizer split pattern (digits one by one, letters grouped, newlines grouped).
@@ -77,11 +85,12 @@ def build(out_dir: Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=QWEN_SPECIAL + LLAMA3_SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.add_special_tokens(AUDIO_SPECIAL)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     config = {
