@@ -15,7 +15,7 @@ from omniweave.models.registry import build_component, build_config
 AUDIO = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=72, d_model=40)
 TEXT = dict(vocab_size=1024, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-AUDIO_TOKEN = 1000  # inside the tiny vocabulary
+AUDIO_TOKEN = 693  # the demo tokenizer's <|AUDIO|> (692 / 694: <|audio_bos|> / <|audio_eos|>)
 
 
 def tiny_qwen2_audio(seed: int = 0) -> Qwen2AudioForConditionalGeneration:
@@ -128,7 +128,7 @@ def test_wrong_parts_and_unknown_tensors_raise():
 
 # ----------------------------------------------------------------------------- whole-model parity
 
-AUDIO_BOS, AUDIO_EOS = 1001, 1002
+AUDIO_BOS, AUDIO_EOS = 692, 694
 CLIP_SECONDS = (2.37, 7.0)
 
 
@@ -140,7 +140,7 @@ def audio_sample(seed: int = 0, text: int = 6) -> dict:
     from tests.audio_factory import signal
 
     g = torch.Generator().manual_seed(seed)
-    rand = lambda n: torch.randint(10, 900, (n,), generator=g)  # noqa: E731
+    rand = lambda n: torch.randint(10, 600, (n,), generator=g)  # noqa: E731
     clips = [torch.from_numpy(signal(s, SAMPLE_RATE, 1, seed=seed + i)[0]) for i, s in enumerate(CLIP_SECONDS)]
     mel = log_mel(clips, n_mels=128)
     ids, spans = [rand(text)], []
@@ -204,7 +204,7 @@ def test_a_row_without_audio_runs_the_dummy_item_and_equals_transformers(saved, 
     """No audio in the row: the tower still runs (FSDP collectives) and changes nothing."""
     hf, _ = saved
     model, _ = ours
-    ids = torch.randint(10, 900, (17,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(10, 600, (17,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = hf(input_ids=ids[None]).logits[0]
         got = model.logits({"input_ids": ids})
@@ -227,8 +227,9 @@ def test_export_writes_what_transformers_loads_back_identically(saved, ours, tmp
 
 
 def test_hf_verify_audio_files_and_perturbed_weights(saved, tmp_path, monkeypatch, capsys):
-    """``omniweave hf verify DIR --audio FILE``: a 35 s wav (two encoder items) and a 2 s mp3 agree
-    on token counts from headers, mel features and logits; a perturbed projector fails."""
+    """``omniweave hf verify DIR --audio FILE``: a conversation with a 35 s wav (two encoder items)
+    and a 2 s mp3 through our data pipeline agrees with transformers on token counts planned from
+    headers, mel features, positions and logits; a perturbed projector fails."""
     from omniweave.cli import main
     from omniweave.models.hf import verify_audio
     from tests.audio_factory import encode, signal
@@ -240,8 +241,8 @@ def test_hf_verify_audio_files_and_perturbed_weights(saved, tmp_path, monkeypatc
         (tmp_path / name).write_bytes(encode(signal(seconds, rate, 2, seed=len(files)), rate, fmt))
     assert main(["hf", "verify", str(path), *files]) == 0
     out = capsys.readouterr().out
-    assert "from headers" in out and "OK" in out
-    assert out.count(", ") >= 2  # three encoder items: the 35 s clip is two
+    assert "planned from headers" in out and "OK: all differences" in out
+    assert "[3, 128, 3000]" in out  # three encoder items: the 35 s clip is two
 
     real_load = verify_audio.load_hf
 
@@ -257,24 +258,9 @@ def test_hf_verify_audio_files_and_perturbed_weights(saved, tmp_path, monkeypatc
     assert main(["hf", "verify", str(path), "--image", "x.png"]) == 2
 
 
-def _audio_tokenizer(path):
-    """The demo tokenizer with Qwen2-Audio's three audio special tokens added."""
-    import shutil
-
-    from tokenizers import AddedToken, Tokenizer
-
-    from omniweave.data.tokenizer import resolve_tokenizer_dir
-
-    demo = resolve_tokenizer_dir("demo")
-    shutil.copytree(demo, path)
-    tok = Tokenizer.from_file(str(demo / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")])
-    tok.save(str(path / "tokenizer.json"))
-    return path, tok.token_to_id("<|AUDIO|>")
-
-
 def test_export_with_its_recipe_is_a_whole_qwen2_audio_directory(ours, tmp_path):
-    """With the recipe's data section: the audio token id comes from its tokenizer, and
+    """With the recipe's data section: the audio token id comes from its tokenizer (the demo
+    tokenizer's <|AUDIO|>), and
     AutoProcessor loads Qwen2AudioProcessor whose features equal ours (data/mel.log_mel)."""
     import json
 
@@ -285,9 +271,9 @@ def test_export_with_its_recipe_is_a_whole_qwen2_audio_directory(ours, tmp_path)
     from tests.audio_factory import signal
 
     model, model_cfg = ours
-    tok_dir, audio_id = _audio_tokenizer(tmp_path / "tok")
-    out = export_hf(model, model_cfg, tmp_path / "hf", data_cfg={"tokenizer": str(tok_dir), "template": "chatml"})
-    assert json.loads((out / "config.json").read_text())["audio_token_index"] == audio_id
+    out = export_hf(model, model_cfg, tmp_path / "hf", data_cfg={"tokenizer": "demo", "template": "chatml"})
+    audio_id = json.loads((out / "config.json").read_text())["audio_token_index"]
+    assert audio_id == AUDIO_TOKEN  # the demo tokenizer's <|AUDIO|>
     processor = AutoProcessor.from_pretrained(out)
     assert type(processor).__name__ == "Qwen2AudioProcessor" and processor.audio_token_id == audio_id
     clip = signal(4.2, 16000, 1, seed=5)[0]
