@@ -10,8 +10,8 @@ AvgPool(2)). Both towers share the stem and the layers:
     conv1 (k3 p1) → GELU → conv2 (k3 s2 p1) → GELU → + positions → pre-LN layers (k_proj without
     bias; fc1 → GELU → fc2) → AvgPool(2) over each item → LayerNorm
 
-``qwen2_audio``   transformers' ``Qwen2AudioEncoder``: an item is one 30 s window (3000 frames,
-                  learned-size table ``embed_positions`` of 1500 rows). The convs see the padded
+``qwen2_audio``   transformers' ``Qwen2AudioEncoder``: an item is one 30 s window (3000 frames;
+                  ``embed_positions``: 1500 rows, stored in checkpoints, never trained). The convs see the padded
                   window, because the extractor's padding frames are not zeros and the last valid
                   position reads one of them; transformers then runs all 1500 positions with the
                   padding keys masked, we run the valid positions only (varlen, one segment per
