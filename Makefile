@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install demo demo-moe demo-rl test bench clean
+.PHONY: install demo demo-moe demo-omni demo-rl test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: install
 # the demo with a Mixture-of-Experts decoder of the same active size (configs/recipes/demo_moe.yaml)
 demo-moe: install
 	$(VENV)/bin/omniweave demo --recipe demo_moe --out runs/demo_moe
+
+# the demo with an audio tower added by YAML and listening tasks in the data (configs/recipes/demo_omni.yaml)
+demo-omni: install
+	$(VENV)/bin/omniweave demo --recipe demo_omni --out runs/demo_omni
 
 demo-rl: install
 	$(VENV)/bin/omniweave demo --rl --out runs/demo_rl

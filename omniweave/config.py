@@ -150,6 +150,7 @@ class RLSchema:  # GRPO (omniweave rl; docs/rl.md)
 class DemoSchema:
     samples: int = 4000
     eval_samples: int = 200
+    audio: bool = False  # add the listening tasks (data demo --audio): for recipes with an audio_encoder
 
 
 @dataclass

@@ -1,14 +1,16 @@
 """``omniweave demo [--recipe demo] [--out DIR]``: the whole pipeline on the built-in synthetic dataset.
 
     generate (DIR/data) -> convert (DIR/raw) -> pack (DIR/packed) -> train (DIR/run)
-    -> greedy eval on the held-out split -> the same recipe with every image/video blanked
+    -> greedy eval on the held-out split -> the same recipe with every image/video/audio clip blanked
     (DIR/control/...) -> DIR/demo_report.json
 
 The demo dataset's questions can only be answered by looking at the media, so the gap between
 ``accuracy`` (model trained and evaluated with real media) and ``control_accuracy`` (same recipe,
 media replaced by flat grey files of the same size and length) measures what the model learned to
 see. Recipe: ``configs/recipes/demo.yaml`` (a tiny Qwen2.5-VL-shaped model); ``--recipe demo_moe``
-(``make demo-moe``) runs it with the Mixture-of-Experts decoder of ``configs/recipes/demo_moe.yaml``.
+(``make demo-moe``) runs it with the Mixture-of-Experts decoder of ``configs/recipes/demo_moe.yaml``,
+``--recipe demo_omni`` (``make demo-omni``) with an audio tower added by YAML and the listening
+tasks in the data (``demo.audio: true``), the audio silenced in the control.
 """
 
 from __future__ import annotations
@@ -74,8 +76,22 @@ def _blank_video(data: bytes) -> bytes:
     return buf.getvalue()
 
 
+def _blank_audio(data: bytes) -> bytes:
+    """Same sample count, rate and channels (so the same audio tokens); every sample silent."""
+    import wave
+
+    with wave.open(io.BytesIO(data)) as src:
+        params, frames = src.getparams(), src.getnframes()
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as dst:
+        dst.setparams(params)
+        dst.writeframes(b"\x00" * frames * params.sampwidth * params.nchannels)
+    return buf.getvalue()
+
+
 def blank_media_copy(src: Path, dst: Path) -> int:
-    """Copy a demo dataset folder, replacing every media file by a blank one of the same shape."""
+    """Copy a demo dataset folder, replacing every media file by a blank one of the same shape
+    (grey images and video frames, silent audio)."""
     if dst.exists():
         shutil.rmtree(dst)
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("media"))
@@ -86,7 +102,10 @@ def blank_media_copy(src: Path, dst: Path) -> int:
             target.parent.mkdir(parents=True, exist_ok=True)
             data = f.read_bytes()
             suffix = f.suffix.lower()
-            blank = _blank_image(data, suffix) if suffix in (".png", ".jpg", ".jpeg") else _blank_video(data)
+            if suffix in (".png", ".jpg", ".jpeg"):
+                blank = _blank_image(data, suffix)
+            else:
+                blank = _blank_audio(data) if suffix == ".wav" else _blank_video(data)
             target.write_bytes(blank)
             count += 1
     return count
@@ -190,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
     data_dir = out / "data"
     print(f"generating {samples} training + {eval_samples} eval samples in {data_dir}", flush=True)
-    generate(data_dir, samples=samples, eval_samples=eval_samples, seed=args.seed)
+    generate(data_dir, samples=samples, eval_samples=eval_samples, seed=args.seed, audio=bool(cfg.demo.audio))
     main = pipeline(data_dir, out, recipe, overrides, args.workers)
 
     report = {

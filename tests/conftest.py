@@ -9,3 +9,12 @@ def demo_packed(tmp_path_factory):
     from tests.train_factory import make_demo_packed
 
     return make_demo_packed(tmp_path_factory.mktemp("demo_packed"))
+
+
+@pytest.fixture(scope="session")
+def omni_packed(tmp_path_factory):
+    """The demo data with its listening tasks (``data demo --audio``), packed for ``demo_omni`` (an
+    audio tower added to the demo model): rows mix text, images, videos and audio clips."""
+    from tests.train_factory import make_demo_packed
+
+    return make_demo_packed(tmp_path_factory.mktemp("omni_packed"), samples=120, recipe="demo_omni")

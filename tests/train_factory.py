@@ -18,18 +18,22 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_LEN = 512  # small packs keep a step well under a second on CPU
 
 
-def make_demo_packed(root: Path, samples: int = 200, max_len: int = MAX_LEN) -> Path:
-    """``omniweave data demo`` -> convert -> pack (demo recipe, ``max_len`` tokens): ~18 packs."""
+def make_demo_packed(root: Path, samples: int = 200, max_len: int = MAX_LEN, recipe: str = "demo") -> Path:
+    """``omniweave data demo`` -> convert -> pack (``recipe``, ``max_len`` tokens): ~18 packs.
+    With ``recipe="demo_omni"`` the data has the listening tasks too (``data demo --audio``)."""
     root = Path(root)
-    assert cli(["data", "demo", str(root / "demo"), "--samples", str(samples), "--eval-samples", "8"]) == 0
-    return pack_jsonl(root / "demo" / "train.jsonl", root / "demo" / "media", root, max_len)
+    audio = ["--audio"] if recipe == "demo_omni" else []
+    assert cli(["data", "demo", str(root / "demo"), "--samples", str(samples), "--eval-samples", "8", *audio]) == 0
+    return pack_jsonl(root / "demo" / "train.jsonl", root / "demo" / "media", root, max_len, "--recipe", recipe)
 
 
 def pack_jsonl(jsonl: Path, media: Path, root: Path, max_len: int = MAX_LEN, *extra: str) -> Path:
+    """convert + pack (the demo recipe unless ``extra`` names another with ``--recipe``)."""
     raw, packed = Path(root) / "raw", Path(root) / "packed"
     assert cli(["data", "convert", "--input", str(jsonl), "--media-dir", str(media), "--output", str(raw),
                 "--workers", "1"]) == 0
-    assert cli(["data", "pack", "--input", str(raw), "--output", str(packed), "--recipe", "demo",
+    recipe = [] if "--recipe" in extra else ["--recipe", "demo"]
+    assert cli(["data", "pack", "--input", str(raw), "--output", str(packed), *recipe,
                 "--max-len", str(max_len), "--workers", "1", *extra]) == 0
     return packed
 

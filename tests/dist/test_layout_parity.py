@@ -29,12 +29,15 @@ GRAD_RTOL = 1e-5  # per parameter: max |g_cp - g_1| / max |g_1|
 
 
 def _rows(packed: str, n: int) -> list[dict]:
-    """The n packs with the most media items (text-only, image and video documents mixed)."""
+    """The n packs with the most kinds of media, then the most items (text-only, image, video and
+    audio documents mixed; the demo_omni packs have no row with all three)."""
     from omniweave.data.loader import collate_pack
     from omniweave.data.packed import PackedDataset
 
     ds = PackedDataset(packed)
-    order = sorted(range(len(ds)), key=lambda i: (-len(ds.record(i)["media"]), i))[:n]
+    kinds = [{m["kind"] for m in ds.record(i)["media"]} for i in range(len(ds))]
+    # audio first among equals: the demo packs audio with images only, and dp 1 layouts take row 0
+    order = sorted(range(len(ds)), key=lambda i: (-len(kinds[i]), "audio" not in kinds[i], -len(ds.record(i)["media"]), i))[:n]
     return [collate_pack(ds[i], ds.manifest["data_cfg"]) for i in order]
 
 
@@ -75,9 +78,10 @@ def _cfg(layout: Layout, recipe: str = "demo"):
     from omniweave.config import load_recipe
 
     dp, cp, mode, uly, vs, tp, tp_enc = layout
+    encoders = ["image_encoder", "audio_encoder"] if recipe == "demo_omni" else ["image_encoder"]
     return load_recipe(recipe, [f"parallel.cp={cp}", f"parallel.cp_attention={mode}", f"parallel.cp_ulysses={uly}",
                                 f"parallel.vision_split={str(vs).lower()}", f"model.foundation.tp={tp}",
-                                f"model.image_encoder.tp={tp_enc}"])
+                                *(f"model.{e}.tp={tp_enc}" for e in encoders)])
 
 
 def _body(rank: int, world: int, packed: str, layouts: list[Layout] | None = None, recipe: str = "demo") -> list[dict]:
@@ -116,6 +120,9 @@ def _body(rank: int, world: int, packed: str, layouts: list[Layout] | None = Non
         results.append({"layout": layout, "loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst,
                         "view_warnings": [str(w.message) for w in caught if "returned a view" in str(w.message)],
                         "encoder_fsdp": isinstance(model.image_encoder, FSDPModule),
+                        "audio_items": int(row["audio_lengths"].numel()) if "audio_lengths" in row else 0,
+                        "audio_grad": max((float(g.abs().max()) for k, g in ref_grads.items() if k.startswith("audio_encoder.")),
+                                          default=0.0),
                         "imported_from": omniweave.__file__})
     return results
 
@@ -151,3 +158,16 @@ def test_mla_foundation_in_every_cp_mode(demo_packed):
     Ulysses modes at CP = 2 on the demo packs (M-RoPE rows reach the rope dims as row 0)."""
     layouts = [(1, 2, m, 1, False, 1, 1) for m in ("ring", "allgather", "ulysses")]
     _check(run_ranks(_body, 2, str(demo_packed), layouts, "tiny_deepseek_v3_vl", timeout=300))
+
+
+def test_audio_tower_layouts_match_single_process(omni_packed):
+    """demo_omni (the demo model + a Qwen2-Audio tower, rows with images, videos and audio clips):
+    dp 2, CP 2 with the audio split (each rank encodes its clips, features all-gathered) and
+    without, foundation + encoders at tp 2 (the audio tower's TP plan), foundation tp 2 over
+    encoders at tp 1 (the encoders' tp replicas split the media): loss and every gradient equal
+    to one process within 1e-5."""
+    layouts = [(2, 1, "ring", 1, True, 1, 1), (1, 2, "ring", 1, True, 1, 1), (1, 2, "allgather", 1, False, 1, 1),
+               (1, 1, "ring", 1, True, 2, 2), (1, 1, "ring", 1, True, 2, 1)]
+    results = run_ranks(_body, 2, str(omni_packed), layouts, "demo_omni", timeout=600)
+    assert all(r["audio_items"] and r["audio_grad"] > 0 for rank_results in results for r in rank_results)
+    _check(results)
