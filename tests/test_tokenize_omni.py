@@ -13,6 +13,7 @@ placeholder replaced by the processor's own ``replace_image_token`` / ``replace_
 
 from __future__ import annotations
 
+import json
 import re
 from functools import partial
 from types import SimpleNamespace
@@ -29,6 +30,7 @@ from omniweave.data.mel import log_mel
 from omniweave.data.sample import Conversation, Message, RawSample
 from omniweave.data.template import encode_conversation
 from omniweave.data.tokenize import SampleProcessor, SampleRejected
+from omniweave.data.tokenizer import load_tokenizer
 
 VISION = {"min_pixels": 28 * 28 * 2, "max_pixels": 28 * 28 * 24, "video_min_pixels": 28 * 28 * 2,
           "video_max_pixels": 28 * 28 * 4, "video_total_pixels": 28 * 28 * 400, "max_frames": 64}
@@ -226,3 +228,52 @@ def test_use_audio_in_video_needs_omni_positions_and_family():
     with pytest.raises(ValueError, match="qwen2_5_omni"):
         SampleProcessor({"tokenizer": "demo", "template": "qwen2_5_omni", "rope": "mrope_omni",
                          "audio": {"family": "qwen2_audio", "use_audio_in_video": True}})
+
+
+OMNI_RECIPE = """
+data:
+  tokenizer: demo
+  template: qwen2_5_omni
+  max_len: 4096
+  rope: mrope_omni
+  audio: {family: qwen2_5_omni, use_audio_in_video: true}
+  vision: {min_pixels: 1568, max_pixels: 18816, video_min_pixels: 1568, video_max_pixels: 3136, max_frames: 64}
+model:
+  image_encoder: {name: whatever}
+  %s
+  foundation: {name: x}
+"""
+
+
+def test_pack_counts_silent_videos_and_loads_the_sound_track(tmp_path):
+    """Convert -> pack -> loader: a silent video is a counted ``no_audio_stream`` drop, a model
+    without an audio encoder drops every video (``no_audio_encoder``), and the packed row's
+    audio_spans are the sound track's runs."""
+    from test_audio_data import convert, sharegpt
+
+    from omniweave.cli import main
+    from omniweave.data.loader import collate_pack
+    from omniweave.data.packed import PackedDataset
+
+    rows = [sharegpt("<video>Heard?", "a tone", id="av", videos=["av.mp4"]),
+            sharegpt("<video>Heard?", "nothing", id="silent", videos=["silent.mp4"]),
+            sharegpt("2+2?", "4", id="txt")]  # fmt: skip
+    convert(tmp_path, rows, av__mp4=AV_ODD, silent__mp4=SILENT)
+    got = {}
+    for name, audio_section in (("omni", "audio_encoder: {name: whatever}"), ("vision", "")):
+        (tmp_path / f"{name}.yaml").write_text(OMNI_RECIPE % audio_section)
+        out = tmp_path / f"packed-{name}"
+        assert main(["data", "pack", "--input", str(tmp_path / "raw-in"), "--output", str(out),
+                     "--recipe", str(tmp_path / f"{name}.yaml"), "--workers", "1"]) == 0  # fmt: skip
+        got[name] = json.loads((out / "stats.json").read_text()), PackedDataset(out)
+    assert got["omni"][0]["dropped"] == {"no_audio_stream": 1} and got["omni"][0]["samples_packed"] == 2
+    assert got["vision"][0]["dropped"] == {"no_audio_encoder": 2} and got["vision"][0]["samples_packed"] == 1
+    stats, ds = got["omni"]
+    (pack,) = [ds[k] for k in range(len(ds)) if any(m["kind"] == "audio" for m in ds[k]["media"])]
+    (sound,) = [m for m in pack["media"] if m["kind"] == "audio"]
+    batch = collate_pack(pack, ds.manifest["data_cfg"])
+    assert batch["audio_spans"].tolist() == [list(p) for p in sound["pieces"]] and len(sound["pieces"]) == 2
+    assert batch["audio_lengths"].tolist() == [qwen2_5_omni_frames(sound["num_samples"])]
+    audio_pad = load_tokenizer("demo").token_id("<|AUDIO|>")
+    assert all((batch["input_ids"][s : s + n] == audio_pad).all() for s, n in sound["pieces"])
+    assert int((batch["input_ids"] == audio_pad).sum()) == int(batch["audio_spans"][:, 1].sum()) == sound["length"]
