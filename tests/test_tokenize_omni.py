@@ -42,6 +42,9 @@ AV_6S = video_with_audio_bytes(24, 4.0, 6.0, seed=3)
 AV_ODD = video_with_audio_bytes(7, 3.0, 2.6, sample_rate=16000, seed=4)
 # 5.5 s of video, 0.7 s of sound: more video chunks than audio ones
 AV_SHORT_SOUND = video_with_audio_bytes(22, 4.0, 0.7, sample_rate=44100, seed=5)
+# 42 frames at 5 fps: 16 sampled, second_per_grid 1.05, whose float32 temporal ids (…, 104, 131, …) differ
+# from int(i · (1.05 · 25)) (…, 105, …); 6.5 s of sound: the last chunk is audio, ending below the video's
+AV_FRAC = video_with_audio_bytes(42, 5.0, 6.5, seed=7)
 SILENT = video_bytes(8, fps=4.0, height=50, width=76, seed=6)
 
 
@@ -111,9 +114,10 @@ CASES = {
     "text_only": (False, dict(text="Just words, no media.")),
     "text_audio": (False, dict(text="Listen: <audio> What tone?", audios=[WAV])),
     "image_audio": (False, dict(text="<image> and <audio>: same colour?", images=[IMG], audios=[WAV])),
-    "videos_text": (False, dict(text="<video> then <video>, what moves?", videos=[AV_6S, AV_ODD])),
+    "videos_text": (False, dict(text="<video> then <video>, <video>: what moves?", videos=[AV_6S, AV_ODD, AV_FRAC])),
     "video_image_audio": (False, dict(text="<audio><video><image>", images=[IMG], videos=[SILENT], audios=[WAV])),
     "audio_in_video": (True, dict(text="<video> What is heard?", videos=[AV_6S])),
+    "audio_in_video_fractional": (True, dict(text="Hear <video>.", videos=[AV_FRAC])),
     "audio_in_videos_and_audio": (True, dict(text="<audio> <video> <image> <video>!", images=[IMG],
                                              videos=[AV_ODD, AV_SHORT_SOUND], audios=[WAV])),
 }
@@ -136,13 +140,15 @@ def test_several_documents_each_positioned_on_its_own(av):
 
 
 def test_video_temporal_ids_scale_with_second_per_grid(plain):
-    """Temporal id of patch i = int(i · second_per_grid · 25): 25 per second at 2 fps sampling; the
-    odd clip (4 of 7 frames at 3 fps) gets fractional steps truncated like the model's float32."""
-    got = plain.tokenize(sample("<video><video>", videos=[AV_6S, AV_ODD]))
+    """Temporal id of patch i = int(i · second_per_grid · 25): 25 per second at 2 fps sampling;
+    fractional steps are truncated after the model's float32 products."""
+    got = plain.tokenize(sample("<video><video><video>", videos=[AV_6S, AV_ODD, AV_FRAC]))
     for span in got.media:
         t_ids = sorted(set(got.position_ids[0, span.start:span.end].tolist()))
         assert t_ids[0] == got.position_ids[0, span.start - 1] + 1  # bos, then the block
-    six, odd = got.media
+    six, odd, frac = got.media
+    assert sorted(set(got.position_ids[0, frac.start:frac.end] - got.position_ids[0, frac.start])) == [
+        0, 26, 52, 78, 104, 131, 157, 183]  # float32 (i · 1.05) · 25, truncated: not 105 at i = 4
     assert six.second_per_grid == 1.0 and six.grid_thw[0] == 6
     assert got.position_ids[0, six.start:six.end][::2].tolist() == [s + got.position_ids[0, six.start] for s in (0, 25, 50, 75, 100, 125)]
     assert abs(odd.second_per_grid - 2 / (4 / 7 * 3)) < 1e-9
@@ -184,7 +190,8 @@ def hf_media_text(proc: SampleProcessor, raw: RawSample, got) -> str:
     return "".join(out)
 
 
-@pytest.mark.parametrize("name", ["image_audio", "audio_in_video", "audio_in_videos_and_audio"])
+@pytest.mark.parametrize("name", ["image_audio", "audio_in_video", "audio_in_video_fractional",
+                                  "audio_in_videos_and_audio"])
 def test_tokens_equal_the_qwen2_5_omni_processor_text(plain, av, name):
     use_av, kwargs = CASES[name]
     proc = av if use_av else plain
