@@ -133,6 +133,10 @@ def omni_position_ids(length: int, media: list[MediaSpan], merge_size: int, posi
 
     A video's sound track is the audio span with the video's ``part``; the two together fill the
     block from the first run of either to the last. Audio on its own is text-like (1-D, counting on).
+    Inside that block positions follow the thinker's own chunking (float32, truncated temporal ids)
+    in token order, as transformers does without looking at which pad sits where; the processor's
+    layout (float64 ids, ``tokenize``) agrees with it unless an id lies within float32 rounding of
+    a chunk boundary.
     """
     pos = np.empty((3, length), dtype=np.int64)
     state = {"next": 0, "text_from": 0}  # next position; first token not yet positioned
