@@ -60,7 +60,7 @@ def _audio_schema():
     """``data.audio``: the fields of ``audio.AudioConfig`` with its defaults."""
     from omniweave.data.audio import AudioConfig
 
-    types = {"int": int, "float": float, "str": str}
+    types = {"int": int, "float": float, "str": str, "bool": bool}
     return make_dataclass("AudioSchema", [(f.name, types[str(f.type)], field(default=f.default))
                                           for f in fields(AudioConfig)])
 

@@ -49,3 +49,33 @@ def encode(x: np.ndarray, sample_rate: int, fmt: str, container_options: dict | 
         for packet in stream.encode(None):
             out.mux(packet)
     return buf.getvalue()
+
+
+def video_with_audio_bytes(num_frames: int, fps: float, audio_seconds: float, sample_rate: int = 22050,
+                           height: int = 64, width: int = 96, seed: int = 0, audio: bool = True) -> bytes:
+    """An mp4 with an MPEG-4 Part 2 video stream (``data_factory.video_frames``) and, when ``audio``,
+    an AAC sound track of ``audio_seconds`` (stereo ``signal``): a video with its own audio."""
+    from fractions import Fraction
+
+    from data_factory import video_frames
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        video = out.add_stream("mpeg4", rate=Fraction(fps).limit_denominator(1000))
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        sound = out.add_stream("aac", rate=sample_rate, layout="stereo") if audio else None
+        for frame in video_frames(num_frames, height, width, seed):
+            for packet in video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in video.encode():
+            out.mux(packet)
+        if sound is not None:
+            x = signal(audio_seconds, sample_rate, 2, seed)
+            for i in range(0, x.shape[1], 4096):
+                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x[:, i:i + 4096]), format="fltp", layout="stereo")
+                frame.sample_rate, frame.pts = sample_rate, i
+                for packet in sound.encode(frame):
+                    out.mux(packet)
+            for packet in sound.encode(None):
+                out.mux(packet)
+    return buf.getvalue()

@@ -316,16 +316,26 @@ def audio_tokens(info: AudioInfo, family: str) -> int:
 @dataclass(frozen=True)
 class AudioConfig:
     """Audio processing parameters (a recipe's ``data.audio``): whose token rule (``family``, see
-    ``encoder_items``) and how many mel bins the encoder reads (128 for both Qwen audio models)."""
+    ``encoder_items``) and how many mel bins the encoder reads (128 for both Qwen audio models).
+
+    ``use_audio_in_video``: every video's own sound track is an audio input too (Qwen2.5-Omni,
+    ``rope: mrope_omni``), its tokens interleaved with the video's in ``seconds_per_chunk`` chunks
+    (the thinker config's ``seconds_per_chunk``)."""
 
     family: str = "qwen2_audio"
     n_mels: int = 128
+    use_audio_in_video: bool = False
+    seconds_per_chunk: int = 2
 
     def __post_init__(self):
         if self.family not in AUDIO_FAMILIES:
             raise ValueError(f"data.audio.family={self.family!r}; choose one of {AUDIO_FAMILIES}")
         if self.n_mels < 1:
             raise ValueError(f"data.audio.n_mels must be positive, got {self.n_mels}")
+        if self.seconds_per_chunk <= 0:
+            raise ValueError(f"data.audio.seconds_per_chunk must be positive, got {self.seconds_per_chunk}")
+        if self.use_audio_in_video and self.family != "qwen2_5_omni":
+            raise ValueError("data.audio.use_audio_in_video needs family: qwen2_5_omni (its interleaved layout)")
 
     @classmethod
     def from_mapping(cls, cfg: Mapping | None) -> "AudioConfig":

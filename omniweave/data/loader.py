@@ -76,8 +76,10 @@ def media_batch(proc, items: list[tuple[MediaSpan, bytes]]) -> dict:
         audio_features  float32 [A, n_mels, W] log-mel of each item padded to 30 s (or its own length
                                                when longer), W the longest; zeros past an item's own
         audio_lengths   int64 [A]              valid mel frames per item
-        audio_spans     int64 [A, 2]           (start, length) of each item's run of audio pads;
-                                               length == audio.encoder_tokens(audio_lengths[i])
+        audio_spans     int64 [S, 2]           (start, length) of each run of audio pads (S >= A): one
+                                               run per item, or several consecutive runs per item (a
+                                               video's sound track interleaved with it); an item's
+                                               runs sum to audio.encoder_tokens(audio_lengths[i])
     """
     vision = [(span, data) for span, data in items if span.kind != "audio"]
     audio = [(span, data) for span, data in items if span.kind == "audio"]
@@ -106,7 +108,8 @@ def _audio_tensors(proc, audio: list[tuple[MediaSpan, bytes]]) -> dict:
         runs += span.ranges()
     mel = log_mel(clips, n_mels=proc.audio.n_mels, padding="max_length", truncation=False)
     tokens = [encoder_tokens(int(n)) for n in mel.num_frames]
-    if tokens != [n for _, n in runs]:
+    item_ends, run_ends = np.cumsum(tokens).tolist(), set(np.cumsum([n for _, n in runs]).tolist())
+    if sum(tokens) != sum(n for _, n in runs) or not set(item_ends) <= run_ends:
         raise AssertionError(f"audio items give {tokens} encoder tokens, the row holds pad runs {[n for _, n in runs]}")
     return {"audio_features": mel.features, "audio_lengths": mel.num_frames.to(torch.int64),
             "audio_spans": torch.tensor(runs, dtype=torch.int64).reshape(-1, 2)}

@@ -57,6 +57,7 @@ class VisionConfig:
     min_frames: int = 4
     max_frames: int = 768
     tokens_per_second: float = 2.0  # Qwen2.5-VL temporal position scale
+    position_id_per_seconds: int = 25  # Qwen2.5-Omni (rope: mrope_omni): temporal positions per second
     image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
     image_std: tuple[float, ...] = OPENAI_CLIP_STD
 

@@ -132,7 +132,8 @@ def _tokenize(raw) -> tuple:
     from omniweave.data.tokenize import SampleRejected
 
     conv, allowed = raw.conversation, _W["media_kinds"]
-    for kind, items in (("image", conv.images), ("video", conv.videos), ("audio", conv.audios)):
+    heard = conv.videos if _W["proc"].audio.use_audio_in_video else []  # a video's sound track is audio too
+    for kind, items in (("image", conv.images), ("video", conv.videos), ("audio", [*conv.audios, *heard])):
         if items and allowed is not None and kind not in allowed:
             raise SampleRejected(DROP_REASONS[kind], f"{len(items)} {kind} item(s); the model has no encoder for them")
     if _W["kind"] == KIND_PROMPTS:
@@ -160,7 +161,8 @@ def _scan_range(bounds: tuple[int, int]) -> tuple[dict, dict]:
         rows.append((i, len(s), len(s.media), sum(m.length for m in s.media if m.kind != "audio"),
                      sum(m.kind == "image" for m in s.media), sum(m.kind == "video" for m in s.media), len(audio),
                      sum(m.length for m in audio), sum(m.num_samples for m in audio),
-                     sum(len(raw.media[m.part]) for m in audio), int(s.truncated), int((s.labels != -100).sum())))
+                     sum(len(raw.media[m.part]) for m in audio if m.part not in raw.conversation.videos),  # a video's sound: its bytes are the video's
+                     int(s.truncated), int((s.labels != -100).sum())))
     arr = np.asarray(rows, dtype=np.int64).reshape(-1, len(SCAN_FIELDS))
     return {f: arr[:, k] for k, f in enumerate(SCAN_FIELDS)}, rejects
 

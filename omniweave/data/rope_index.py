@@ -8,7 +8,16 @@ M-RoPE gives every token three coordinates (temporal, height, width):
   multiplied in float32 and truncated, as the model does with its float32 tensor.
 
 Audio spans are not vision blocks: their pad tokens take text positions (all three coordinates
-equal, counting on), as Qwen2-Audio does with 1-D positions. (Qwen2.5-Omni's TMRoPE is not here.)
+equal, counting on), as Qwen2-Audio does with 1-D positions.
+
+Qwen2.5-Omni's TMRoPE (``mrope_omni``, ``omni_position_ids``) differs from the VL rules in three
+ways: time is measured in ``position_id_per_seconds`` (25) positions per second -- an image's
+temporal id is 0, a video's ``int(float32(i · second_per_grid) · 25)`` for temporal patch i; every
+token after a block continues at the block's maximum (over all three axes) + 1; and a video whose
+sound track is an audio input (``use_audio_in_video``) is one block whose video and audio parts
+start at the same position and are cut into ``seconds_per_chunk`` chunks emitted alternately,
+video chunk first, with its two bos tokens (``<|vision_bos|><|audio_bos|>``) sharing one position
+and its two eos tokens too.
 
 Qwen3-VL (``mrope_qwen3vl``) writes a timestamp before each temporal patch of a video, so each
 run of its pad tokens (``MediaSpan.ranges()``) is a block of its own with grid (1, h, w): the
@@ -29,7 +38,7 @@ import numpy as np
 
 from omniweave.data.sample import MediaSpan
 
-ROPE_KINDS = ("mrope", "mrope_qwen25", "mrope_qwen3vl", "rope1d")
+ROPE_KINDS = ("mrope", "mrope_qwen25", "mrope_qwen3vl", "mrope_omni", "rope1d")
 
 
 def vision_block_positions(
@@ -85,10 +94,100 @@ def split_pieces(media: list[MediaSpan]) -> list[MediaSpan]:
     return out
 
 
+def chunk_bounds(values: np.ndarray, tokens_per_chunk: int) -> list[tuple[int, int]]:
+    """(start, end) slices of a non-decreasing sequence of temporal ids: a new chunk starts at the
+    first id >= k · tokens_per_chunk, k = 1, 2, …, one k per token (so an id that jumps over several
+    thresholds opens them on consecutive tokens) -- ``get_chunked_index`` of transformers' Qwen2.5-Omni
+    model and processor, step for step."""
+    bounds, start, chunk = [], 0, 1
+    for i, value in enumerate(values.tolist()):
+        if value >= chunk * tokens_per_chunk:
+            bounds.append((start, i))
+            start, chunk = i, chunk + 1
+    return bounds + [(start, len(values))]
+
+
+def omni_video_temporal(t: int, second_per_grid: float, position_id_per_seconds: int) -> np.ndarray:
+    """int64 [t]: temporal ids of a video's patches as the thinker computes them (float32 product, truncated)."""
+    scaled = np.arange(t, dtype=np.float32) * np.float32(second_per_grid) * np.float32(position_id_per_seconds)
+    return scaled.astype(np.int64)
+
+
+def _omni_block(span: MediaSpan, start: int, merge_size: int, position_id_per_seconds: int) -> np.ndarray:
+    """int64 [3, n]: one image / video block of TMRoPE starting at ``start``."""
+    t, h, w = span.grid_thw[0], span.grid_thw[1] // merge_size, span.grid_thw[2] // merge_size
+    if span.kind == "video":
+        temporal = omni_video_temporal(t, span.second_per_grid, position_id_per_seconds)
+    else:
+        temporal = np.arange(t, dtype=np.int64) * position_id_per_seconds
+    pos = np.empty((3, t, h, w), dtype=np.int64)
+    pos[0], pos[1], pos[2] = temporal[:, None, None], np.arange(h)[None, :, None], np.arange(w)[None, None, :]
+    if t * h * w != span.length:
+        raise ValueError(f"media span of {span.length} tokens does not match grid {span.grid_thw}")
+    return pos.reshape(3, -1) + start
+
+
+def omni_position_ids(length: int, media: list[MediaSpan], merge_size: int, position_id_per_seconds: int = 25,
+                      seconds_per_chunk: int = 2) -> np.ndarray:
+    """int32 [3, L]: Qwen2.5-Omni thinker's ``get_rope_index`` (TMRoPE) from the spans alone.
+
+    A video's sound track is the audio span with the video's ``part``; the two together fill the
+    block from the first run of either to the last. Audio on its own is text-like (1-D, counting on).
+    Inside that block positions follow the thinker's own chunking (float32, truncated temporal ids)
+    in token order, as transformers does without looking at which pad sits where; the processor's
+    layout (float64 ids, ``tokenize``) agrees with it unless an id lies within float32 rounding of
+    a chunk boundary.
+    """
+    pos = np.empty((3, length), dtype=np.int64)
+    state = {"next": 0, "text_from": 0}  # next position; first token not yet positioned
+
+    def text(upto: int) -> None:
+        n = upto - state["text_from"]
+        pos[:, state["text_from"]:upto] = np.arange(n) + state["next"]
+        state["next"] += n
+        state["text_from"] = upto
+
+    sound = {s.part: s for s in media if s.kind == "audio"}
+    for span in sorted((s for s in media if s.kind != "audio"), key=lambda s: s.start):
+        audio = sound.get(span.part) if span.kind == "video" else None
+        start = min(span.start, audio.start) if audio else span.start
+        text(start)
+        if audio is None:
+            block = _omni_block(span, state["next"], merge_size, position_id_per_seconds)
+            pos[:, span.start:span.end] = block
+            state["next"], state["text_from"] = int(block.max()) + 1, span.end
+            continue
+        # <|vision_bos|><|audio_bos|>: one position; video and audio both start right after it
+        pos[:, start - 1] = pos[:, start - 2]
+        first = state["next"] - 1
+        block = _omni_block(span, first, merge_size, position_id_per_seconds)
+        sound_pos = np.broadcast_to(np.arange(audio.length) + first, (3, audio.length))
+        per_chunk = int(position_id_per_seconds * seconds_per_chunk)
+        video_chunks = chunk_bounds(block[0] - first, per_chunk)
+        audio_chunks = chunk_bounds(sound_pos[0] - first, per_chunk)
+        pieces = []
+        for j in range(max(len(video_chunks), len(audio_chunks))):
+            pieces += [block[:, a:b] for a, b in video_chunks[j:j + 1]]
+            pieces += [sound_pos[:, a:b] for a, b in audio_chunks[j:j + 1]]
+        end = max(span.end, audio.end)
+        if end - start != span.length + audio.length:
+            raise ValueError(f"video {span.part!r} and its audio do not fill one block ({start}..{end})")
+        pos[:, start:end] = np.concatenate(pieces, axis=1)
+        # <|audio_eos|><|vision_eos|>: one position, after the last chunk's maximum (as transformers does)
+        pos[:, end:end + 2] = int(pieces[-1].max()) + 1
+        state["next"], state["text_from"] = int(pieces[-1].max()) + 2, end + 2
+    text(length)
+    return pos.astype(np.int32)
+
+
 def position_ids(
-    rope: str, length: int, media: list[MediaSpan], merge_size: int, tokens_per_second: float
+    rope: str, length: int, media: list[MediaSpan], merge_size: int, tokens_per_second: float,
+    position_id_per_seconds: int = 25, seconds_per_chunk: int = 2,
 ) -> np.ndarray:
-    """int32 [3, L] for ``mrope`` / ``mrope_qwen25`` / ``mrope_qwen3vl``, int32 [1, L] for ``rope1d``."""
+    """int32 [3, L] for ``mrope`` / ``mrope_qwen25`` / ``mrope_qwen3vl`` / ``mrope_omni``, int32 [1, L]
+    for ``rope1d``."""
+    if rope == "mrope_omni":
+        return omni_position_ids(length, media, merge_size, position_id_per_seconds, seconds_per_chunk)
     media = [s for s in media if s.kind != "audio"]  # audio pads are positioned as text
     if rope == "mrope":
         return mrope_position_ids(length, media, merge_size)

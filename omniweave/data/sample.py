@@ -87,6 +87,9 @@ class MediaSpan:
     Audio items have no patch grid: ``grid_thw`` / ``resized_hw`` are zeros, ``num_samples`` is the
     clip's length at 16 kHz and ``pieces`` holds one run of pad tokens per encoder item (Qwen2-Audio
     splits audio over 30 s into chunks; each chunk is one item of the audio encoder).
+
+    A video's own sound track (``data.audio.use_audio_in_video``) is an audio span with the video's
+    ``part``; the two are interleaved in time chunks, so both spans hold one run per chunk.
     """
 
     kind: MediaKind

@@ -3,6 +3,9 @@
 A template is a handful of format strings, one per role, each holding ``{content}``::
 
     chatml     <|im_start|>user\\n{content}<|im_end|>\\n      (Qwen2 / Qwen2-VL / Qwen2.5-VL)
+    qwen2_5_omni  ChatML with Qwen2.5-Omni's system prompt and media tokens:
+               <|vision_bos|><|IMAGE|><|vision_eos|>, <|vision_bos|><|VIDEO|><|vision_eos|>,
+               <|audio_bos|><|AUDIO|><|audio_eos|> (as its processor and chat template write them)
     llama3     <|start_header_id|>user<|end_header_id|>\\n\\n{content}<|eot_id|>
     plain      {content}\\n
 
@@ -81,6 +84,10 @@ class ChatTemplate:
         return d
 
 
+# Qwen2.5-Omni's default system prompt (its model card asks for exactly this one when generating speech)
+QWEN2_5_OMNI_SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of "
+                       "perceiving auditory and visual inputs, as well as generating text and speech.")
+
 BUILTIN_TEMPLATES = {
     "chatml": ChatTemplate(
         name="chatml",
@@ -90,6 +97,20 @@ BUILTIN_TEMPLATES = {
         observation="<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n",
         function="<|im_start|>assistant\n{content}<|im_end|>\n",
         default_system="You are a helpful assistant.",
+        stop_tokens=("<|im_end|>",),
+    ),
+    "qwen2_5_omni": ChatTemplate(
+        name="qwen2_5_omni",
+        system="<|im_start|>system\n{content}<|im_end|>\n",
+        user="<|im_start|>user\n{content}<|im_end|>\n",
+        assistant="<|im_start|>assistant\n{content}<|im_end|>\n",
+        observation="<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n",
+        function="<|im_start|>assistant\n{content}<|im_end|>\n",
+        default_system=QWEN2_5_OMNI_SYSTEM,
+        image="<|vision_bos|><|IMAGE|><|vision_eos|>",
+        video="<|vision_bos|><|VIDEO|><|vision_eos|>",
+        image_pad="<|IMAGE|>",
+        video_pad="<|VIDEO|>",
         stop_tokens=("<|im_end|>",),
     ),
     "llama3": ChatTemplate(
@@ -115,7 +136,7 @@ BUILTIN_TEMPLATES = {
 
 
 def load_template(name_or_path: str | Path) -> ChatTemplate:
-    """A built-in template by name (chatml | llama3 | plain) or a YAML file of ChatTemplate fields.
+    """A built-in template by name (chatml | qwen2_5_omni | llama3 | plain) or a YAML file of ChatTemplate fields.
 
     A YAML template may name ``base: chatml`` and override only some fields.
     """

@@ -10,6 +10,13 @@ encoder items (``audio.encoder_items``: Qwen2-Audio's 30 s chunks, or the whole 
 Qwen2.5-Omni) each become one run of ``<|AUDIO|>`` pads, ``audio_item_tokens`` long; audio pads get
 text positions (each M-RoPE row counts on through them, as for text).
 
+With ``rope: mrope_omni`` and ``data.audio.use_audio_in_video``, each video's own sound track is an
+audio item too (probed from the same bytes; a video without an audio stream is rejected,
+``no_audio_stream``): its pad token becomes ``<|audio_bos|>``, the video's and the audio's pads
+interleaved in ``seconds_per_chunk`` chunks (video first), then ``<|audio_eos|>`` -- between the
+template's own vision bos / eos, as Qwen2.5-Omni's processor writes it. The video span and the audio
+span (same ``part``) each hold one run of pads per chunk (``MediaSpan.pieces``).
+
 Truncation never cuts a media span. ``truncation: drop`` rejects an over-long sample
 (reason ``too_long``, or ``vision_span_exceeds_max_len`` / ``audio_span_exceeds_max_len`` when
 ``max_len`` falls inside a media block); ``drop_turns`` drops trailing turns so the sample ends
@@ -26,7 +33,7 @@ import numpy as np
 from omniweave.config import DataSchema
 from omniweave.data import media as M
 from omniweave.data.audio import AudioConfig, AudioPlan, audio_items, plan_audio, probe_audio
-from omniweave.data.rope_index import ROPE_KINDS, position_ids
+from omniweave.data.rope_index import ROPE_KINDS, chunk_bounds, position_ids
 from omniweave.data.sample import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MediaSpan, Message,
                                    RawSample, TokenizedSample)
 from omniweave.data.template import IGNORE_INDEX, LOSS_ROLES, encode_conversation, load_template
@@ -92,6 +99,13 @@ class SampleProcessor:
         if self.rope == "mrope_qwen3vl":  # video timestamps: each temporal patch in its own vision block
             self.vision_start_id = self.tokenizer.token_id("<|vision_start|>")
             self.vision_end_id = self.tokenizer.token_id("<|vision_end|>")
+        if self.audio.use_audio_in_video:
+            if self.rope != "mrope_omni":
+                raise ValueError("data.audio.use_audio_in_video needs rope: mrope_omni (Qwen2.5-Omni's positions)")
+            bos, eos = self.template.audio.split(self.template.audio_pad)  # <|audio_bos|>, <|audio_eos|>
+            self.audio_bos_ids, self.audio_eos_ids = self.tokenizer.encode(bos), self.tokenizer.encode(eos)
+            if len(self.audio_bos_ids) != 1 or len(self.audio_eos_ids) != 1 or self.audio_pad_id is None:
+                raise ValueError(f"use_audio_in_video: template audio {self.template.audio!r} must be bos + pad + eos tokens")
 
     # ------------------------------------------------------------------ identity
 
@@ -109,13 +123,17 @@ class SampleProcessor:
 
     # ------------------------------------------------------------------ metadata-only path
 
-    def plan_media(self, kind: str, data: bytes) -> M.MediaPlan | AudioPlan:
-        """Grid / resize / frames of one image or video, or the encoder items of a clip, from its header."""
+    def plan_media(self, kind: str, data: bytes) -> M.MediaPlan | AudioPlan | VideoWithAudio:
+        """Grid / resize / frames of one image or video (with its sound track's plan under
+        ``use_audio_in_video``), or the encoder items of a clip, from its header."""
         if kind == "image":
             return M.plan_image(M.probe_image(data), self.vision)
         if kind == "audio":
             return plan_audio(probe_audio(data), self.audio)
-        return M.plan_video(M.probe_video(data), self.vision)
+        video = M.plan_video(M.probe_video(data), self.vision)
+        if self.audio.use_audio_in_video:  # no audio stream: MediaError("no_audio_stream")
+            return VideoWithAudio(video, plan_audio(probe_audio(data), self.audio))
+        return video
 
     def tokenize(self, raw: RawSample) -> TokenizedSample:
         conv = raw.conversation
@@ -180,16 +198,21 @@ class SampleProcessor:
             id_parts.append(ids[cursor:i])
             label_parts.append(labels[cursor:i])
             out_len += i - cursor
-            tokens, runs = self._media_tokens(plan, int(ids[i]))
-            runs = [(out_len + start, n) for start, n in runs]
-            spans.append(_span(plan, part, runs))
+            if isinstance(plan, VideoWithAudio):
+                tokens, video_runs, audio_runs = self._video_with_audio_tokens(plan, int(ids[i]))
+                spans += [_span(plan.video, part, [(out_len + start, n) for start, n in video_runs]),
+                          _span(plan.audio, part, [(out_len + start, n) for start, n in audio_runs])]
+            else:
+                tokens, runs = self._media_tokens(plan, int(ids[i]))
+                spans.append(_span(plan, part, [(out_len + start, n) for start, n in runs]))
             id_parts.append(tokens.astype(ids.dtype))
             label_parts.append(np.full(len(tokens), IGNORE_INDEX, dtype=labels.dtype))  # media tokens carry no loss
             out_len += len(tokens)
             cursor = i + 1
         input_ids = np.concatenate(id_parts + [ids[cursor:]])
         label_ids = np.concatenate(label_parts + [labels[cursor:]])
-        pos = position_ids(self.rope, len(input_ids), spans, self.vision.merge_size, self.vision.tokens_per_second)
+        pos = position_ids(self.rope, len(input_ids), spans, self.vision.merge_size, self.vision.tokens_per_second,
+                           self.vision.position_id_per_seconds, self.audio.seconds_per_chunk)
         return TokenizedSample(id=sample_id, input_ids=input_ids, labels=label_ids, position_ids=pos, media=spans)
 
     def _media_tokens(self, plan: M.MediaPlan | AudioPlan, pad_id: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -212,6 +235,30 @@ class SampleProcessor:
             seq += [pad_id] * per_patch + [self.vision_end_id]
         return np.asarray(seq, dtype=np.int64), runs
 
+    def _video_with_audio_tokens(self, plan: "VideoWithAudio", video_pad_id: int):
+        """``<|audio_bos|>`` + video and audio pads in alternating chunks + ``<|audio_eos|>``, and the
+        (start, length) runs of each: Qwen2.5-Omni's ``replace_video_with_audio_token``, whose chunks
+        cut the video's temporal ids ``i · second_per_grid · position_id_per_seconds`` (float64,
+        not truncated) and the audio's token indices at multiples of ``position_id_per_seconds ·
+        seconds_per_chunk``."""
+        video, sound = plan.video, plan.audio
+        t, h, w = video.grid_thw
+        per_patch = h * w // self.vision.merge_size**2
+        pps = self.vision.position_id_per_seconds
+        video_ids = np.repeat(np.arange(t) * video.second_per_grid * pps, per_patch)
+        per_chunk = int(pps * self.audio.seconds_per_chunk)
+        video_chunks = chunk_bounds(video_ids, per_chunk)
+        audio_chunks = chunk_bounds(np.arange(sum(sound.item_tokens)), per_chunk)
+        seq, video_runs, audio_runs = list(self.audio_bos_ids), [], []
+        streams = ((video_chunks, video_runs, video_pad_id), (audio_chunks, audio_runs, self.audio_pad_id))
+        for j in range(max(len(video_chunks), len(audio_chunks))):
+            for chunks, runs, pad in streams:  # video chunk j, then audio chunk j
+                if j < len(chunks):
+                    runs.append((len(seq), chunks[j][1] - chunks[j][0]))
+                    seq += [pad] * runs[-1][1]
+        seq += self.audio_eos_ids
+        return np.asarray(seq, dtype=np.int64), video_runs, audio_runs
+
     def _drop_turns(self, sample_id: str, messages: list[Message], plans: dict, full: TokenizedSample):
         """Longest message prefix ending in an assistant turn that fits max_len (≥ 1 assistant turn)."""
         ends = [k + 1 for k, m in enumerate(messages) if m.role in LOSS_ROLES]
@@ -226,11 +273,10 @@ class SampleProcessor:
     # ------------------------------------------------------------------ full processing
 
     def process_audio(self, span: MediaSpan, data: bytes) -> list[np.ndarray]:
-        """Decode one clip (16 kHz mono) and cut it into the encoder items its span was planned with."""
-        items = audio_items(data, self.audio, span.num_samples)
-        if len(items) != len(span.ranges()):
-            raise AssertionError(f"{span.part}: {len(items)} encoder items, planned {len(span.ranges())}")
-        return items
+        """Decode one clip (16 kHz mono; a video's sound track under ``use_audio_in_video``) and cut
+        it into the encoder items its span was planned with (their tokens fill the span's runs in
+        order: one run per item, or, for a video's sound, one item over several runs)."""
+        return audio_items(data, self.audio, span.num_samples)
 
     def process_media(self, span: MediaSpan, data: bytes) -> np.ndarray:
         """Decode + resize + patchify one media item: float32 [t*h*w, 3*tp*p*p] matching span.grid_thw."""
@@ -246,6 +292,14 @@ class SampleProcessor:
                 f"{span.part}: processed grid {plan.grid_thw} ({pixel_values.shape[0]} patches) != planned {span.grid_thw}"
             )
         return pixel_values
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoWithAudio:
+    """A video and its own sound track (``use_audio_in_video``): one placeholder, two media items."""
+
+    video: M.MediaPlan
+    audio: AudioPlan
 
 
 def _span(plan: M.MediaPlan | AudioPlan, part: str, runs: list[tuple[int, int]]) -> MediaSpan:

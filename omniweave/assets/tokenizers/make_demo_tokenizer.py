@@ -3,8 +3,9 @@
 A byte-level BPE (like Qwen2 / Llama-3) trained with ``tokenizers`` on a fixed built-in corpus,
 single-threaded, so the output is byte-identical on every run. It holds the ChatML / Qwen2-VL
 special tokens and the Llama-3 ones, so every built-in chat template works with it, and the
-Qwen2-Audio / Qwen2.5-Omni audio tokens. Those were added after the others: they are appended
-after training (ids past the learned vocabulary), so every id the tokenizer had before stays.
+Qwen2-Audio / Qwen2.5-Omni audio tokens, then Qwen2.5-Omni's vision tokens (``<|vision_bos|>``,
+``<|vision_eos|>``, ``<|IMAGE|>``, ``<|VIDEO|>``). Those were added after the others: they are
+appended after training (ids past the learned vocabulary), so every id the tokenizer had before stays.
 
     python omniweave/assets/tokenizers/make_demo_tokenizer.py [OUT_DIR]
 """
@@ -38,7 +39,14 @@ AUDIO_SPECIAL = [
     "<|AUDIO|>",
     "<|audio_eos|>",
 ]
-SPECIAL_TOKENS = QWEN_SPECIAL + LLAMA3_SPECIAL + AUDIO_SPECIAL
+# Qwen2.5-Omni's names for the vision tokens (its template: <|vision_bos|><|IMAGE|><|vision_eos|>)
+OMNI_SPECIAL = [
+    "<|vision_bos|>",
+    "<|vision_eos|>",
+    "<|IMAGE|>",
+    "<|VIDEO|>",
+]
+SPECIAL_TOKENS = QWEN_SPECIAL + LLAMA3_SPECIAL + AUDIO_SPECIAL + OMNI_SPECIAL
 VOCAB_SIZE = 1024
 
 # Qwen2's pre-tokenizer split pattern (digits one by one, letters grouped, newlines grouped).
@@ -91,6 +99,7 @@ def build(out_dir: Path) -> Path:
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
     tok.add_special_tokens(AUDIO_SPECIAL)
+    tok.add_special_tokens(OMNI_SPECIAL)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     config = {
