@@ -248,5 +248,15 @@ class VisionTransformer(nn.Module):
         return t.index_select(0, rows)
 
 
+class Qwen25OmniVisionTransformer(VisionTransformer):
+    """Qwen2.5-Omni's vision tower: Qwen2.5-VL's computation (its checkpoint splits ``qkv`` into
+    ``q`` / ``k`` / ``v``, which the HF adapter fuses); it exports with the Omni thinker."""
+
+    def __init__(self, cfg: Qwen25ViTConfig):
+        super().__init__(cfg)
+        self.hf_model_type = "qwen2_5_omni_thinker"
+
+
 register("image_encoder", "qwen2_vit", Qwen2ViTConfig)(VisionTransformer)
 register("image_encoder", "qwen2_5_vit", Qwen25ViTConfig)(VisionTransformer)
+register("image_encoder", "qwen2_5_omni_vit", Qwen25ViTConfig)(Qwen25OmniVisionTransformer)
