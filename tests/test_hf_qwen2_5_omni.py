@@ -201,3 +201,46 @@ def test_a_full_qwen2_5_omni_directory_loads_its_thinker_only(saved, ours, tmp_p
             p.zero_()
     load_hf_into(full, tmp_path)
     assert all(torch.equal(t, expected[n]) for n, t in full.state_dict().items())
+
+
+def test_7b_recipe_builds_on_meta_with_the_thinker_parameter_count():
+    """configs/recipes/qwen2_5_omni_7b.yaml = the Qwen2.5-Omni-7B thinker: 8,931,813,888 tensors
+    (transformers' thinker state dict on its released config; the 10.7B of the full checkpoint
+    add the talker and token2wav), rope mrope_omni (the data side's TMRoPE kind)."""
+    from omniweave.config import load_recipe
+
+    cfg = load_recipe("qwen2_5_omni_7b")
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    assert sum(t.numel() for t in model.state_dict().values()) == 8_931_813_888
+    assert model.hf_model_type() == "qwen2_5_omni_thinker"
+    assert cfg.data.rope == "mrope_omni" and cfg.data.audio.family == "qwen2_5_omni"
+
+
+def test_tiny_recipe_trains_and_exports_as_a_thinker_with_the_demo_tokenizer_ids(tmp_path):
+    """configs/recipes/tiny_qwen2_5_omni.yaml builds, a row with every modality back-propagates
+    into both towers, and the export (with the recipe's data section) is a thinker directory
+    transformers loads with the demo tokenizer's token ids and equal logits (≤ 1e-5)."""
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.models.hf.export import export_hf
+
+    cfg = to_dict(load_recipe("tiny_qwen2_5_omni"))
+    assert cfg["data"]["rope"] == "mrope_omni"
+    torch.manual_seed(0)
+    model = build_model(cfg["model"])
+    batch, theirs = omni_row(seed=2)
+    labels = batch["input_ids"].roll(-1)
+    out = model({**batch, "labels": labels})
+    out.loss_sum.backward()
+    assert torch.isfinite(out.loss_sum)
+    assert model.audio_encoder.conv1.weight.grad.abs().sum() > 0
+    assert model.image_encoder.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+    export_hf(model, cfg["model"], tmp_path, data_cfg=cfg["data"])
+    exported = json.loads((tmp_path / "config.json").read_text())
+    assert {k: exported[k] for k in IDS} == IDS  # the demo tokenizer's ids, also under *_index names
+    hf = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(tmp_path).eval()
+    pos = hf_positions(hf, theirs)
+    with torch.no_grad():
+        ref = hf(**theirs, position_ids=pos).logits[0]
+        got = model.logits({**batch, "position_ids": pos[:, 0]})
+    assert (got - ref).abs().max() <= 1e-5
