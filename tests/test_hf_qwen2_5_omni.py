@@ -184,13 +184,7 @@ def test_a_full_qwen2_5_omni_directory_loads_its_thinker_only(saved, ours, tmp_p
     token2wav ones) loads the thinker, whole (load_hf) and into a built model (load_hf_into)."""
     hf, path = saved
     model, _ = ours
-    tensors = {f"thinker.{n}": t for n, t in load_file(str(path / "model.safetensors")).items()}
-    tensors["talker.codec_head.weight"] = torch.zeros(3, 2)
-    tensors["token2wav.code2wav_dit_model.proj_out.weight"] = torch.zeros(2, 2)
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    thinker = json.loads((path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_omni", "thinker_config": thinker,
-                                                      "talker_config": {}, "token2wav_config": {}}))  # fmt: skip
+    _full_dir(path, tmp_path)
     full, _ = load_hf(tmp_path)
     assert "talker and token2wav are not loaded" in capsys.readouterr().err
     expected = model.state_dict()
@@ -244,3 +238,55 @@ def test_tiny_recipe_trains_and_exports_as_a_thinker_with_the_demo_tokenizer_ids
         ref = hf(**theirs, position_ids=pos).logits[0]
         got = model.logits({**batch, "position_ids": pos[:, 0]})
     assert (got - ref).abs().max() <= 1e-5
+
+
+def _full_dir(path, out):
+    """A full ``qwen2_5_omni`` directory around the thinker saved at ``path``: ``thinker.``
+    tensors beside talker / token2wav ones, the thinker config as ``thinker_config`` (audio output
+    off, so transformers builds the thinker alone too)."""
+    tensors = {f"thinker.{n}": t for n, t in load_file(str(path / "model.safetensors")).items()}
+    tensors["talker.codec_head.weight"] = torch.zeros(3, 2)
+    tensors["token2wav.code2wav_dit_model.proj_out.weight"] = torch.zeros(2, 2)
+    save_file(tensors, str(out / "model.safetensors"))
+    torch.save({}, out / "spk_dict.pt")  # released full directories carry their talker's speakers
+    thinker = json.loads((path / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({"model_type": "qwen2_5_omni", "architectures": ["Qwen2_5OmniModel"],
+                                                 "thinker_config": thinker, "enable_audio_output": False}))  # fmt: skip
+    return out
+
+
+def test_hf_verify_omni_with_image_video_and_audio_files(saved, tmp_path, monkeypatch, capsys):
+    """``omniweave hf verify DIR --image --video --audio``: our pipeline's audio token counts (from
+    headers) and log-mel (a 31 s clip kept whole: truncation=False) equal transformers', logits
+    agree with transformers' positions fed to both; the full-directory layout verifies too; a
+    perturbed audio tower fails."""
+    from omniweave.cli import main
+    from omniweave.models.hf import verify_omni
+    from omniweave.models.hf.verify import random_media
+    from tests.audio_factory import encode, signal
+
+    _, path = saved
+    image, video = random_media(3)
+    (tmp_path / "a.png").write_bytes(image), (tmp_path / "v.mp4").write_bytes(video)
+    (tmp_path / "short.wav").write_bytes(encode(signal(2.5, 16000, 1), 16000, "wav"))
+    (tmp_path / "long.flac").write_bytes(encode(signal(31.0, 22050, 2, seed=1), 22050, "flac"))
+    args = ["--image", str(tmp_path / "a.png"), "--video", str(tmp_path / "v.mp4"),
+            "--audio", str(tmp_path / "short.wav"), "--audio", str(tmp_path / "long.flac")]  # fmt: skip
+    assert main(["hf", "verify", str(path), *args]) == 0
+    out = capsys.readouterr().out
+    assert "planned from headers" in out and "frames [250, 3100]" in out and "OK: all differences" in out
+    (tmp_path / "full").mkdir()
+    assert main(["hf", "verify", str(_full_dir(path, tmp_path / "full")), "--audio", str(tmp_path / "short.wav")]) == 0
+    assert "OK: all differences" in capsys.readouterr().out
+
+    real_load = verify_omni.load_hf
+
+    def perturbed(hf_dir):
+        model, cfg = real_load(hf_dir)
+        with torch.no_grad():
+            model.audio_encoder.proj.weight.mul_(1.5)
+        return model, cfg
+
+    monkeypatch.setattr(verify_omni, "load_hf", perturbed)
+    assert main(["hf", "verify", str(path), "--audio", str(tmp_path / "short.wav")]) == 1
+    assert "FAIL: logits" in capsys.readouterr().out
