@@ -75,9 +75,9 @@ def test_saved_tensors_map_onto_our_parameters_and_back(saved):
 
 
 def test_config_round_trips_and_carries_the_token_ids(saved, ours):
+    """The exported config.json equals the original's token ids, time scale and the text /
+    vision / audio keys the tiny model sets."""
     model, _ = ours
-    hf_cfg = model.config.to_dict() if hasattr(model, "config") else None
-    assert hf_cfg is None  # ours is an OmniModel
     adapter = adapter_for("qwen2_5_omni_thinker")
     out = adapter.model_config_to_hf(model)
     original = saved[0].config.to_dict()

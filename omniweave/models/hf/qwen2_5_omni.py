@@ -182,21 +182,26 @@ class Qwen25OmniThinkerAdapter:
             out[f"{prefix}.qkv.{kind}"] = torch.cat([qkv["q"], qkv["k"], qkv["v"]])
         return out
 
-    def model_tensors_to_hf(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """HF (name, tensor) pairs of one of our tensors: a vision ``qkv`` split in three."""
+    def hf_names(self, name: str) -> list[str]:
+        """The HF tensors one of ours is stored as: three for a vision ``qkv`` (q, k, v), else one."""
         m = _QKV.match(name)
         if m is None:
-            return [(self.name_to_hf(name), t)]
+            return [self.name_to_hf(name)]
         prefix = self.name_to_hf(f"{m.group(1)}.q.{m.group(3)}").removesuffix(f".q.{m.group(3)}")
-        return [(f"{prefix}.{p}.{m.group(3)}", part) for p, part in zip("qkv", t.chunk(3))]
+        return [f"{prefix}.{p}.{m.group(3)}" for p in "qkv"]
+
+    def model_tensors_to_hf(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """HF (name, tensor) pairs of one of our tensors: a vision ``qkv`` split in three."""
+        names = self.hf_names(name)
+        return list(zip(names, t.chunk(3) if len(names) == 3 else [t]))
 
     def assemble(self, name: str, has: Callable[[str], bool], read: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
         """Our tensor ``name`` read whole from the checkpoint (``load_hf_into``) where it is not one
         HF tensor under the thinker's name: a fused vision ``qkv``, or any tensor of a full
         directory (``thinker.`` prefix); None otherwise."""
-        pairs = self.model_tensors_to_hf(name, torch.empty(3))  # names only
-        names = [n if has(n) else f"thinker.{n}" for n, _ in pairs]
-        if len(names) == 1 and names[0] == pairs[0][0]:
+        thinker_names = self.hf_names(name)
+        names = [n if has(n) else f"thinker.{n}" for n in thinker_names]
+        if names == thinker_names[:1]:
             return None
         missing = [n for n in names if not has(n)]
         if missing:
