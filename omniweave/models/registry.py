@@ -78,6 +78,7 @@ COMPONENT_MODULES = [
     "omniweave.models.components.audio_encoder",
     "omniweave.models.components.audio_projector",
     "omniweave.models.hf.qwen2_audio",
+    "omniweave.models.hf.qwen2_5_omni",
     "omniweave.rl.rewards",
 ]
 

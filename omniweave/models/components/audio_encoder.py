@@ -244,7 +244,7 @@ class Qwen2AudioEncoder(WhisperStyleEncoder):
 class Qwen25OmniAudioEncoder(WhisperStyleEncoder):
     """transformers' ``Qwen2_5OmniAudioEncoder`` (whole clips in 2·n_window-frame chunks); see the module doc."""
 
-    hf_model_type = "qwen2_5_omni"
+    hf_model_type = "qwen2_5_omni_thinker"  # exports as the thinker alone (hf/qwen2_5_omni.py)
 
     def __init__(self, cfg: Qwen25OmniAudioEncoderConfig):
         super().__init__(cfg)
@@ -260,8 +260,13 @@ class Qwen25OmniAudioEncoder(WhisperStyleEncoder):
 
     @torch.no_grad()
     def init_tables(self) -> None:
+        """The computed table (never in checkpoints; loading.load_hf recomputes it): positions."""
         self.positional_embedding.weight.copy_(sinusoids(*self.positional_embedding.weight.shape))
-        self.audio_bos_eos_token.weight.zero_()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        super().init_weights(std)
+        self.audio_bos_eos_token.weight.zero_()  # a checkpoint tensor, not a computed one: zero when fresh
 
     def chunks(self, audio_features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(frames [C, n_mels, chunk] zero past each chunk's end, chunk_lengths int64 [C]): every

@@ -18,6 +18,11 @@ Two families share one class; the config picks the parts:
 
 Rotary embedding is 2-D: the first half of each head's rotary frequencies encode the patch row,
 the second half its column (same frequencies, base ``rope_theta``), rotate-half layout.
+
+``qwen2_5_omni_vit`` is the Qwen2.5-Omni thinker's tower: ``qwen2_5_vit``'s computation (its HF
+checkpoint keeps ``attn.q`` / ``attn.k`` / ``attn.v`` apart; ``hf/qwen2_5_omni.py`` fuses them),
+exporting with the Omni thinker.
+
 The patch embedding is transformers' Conv3d with kernel = stride = (t, p, p), i.e. a bias-free
 linear map of the flattened patch, computed as a matmul. Parameter names equal transformers'
 ``visual.*`` names, so the HF adapters only change prefixes.
@@ -248,5 +253,15 @@ class VisionTransformer(nn.Module):
         return t.index_select(0, rows)
 
 
+class Qwen25OmniVisionTransformer(VisionTransformer):
+    """Qwen2.5-Omni's vision tower: Qwen2.5-VL's computation (its checkpoint splits ``qkv`` into
+    ``q`` / ``k`` / ``v``, which the HF adapter fuses); it exports with the Omni thinker."""
+
+    def __init__(self, cfg: Qwen25ViTConfig):
+        super().__init__(cfg)
+        self.hf_model_type = "qwen2_5_omni_thinker"
+
+
 register("image_encoder", "qwen2_vit", Qwen2ViTConfig)(VisionTransformer)
 register("image_encoder", "qwen2_5_vit", Qwen25ViTConfig)(VisionTransformer)
+register("image_encoder", "qwen2_5_omni_vit", Qwen25ViTConfig)(Qwen25OmniVisionTransformer)

@@ -24,6 +24,10 @@ from omniweave.models.hf.processor_files import write_processor_files
 from omniweave.models.registry import build_model
 
 
+# config.json keys some families spell *_index (Qwen2.5-Omni thinker): written under their own name
+_INDEX_KEYS = {"image_token_id": "image_token_index", "video_token_id": "video_token_index"}
+
+
 def hf_model_type(model: nn.Module) -> str:
     """HF model_type of a model: its own ``hf_model_type()`` or its foundation's family."""
     if hasattr(model, "hf_model_type"):
@@ -43,6 +47,7 @@ def tokenizer_hf_fields(data_cfg: dict | None) -> tuple[dict, Path | None]:
     for key, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
                        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
                        ("audio_token_index", "<|AUDIO|>"),  # Qwen2-Audio's config key (set only where cfg has it)
+                       ("audio_start_token_id", "<|audio_bos|>"), ("audio_end_token_id", "<|audio_eos|>"),  # Omni thinker
                        ("eos_token_id", tok.eos_token), ("bos_token_id", tok.bos_token), ("pad_token_id", tok.pad_token)):
         if token and tok.has_token(token):
             ids[key] = tok.token_id(token)
@@ -79,6 +84,7 @@ def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dty
     cfg.pop("torch_dtype", None)
     token_ids, tok_dir = tokenizer_hf_fields(data_cfg)
     for key, value in token_ids.items():
+        key = _INDEX_KEYS[key] if _INDEX_KEYS.get(key) in cfg else key
         if key in cfg or key.startswith(("image", "video", "vision")):
             cfg[key] = value
         if isinstance(cfg.get("text_config"), dict) and key in ("eos_token_id", "bos_token_id", "pad_token_id"):

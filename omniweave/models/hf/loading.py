@@ -100,7 +100,23 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = torch.float32, devic
     if hasattr(adapter, "model_tensors_to_ours"):  # e.g. per-expert MoE tensors stacked into 3-D ones
         tensors = adapter.model_tensors_to_ours(tensors)
     assign_state_dict(model, tensors, str(hf_dir), dtype)
+    compute_tables(model, device)
     return model, model_cfg
+
+
+@torch.no_grad()
+def compute_tables(model: nn.Module, device="cpu") -> None:
+    """Buffers no checkpoint holds (non-persistent tables computed at init, e.g. the Qwen2.5-Omni
+    audio tower's sinusoidal positions) are still on the meta device after ``assign_state_dict``:
+    allocate them and let their owner (``init_tables``) recompute them."""
+    for owner in model.modules():
+        if not hasattr(owner, "init_tables") or not any(b.is_meta for b in owner.buffers()):
+            continue
+        for m in owner.modules():
+            for name, b in list(m._buffers.items()):
+                if b is not None and b.is_meta:
+                    m._buffers[name] = torch.empty_like(b, device=device)
+        owner.init_tables()
 
 
 def _weight_files(hf_dir: Path) -> dict[str, Path]:

@@ -216,6 +216,10 @@ def verify(args) -> int:
 
     hf_dir = Path(args.hf_dir)
     hf_cfg = read_hf_config(hf_dir)
+    if hf_cfg.get("model_type") in ("qwen2_5_omni_thinker", "qwen2_5_omni"):
+        from omniweave.models.hf.verify_omni import verify_omni
+
+        return verify_omni(args, hf_dir, hf_cfg, _report)
     if "audio_config" in hf_cfg and "vision_config" not in hf_cfg:
         from omniweave.models.hf.verify_audio import verify_audio
 
