@@ -20,6 +20,33 @@ from typing import Any
 _CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype")
 
 
+class MultimodalAdapter:
+    """The whole-model interface of loading.py / export.py for an adapter of a model with encoders
+    (Qwen2-VL, Qwen2-Audio, Qwen2.5-Omni): names through its ``name_to_ours`` / ``name_to_hf``,
+    configs through ``model_config_to_ours`` / ``_config_to_hf(foundation, *component configs)``,
+    the components named by ``config_sections`` (the OmniModel attributes, in that order)."""
+
+    config_sections: tuple[str, ...] = ()
+
+    def model_config(self, hf: dict[str, Any]) -> dict[str, Any]:
+        return self.model_config_to_ours(hf)
+
+    def model_name_to_ours(self, hf_name: str) -> str | None:
+        return self.name_to_ours(hf_name)
+
+    def model_name_to_hf(self, name: str) -> str | None:
+        return self.name_to_hf(name)
+
+    def model_config_to_hf(self, model, *rest) -> dict[str, Any]:
+        """From an OmniModel, or from (foundation, *config_sections) configs."""
+        if rest:
+            return self._config_to_hf(model, *rest)
+        parts = [getattr(model, s, None) for s in self.config_sections]
+        if any(p is None for p in parts):
+            raise ValueError(f"a {self.model_type} export needs {', '.join(self.config_sections)}")
+        return self._config_to_hf(model.foundation.config, *(p.cfg for p in parts))
+
+
 def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict | None, list[int] | None]:
     """(theta, scaling, mrope_section) from a transformers 4.x (rope_theta/rope_scaling) or 5.x
     (rope_parameters) config."""

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from omniweave.models.hf.adapter import MultimodalAdapter
 from omniweave.models.hf.qwen2 import Qwen2Adapter
 from omniweave.models.hf.qwen2_5_vl import Qwen25VLAdapter
 from omniweave.models.hf.qwen2_audio import Qwen2AudioAdapter
@@ -74,9 +75,10 @@ _TO_HF = (
 )
 
 
-class Qwen25OmniThinkerAdapter:
+class Qwen25OmniThinkerAdapter(MultimodalAdapter):
     """HF ⇄ omniweave for the Qwen2.5-Omni thinker (text output; see the module doc)."""
 
+    config_sections = ("image_encoder", "projector", "audio_encoder")
     model_type = THINKER
     architecture = "Qwen2_5OmniThinkerForConditionalGeneration"
     multimodal = True
@@ -207,25 +209,6 @@ class Qwen25OmniThinkerAdapter:
         if missing:
             raise KeyError(f"{self.model_type}: the checkpoint has no {missing}")
         return torch.cat([read(n) for n in names])
-
-    # ---- the whole-model interface of loading.py / export.py ----------------------------
-    def model_config(self, hf: dict[str, Any]) -> dict[str, Any]:
-        return self.model_config_to_ours(hf)
-
-    def model_name_to_ours(self, hf_name: str) -> str | None:
-        return self.name_to_ours(hf_name)
-
-    def model_name_to_hf(self, name: str) -> str | None:
-        return self.name_to_hf(name)
-
-    def model_config_to_hf(self, model, *rest) -> dict[str, Any]:
-        """From an OmniModel, or from (foundation, image_encoder, projector, audio_encoder) configs."""
-        if rest:
-            return self._config_to_hf(model, *rest)
-        if model.image_encoder is None or model.audio_encoder is None:
-            raise ValueError(f"a {self.model_type} export needs both an image_encoder and an audio_encoder")
-        return self._config_to_hf(model.foundation.config, model.image_encoder.cfg, model.projector.cfg,
-                                  model.audio_encoder.cfg)  # fmt: skip
 
     def skip_on_export(self, model) -> set[str]:
         return {"foundation.lm_head.weight"} if model.foundation.config.tie_word_embeddings else set()

@@ -27,6 +27,7 @@ from typing import Any
 
 from omniweave.models.components.audio_encoder import Qwen25OmniAudioEncoderConfig
 from omniweave.models.components.audio_projector import LinearAudioProjectorConfig
+from omniweave.models.hf.adapter import MultimodalAdapter
 from omniweave.models.hf.qwen2 import Qwen2Adapter
 from omniweave.models.registry import register
 
@@ -50,9 +51,10 @@ _TO_HF = (
 )
 
 
-class Qwen2AudioAdapter:
+class Qwen2AudioAdapter(MultimodalAdapter):
     """HF ⇄ omniweave for Qwen2-Audio (``Qwen2AudioForConditionalGeneration``)."""
 
+    config_sections = ("audio_encoder", "audio_projector")
     model_type = "qwen2_audio"
     architecture = "Qwen2AudioForConditionalGeneration"
     encoder_model_type = "qwen2_audio_encoder"
@@ -133,22 +135,6 @@ class Qwen2AudioAdapter:
             if name.startswith(prefix):
                 return hf + name[len(prefix) :]
         raise KeyError(f"{self.model_type}: no HF name for {name!r}")
-
-    # ---- the whole-model interface of loading.py / export.py ----------------------------
-    def model_config(self, hf: dict[str, Any]) -> dict[str, Any]:
-        return self.model_config_to_ours(hf)
-
-    def model_name_to_ours(self, hf_name: str) -> str | None:
-        return self.name_to_ours(hf_name)
-
-    def model_name_to_hf(self, name: str) -> str | None:
-        return self.name_to_hf(name)
-
-    def model_config_to_hf(self, model, *rest) -> dict[str, Any]:
-        """From an OmniModel, or from (foundation, audio_encoder, audio_projector) configs."""
-        if rest:
-            return self._config_to_hf(model, *rest)
-        return self._config_to_hf(model.foundation.config, model.audio_encoder.cfg, model.audio_projector.cfg)
 
     def skip_on_export(self, model) -> set[str]:
         return set()  # the head is always written: transformers' class never ties it

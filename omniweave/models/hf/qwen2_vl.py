@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omniweave.models.hf.adapter import DecoderAdapter
+from omniweave.models.hf.adapter import DecoderAdapter, MultimodalAdapter
 from omniweave.models.hf.qwen2 import Qwen2Adapter
 from omniweave.models.registry import register
 
@@ -30,9 +30,10 @@ def _get(cfg: Any, key: str, default=None):
     return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
 
 
-class Qwen2VLAdapter:
+class Qwen2VLAdapter(MultimodalAdapter):
     """HF ⇄ omniweave for Qwen2-VL; Qwen2.5-VL subclasses it (``qwen2_5_vl.py``)."""
 
+    config_sections = ("image_encoder", "projector")
     model_type = "qwen2_vl"
     architecture = "Qwen2VLForConditionalGeneration"
     text_model_type = "qwen2_vl_text"
@@ -150,22 +151,6 @@ class Qwen2VLAdapter:
             return self.text.name_to_hf(name[len("foundation.") :])
         raise KeyError(f"{self.model_type}: no HF name for {name!r}")
 
-
-    # ---- the whole-model interface of loading.py / export.py ----------------------------
-    def model_config(self, hf: dict[str, Any]) -> dict[str, Any]:
-        return self.model_config_to_ours(hf)
-
-    def model_name_to_ours(self, hf_name: str) -> str | None:
-        return self.name_to_ours(hf_name)
-
-    def model_name_to_hf(self, name: str) -> str | None:
-        return self.name_to_hf(name)
-
-    def model_config_to_hf(self, model, *rest) -> dict[str, Any]:
-        """From an OmniModel, or from (foundation, image_encoder, projector) configs."""
-        if rest:
-            return self._config_to_hf(model, *rest)
-        return self._config_to_hf(model.foundation.config, model.image_encoder.cfg, model.projector.cfg)
 
     def skip_on_export(self, model) -> set[str]:
         return {"foundation.lm_head.weight"} if model.foundation.config.tie_word_embeddings else set()
