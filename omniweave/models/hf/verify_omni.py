@@ -13,8 +13,9 @@ Called by ``verify.py`` for those model types. One conversation (``<image>``, ``
     logits         OmniModel.logits vs transformers' thinker forward (fp32), on our input_ids
 
 Pixels: ours are fed to both (our resize rules are checked against transformers' processors by the
-Qwen2.5-VL verify). Positions: transformers' ``get_rope_index`` (TMRoPE) on our ids, fed to both,
-so the logits check the model, not the positions. Without media files, the Qwen2.5-VL verify's
+Qwen2.5-VL verify). Positions: ours (``rope: mrope_omni``, planned
+offline) must equal transformers' ``get_rope_index`` (TMRoPE) on the same ids; each model runs on
+its own. Without media files, the Qwen2.5-VL verify's
 random image and clip and Qwen2-Audio's 3.3 s and 41 s synthetic tones are used.
 """
 
@@ -42,8 +43,8 @@ def _media(args) -> dict[str, list[bytes]]:
 
 
 def _sample(args, hf_dir: Path, model_cfg: dict, media: dict[str, list[bytes]]):
-    """(processor, raw sample, tokenized sample) from our data pipeline. ``rope`` only serves the
-    tokenizer here: the positions fed to the model are transformers' (module doc)."""
+    """(processor, raw sample, tokenized sample) from our data pipeline, TMRoPE positions included
+    (``rope: mrope_omni`` with the thinker's time scale)."""
     from omniweave.data.sample import Conversation, Message, RawSample
     from omniweave.data.tokenize import SampleProcessor
 
@@ -56,9 +57,12 @@ def _sample(args, hf_dir: Path, model_cfg: dict, media: dict[str, list[bytes]]):
     vision = {"patch_size": enc["patch_size"], "temporal_patch_size": enc["temporal_patch_size"],
               "merge_size": enc["spatial_merge_size"]}  # fmt: skip
     tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else "demo"
-    proc = SampleProcessor({"tokenizer": tokenizer, "template": args.template, "max_len": 1 << 20, "rope": "mrope_qwen25",
+    omni = model_cfg["foundation"]["extra_hf"]["omni"]
+    vision["position_id_per_seconds"] = omni.get("position_id_per_seconds", 25)
+    proc = SampleProcessor({"tokenizer": tokenizer, "template": args.template, "max_len": 1 << 20, "rope": "mrope_omni",
                             "vision": vision, "audio": {"family": "qwen2_5_omni",
-                                                        "n_mels": model_cfg["audio_encoder"]["num_mel_bins"]}})  # fmt: skip
+                                                        "n_mels": model_cfg["audio_encoder"]["num_mel_bins"],
+                                                        "seconds_per_chunk": omni.get("seconds_per_chunk", 2)}})  # fmt: skip
     raw = RawSample(key="verify", conversation=conv, media=files)
     return proc, raw, proc.tokenize(raw)
 
@@ -142,14 +146,18 @@ def verify_omni(args, hf_dir: Path, hf_cfg: dict, report) -> int:
                                            torch.ones_like(ids[None]), False, kw["feature_attention_mask"].sum(-1)
                                            if "feature_attention_mask" in kw else None,
                                            torch.tensor(seconds) if seconds else None)  # fmt: skip
+    ours_pos = torch.from_numpy(sample.position_ids.astype(np.int64))
+    wrong = int((ours_pos != pos[:, 0]).any(0).sum())
+    rows.append(("positions", 0.0 if wrong == 0 else None,
+                 f"[3, {ids.numel()}] TMRoPE planned offline vs get_rope_index" + (f": {wrong} differ" if wrong else "")))
     ours, _ = load_hf(hf_dir)
     ours.eval()
-    batch = {"input_ids": ids, "position_ids": pos[:, 0], "cu_seqlens": torch.tensor([0, ids.numel()], dtype=torch.int32),
+    batch = {"input_ids": ids, "position_ids": ours_pos, "cu_seqlens": torch.tensor([0, ids.numel()], dtype=torch.int32),
              **ours_media}  # fmt: skip
     with torch.no_grad():
         ref = hf_model(input_ids=ids[None], position_ids=pos, **kw).logits[0]
         got = ours.logits(batch)
     rows.append(("logits", (ref - got).abs().max().item(),
                  f"[{ref.shape[0]}, {ref.shape[1]}] fp32; {len(kinds)} image/video and {len(media['audio'])} audio "
-                 "item(s); positions: transformers' get_rope_index (TMRoPE) fed to both"))  # fmt: skip
+                 "item(s); ours on our positions, transformers on its own"))  # fmt: skip
     return report(rows, args.atol)
