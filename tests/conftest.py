@@ -2,6 +2,8 @@
 
 import pytest
 
+import omniweave  # noqa: F401  first: lets torchvision import before a test module imports transformers
+
 
 @pytest.fixture(scope="session")
 def demo_packed(tmp_path_factory):
