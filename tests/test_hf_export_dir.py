@@ -139,7 +139,9 @@ def test_text_model_export_renders_its_recipe_template(tmp_path):
 def test_auto_processor_loads_the_export(exported, tmp_path):
     """The real AutoProcessor (needs torchvision): ids and grids equal ours for an image and a
     video; image pixels equal ours with the PIL backend (the torchvision one resizes differently);
-    video pixels are not compared (transformers picks other frames and resizes with torchvision)."""
+    video pixels equal ours. The recipe keeps qwen-vl-utils' frame placement, so the export's
+    video processor does not sample (``do_sample_frames: false``) and is given our frames, as
+    qwen-vl-utils gives them; tests/test_video_parity.py covers the processor sampling itself."""
     pytest.importorskip("torchvision")
     from transformers import AutoImageProcessor, AutoProcessor
     from transformers.video_utils import load_video
@@ -151,6 +153,9 @@ def test_auto_processor_loads_the_export(exported, tmp_path):
     assert type(processor).__name__ == PROCESSOR_CLASSES[family]
     (tmp_path / "v.mp4").write_bytes(video)
     frames, metadata = load_video(str(tmp_path / "v.mp4"), backend="pyav")  # torchcodec is not installed either
+    picked = list(dict.fromkeys(sample.media[1].frame_indices))
+    assert processor.video_processor.do_sample_frames is False
+    frames, metadata.frames_indices = frames[picked], picked  # what qwen-vl-utils hands the processor
     text = processor.apply_chat_template(_hf_messages(video=True), tokenize=False, add_generation_prompt=True)
     pil = Image.open(io.BytesIO(image))
     hf = processor(text=text, images=[pil], videos=[frames], video_metadata=[metadata], return_tensors="pt")
@@ -161,6 +166,7 @@ def test_auto_processor_loads_the_export(exported, tmp_path):
         assert hf["second_per_grid_ts"].tolist() == [sample.media[1].second_per_grid]
     ours_pv = torch.from_numpy(proc.process_media(sample.media[0], image))
     assert (hf["pixel_values"] - ours_pv).abs().max().item() < 0.05  # torchvision bicubic vs PIL bicubic
+    assert (hf["pixel_values_videos"] - torch.from_numpy(proc.process_media(sample.media[1], video))).abs().max().item() == 0.0
     processor.image_processor = AutoImageProcessor.from_pretrained(out, backend="pil")
     assert torch.equal(processor(text=text, images=[pil], videos=[frames], video_metadata=[metadata],
                                  return_tensors="pt")["pixel_values"], ours_pv)  # fmt: skip

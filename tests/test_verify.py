@@ -92,3 +92,28 @@ def test_text_only_families_are_verified_on_packed_logits(tmp_path, monkeypatch,
     assert "FAIL: logits" in capsys.readouterr().out
     assert main(["hf", "verify", str(tmp_path / "llama"), "--image", "x.png"]) == 2
     assert "text-only model (llama)" in capsys.readouterr().err
+
+
+def test_video_pixels_are_compared_with_the_video_processor(tmp_path, capsys):
+    """With the export's video_preprocessor_config.json (do_sample_frames) and torchvision, HF's
+    video processor picks, resizes and normalises the frames itself: grids and pixels equal ours."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("torchvision", reason="transformers' video processors need torchvision")
+    from data_factory import video_bytes
+
+    from omniweave.data.media import VisionConfig
+    from omniweave.models.hf.processor_files import video_processor_config
+
+    path = _tiny_dir(tmp_path, "qwen2_5_vl")
+    vision = VisionConfig(video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 12, frame_sampling="transformers")
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video_processor_config(vision, "Qwen2_5_VLProcessor")))
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(video_bytes(30, fps=10.0, height=77, width=131, seed=3))
+    assert verify.verify(_args(path, video=clip)) == 0
+    out = capsys.readouterr().out
+    assert "videos: omniweave.data.media vs Qwen2VLVideoProcessor on its own frames (do_sample_frames)" in out
+    video_pixels = next(line for line in out.splitlines() if "vs Qwen2VLVideoProcessor" in line)
+    assert "max|Δ| = 0.000e+00" in video_pixels

@@ -10,10 +10,16 @@ the stream header alone: frame count, frame rate, size), so decoding reads exact
 
 Images follow ``transformers.Qwen2VLImageProcessorPil`` exactly (RGB with alpha composited on
 white, PIL bicubic resize of uint8 pixels, rescale in float64 then float32, normalise, patchify).
-Videos follow qwen-vl-utils: ``fps`` sampling clamped to [min_frames, max_frames] and rounded
-down to a multiple of the temporal patch, evenly spaced frame indices, a per-frame pixel cap from
-the whole video's ``video_total_pixels`` budget, and the last frame repeated up to a multiple of
-``temporal_patch_size``. Frames are resized like images (PIL bicubic).
+Videos follow qwen-vl-utils and transformers' ``Qwen2VLVideoProcessor``: ``fps`` sampling clamped
+to [min_frames, max_frames] and rounded down to a multiple of the temporal patch, evenly spaced
+frame indices, a per-frame pixel cap from the whole video's ``video_total_pixels`` budget, and the
+last frame repeated up to a multiple of ``temporal_patch_size``. The two references place the
+frames differently (``frame_sampling``): qwen-vl-utils rounds ``linspace(0, n - 1, k)`` (the
+default, what Qwen trained with), transformers truncates ``arange(0, n, n / k)`` (what an exported
+directory's ``video_preprocessor_config.json`` does with ``do_sample_frames``). Both resize the
+decoded uint8 frames with torchvision's bicubic antialiased resize, which on the CPU is torch's
+uint8 ``interpolate`` (not PIL), and normalise in float32 as ``(x - 255·mean) / (255·std)``; so do
+we, which makes our video pixels equal transformers' (tests/test_video_parity.py).
 """
 
 from __future__ import annotations
@@ -60,6 +66,11 @@ class VisionConfig:
     position_id_per_seconds: int = 25  # Qwen2.5-Omni (rope: mrope_omni): temporal positions per second
     image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
     image_std: tuple[float, ...] = OPENAI_CLIP_STD
+    frame_sampling: str = "qwen_vl_utils"  # or "transformers": where the k frames of n are taken
+
+    def __post_init__(self):
+        if self.frame_sampling not in FRAME_SAMPLING:
+            raise ValueError(f"frame_sampling must be one of {sorted(FRAME_SAMPLING)}, got {self.frame_sampling!r}")
 
     @property
     def factor(self) -> int:  # resized sides are multiples of this
@@ -115,13 +126,16 @@ def _pixel_limits(hf: dict, min_key: str, max_key: str) -> dict:
 def video_settings_from_hf(path: str | Path) -> dict:
     """Pixel limits, fps sampling and frame limits of a Qwen2-VL-style
     ``video_preprocessor_config.json`` (a file, or the model directory holding it); the
-    whole-video pixel budget is transformers' ``max_video_tokens`` × factor² × 0.9."""
+    whole-video pixel budget is transformers' ``max_video_tokens`` × factor² × 0.9, and
+    ``do_sample_frames`` means transformers' frame placement (``frame_sampling: transformers``)."""
     path = Path(path)
     hf = json.loads((path / "video_preprocessor_config.json" if path.is_dir() else path).read_text())
     out = _pixel_limits(hf, "video_min_pixels", "video_max_pixels")
     for key, kind in (("fps", float), ("min_frames", int), ("max_frames", int)):
         if hf.get(key) is not None:
             out[key] = kind(hf[key])
+    if hf.get("do_sample_frames"):  # the processor picks the frames itself, its own way
+        out["frame_sampling"] = "transformers"
     if hf.get("cap_pixels_per_frame") and hf.get("max_video_tokens") is not None:
         factor = hf.get("patch_size", VisionConfig.patch_size) * hf.get("merge_size", VisionConfig.merge_size)
         out["video_total_pixels"] = int(hf["max_video_tokens"] * factor * factor * 0.9)
@@ -197,9 +211,24 @@ def video_frame_count(num_frames: int, fps: float, cfg: VisionConfig) -> int:
     return max(n, min(num_frames, tp))  # a 1-frame video still yields one frame (padded later)
 
 
-def video_frame_indices(num_frames: int, n: int, temporal_patch_size: int) -> tuple[int, ...]:
-    """``n`` evenly spaced source frames, the last repeated up to a multiple of the temporal patch."""
-    idx = np.linspace(0, num_frames - 1, n).round().astype(np.int64).tolist()
+def _linspace_frames(num_frames: int, n: int) -> list[int]:  # qwen-vl-utils' fetch_video
+    return np.linspace(0, num_frames - 1, n).round().astype(np.int64).tolist()
+
+
+def _arange_frames(num_frames: int, n: int) -> list[int]:  # transformers' Qwen2VLVideoProcessor.sample_frames
+    import torch
+
+    return torch.arange(0, num_frames, num_frames / n).int().tolist()
+
+
+FRAME_SAMPLING = {"qwen_vl_utils": _linspace_frames, "transformers": _arange_frames}
+
+
+def video_frame_indices(num_frames: int, n: int, temporal_patch_size: int,
+                        sampling: str = "qwen_vl_utils") -> tuple[int, ...]:  # fmt: skip
+    """``n`` evenly spaced source frames (placed by ``sampling``: see the module doc), the last
+    repeated up to a multiple of the temporal patch."""
+    idx = FRAME_SAMPLING[sampling](num_frames, n)
     idx += [idx[-1]] * (-len(idx) % temporal_patch_size)
     return tuple(idx)
 
@@ -214,7 +243,7 @@ def plan_video(info: VideoInfo, cfg: VisionConfig) -> MediaPlan:
     if info.num_frames < 1:
         raise MediaError("video_no_frames", "the stream has no frames")
     n = video_frame_count(info.num_frames, info.fps, cfg)
-    indices = video_frame_indices(info.num_frames, n, tp)
+    indices = video_frame_indices(info.num_frames, n, tp, cfg.frame_sampling)
     # per-frame pixel cap from the whole-video budget (qwen-vl-utils)
     max_pixels = max(min(cfg.video_max_pixels, cfg.video_total_pixels / n * tp), int(cfg.video_min_pixels * 1.05))
     h, w = smart_resize(info.height, info.width, cfg.factor, cfg.video_min_pixels, max_pixels)
@@ -323,6 +352,21 @@ def decode_video_frames(data: bytes, indices: tuple[int, ...]) -> list[np.ndarra
     return [frames[i] for i in indices]
 
 
+def resize_normalize_frames(frames: np.ndarray, resized_hw: tuple[int, int], cfg: VisionConfig) -> np.ndarray:
+    """uint8 [T, H, W, 3] video frames -> float32 [T, 3, h, w] as torchvision and transformers'
+    video processors do it on the CPU: torch's uint8 bicubic antialiased ``interpolate`` (rounded,
+    clamped), then ``(x - 255·mean) / (255·std)`` in float32."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+    if tuple(x.shape[-2:]) != tuple(resized_hw):
+        x = F.interpolate(x.contiguous(), size=list(resized_hw), mode="bicubic", align_corners=False, antialias=True)
+    mean = torch.tensor(cfg.image_mean) * 255.0  # float32, as transformers fuses rescale into normalise
+    std = torch.tensor(cfg.image_std) * 255.0
+    return ((x.float() - mean[:, None, None]) / std[:, None, None]).numpy()
+
+
 def resize_normalize(rgb: np.ndarray, resized_hw: tuple[int, int], cfg: VisionConfig) -> np.ndarray:
     """uint8 [H, W, 3] -> float32 [3, h, w]: PIL bicubic resize, /255, (x - mean) / std."""
     h, w = resized_hw
@@ -346,6 +390,6 @@ def process_video(data: bytes, cfg: VisionConfig, plan: MediaPlan | None = None)
     """Full decode of the planned frames: pixel_values float32 [t*h*w, 3*tp*p*p] and the plan."""
     plan = plan or plan_video(probe_video(data), cfg)
     unique = tuple(sorted(set(plan.frame_indices)))
-    resized = dict(zip(unique, (resize_normalize(f, plan.resized_hw, cfg) for f in decode_video_frames(data, unique))))
-    frames = np.stack([resized[i] for i in plan.frame_indices])  # [T, 3, h, w], padding repeats the last
+    resized = resize_normalize_frames(np.stack(decode_video_frames(data, unique)), plan.resized_hw, cfg)
+    frames = resized[[unique.index(i) for i in plan.frame_indices]]  # [T, 3, h, w], padding repeats the last
     return patchify(frames, cfg), plan

@@ -72,9 +72,11 @@ def video_processor_config(vision: VisionConfig, processor_class: str) -> dict:
     frames resized into [video_min_pixels, video_max_pixels] with the whole-video pixel budget
     (``cap_pixels_per_frame``; transformers counts it in tokens of ``factor``² pixels × 0.9).
 
-    Grids (so token counts) follow ours; pixel values do not exactly: transformers picks frames
-    with ``arange(0, n, n / k)`` where qwen-vl-utils and we round a ``linspace``, and resizes
-    frames with torchvision rather than PIL.
+    transformers places the sampled frames only its own way (``arange(0, n, n / k)``), so the
+    processor samples them itself (``do_sample_frames``) when the recipe trained on that placement
+    (``frame_sampling: transformers``: then its pixels equal ours). With the default placement
+    (qwen-vl-utils' rounded ``linspace``), as for Qwen's own checkpoints, the caller gives it the
+    sampled frames (qwen-vl-utils does), and it keeps them.
     """
     budget_tokens = vision.video_total_pixels / (vision.factor**2 * 0.9)
     return {
@@ -83,7 +85,7 @@ def video_processor_config(vision: VisionConfig, processor_class: str) -> dict:
         "size": {"shortest_edge": vision.video_min_pixels, "longest_edge": vision.video_max_pixels},
         "min_pixels": vision.video_min_pixels,
         "max_pixels": vision.video_max_pixels,
-        "do_sample_frames": True,
+        "do_sample_frames": vision.frame_sampling == "transformers",
         "fps": vision.fps,
         "min_frames": vision.min_frames,
         "max_frames": vision.max_frames,

@@ -11,7 +11,8 @@ runs the same conversation through both, printing max|Δ| for every stage:
                   directory, our rendered text with HF's pad counts
     grid_thw      per media item
     pixel_values  images: ours (omniweave.data.media) vs transformers' Qwen2VLImageProcessorPil,
-                  when the directory has a preprocessor_config.json
+                  when the directory has a preprocessor_config.json; videos: ours vs its
+                  video processor (see Media below)
     position_ids  ours (data/rope_index.py) vs the model's get_rope_index
     logits        OmniModel.logits vs transformers' forward (fp32)
 
@@ -24,10 +25,13 @@ A text-only family (Qwen2, Llama-3, Qwen3, Qwen3-MoE, DeepSeek-V3: no ``vision_c
 alone: three documents of random tokens packed into one row through omniweave against each
 document alone through transformers.
 
-Media: the given files, or a random image and a random video when none are given. Videos: HF's
-video processor needs torchvision, which omniweave does not depend on, so HF receives the pixel
-values our pipeline made for videos; for videos only positions and logits are compared. Without
-a preprocessor_config.json, HF receives our pixel values for images too. Our side takes its
+Media: the given files, or a random image and a random video when none are given. Videos go
+through transformers' video processor (``AutoVideoProcessor`` of the directory's
+video_preprocessor_config.json, frames decoded by its PyAV reader) and their grids and pixels are
+compared, where torchvision (which that processor needs) is installed; otherwise, without that
+file, or for Qwen3-VL, HF receives the pixel values our pipeline made and only positions and
+logits are compared for videos. Without a preprocessor_config.json, HF receives our pixel values
+for images too. Our side takes its
 image and video settings from the directory's preprocessor_config.json and
 video_preprocessor_config.json (an omniweave export writes both from its recipe). The tokenizer is
 the directory's (tokenizer.json) or, for tiny test models without one, omniweave's demo tokenizer;
@@ -133,6 +137,42 @@ def _hf_image_inputs(hf_dir: Path, raw, sample):
     processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf_dir))
     out = processor(images=[Image.open(io.BytesIO(raw.media[s.part])) for s in spans], return_tensors="pt")
     return torch.as_tensor(np.asarray(out["pixel_values"])), torch.as_tensor(np.asarray(out["image_grid_thw"]))
+
+
+def _hf_video_inputs(hf_dir: Path, hf_cfg: dict, raw, sample) -> tuple[tuple | None, str]:
+    """(pixel_values_videos, video_grid_thw) from transformers' video processor of the directory
+    (its video_preprocessor_config.json), frames decoded by transformers' PyAV reader, or None and
+    why not. With ``do_sample_frames`` (an omniweave export) it picks the frames itself; without,
+    it is given the frames we picked, as Qwen's model cards give it qwen-vl-utils' frames."""
+    import importlib.util
+    import tempfile
+
+    spans = [s for s in sample.media if s.kind == "video"]
+    if importlib.util.find_spec("torchvision") is None:
+        return None, "HF given ours (its video processor needs torchvision: pip install torchvision)"
+    if hf_cfg["model_type"] in QWEN3_VL:
+        return None, "HF given ours (Qwen3-VL's video processor is not compared)"
+    if not (hf_dir / "video_preprocessor_config.json").exists():
+        return None, "HF given ours (no video_preprocessor_config.json)"
+    from transformers import AutoVideoProcessor
+    from transformers.video_utils import load_video
+
+    processor = AutoVideoProcessor.from_pretrained(str(hf_dir))
+    pixels, grids = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, span in enumerate(spans):
+            path = Path(tmp) / f"video{i}"
+            path.write_bytes(raw.media[span.part])
+            frames, metadata = load_video(str(path), backend="pyav",
+                                          sample_indices_fn=lambda metadata, **_: np.arange(metadata.total_num_frames))  # fmt: skip
+            if processor.do_sample_frames:
+                out = processor(videos=[frames], video_metadata=[metadata], return_tensors="pt")
+            else:  # our frames, without the padding repeats (the processor pads itself)
+                out = processor(videos=[frames[list(dict.fromkeys(span.frame_indices))]], return_tensors="pt")
+            pixels.append(out["pixel_values_videos"])
+            grids.append(out["video_grid_thw"])
+    how = "its own frames (do_sample_frames)" if processor.do_sample_frames else "our frames"
+    return (torch.cat(pixels), torch.cat(grids)), f"videos: omniweave.data.media vs {type(processor).__name__} on {how}"
 
 
 def _hf_rendered_ids(hf_dir: Path, raw, proc, replacements: list[str]) -> torch.Tensor | None:
@@ -246,12 +286,13 @@ def verify(args) -> int:
     hf_kw: dict = {}
     if img:
         hf_kw["pixel_values"], hf_kw["image_grid_thw"] = hf_images or (torch.cat([ours_pv[i] for i in img]), ours_grid[img])
+    hf_videos, video_note = _hf_video_inputs(hf_dir, hf_cfg, raw, sample) if vid else (None, "")
     if vid:
-        hf_kw["pixel_values_videos"], hf_kw["video_grid_thw"] = torch.cat([ours_pv[i] for i in vid]), ours_grid[vid]
+        hf_kw["pixel_values_videos"], hf_kw["video_grid_thw"] = hf_videos or (torch.cat([ours_pv[i] for i in vid]), ours_grid[vid])
         if hf_cfg["model_type"] == "qwen2_5_vl":
             hf_kw["second_per_grid_ts"] = torch.tensor([sample.media[i].second_per_grid for i in vid])
     hf_grids = {i: g for i, g in zip(img, hf_kw["image_grid_thw"].tolist())} if img else {}
-    hf_grids |= {i: ours_grid[i].tolist() for i in vid}
+    hf_grids |= {i: g for i, g in zip(vid, hf_kw["video_grid_thw"].tolist())} if vid else {}
     counts = [t * h * w // merge**2 for t, h, w in (hf_grids[i] for i in range(len(sample.media)))]
     ids = torch.from_numpy(sample.input_ids.astype(np.int64))
     hf_ids = _hf_rendered_ids(hf_dir, raw, proc, _hf_replacements(hf_cfg, proc, raw, sample, counts))
@@ -280,8 +321,14 @@ def verify(args) -> int:
             rows.append(("pixel_values", d, "images: omniweave.data.media vs Qwen2VLImageProcessorPil"))
         elif hf_images is None:
             rows.append(("pixel_values", 0.0, "images: no preprocessor_config.json, HF given ours"))
-    if vid:
-        rows.append(("pixel_values", 0.0, "videos: HF given ours (its video processor needs torchvision)"))
+    if vid and hf_videos is None:
+        rows.append(("pixel_values", 0.0, f"videos: {video_note}"))
+    elif vid:
+        same_grid = torch.equal(hf_kw["video_grid_thw"], ours_grid[vid])
+        rows.append(("grid_thw", 0.0 if same_grid else None, f"videos {ours_grid[vid].tolist()}"))
+        if same_grid:
+            d = (hf_kw["pixel_values_videos"] - torch.cat([ours_pv[i] for i in vid])).abs().max().item()
+            rows.append(("pixel_values", d, video_note))
     if not same_ids:
         return _report(rows, args.atol)
 
