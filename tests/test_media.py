@@ -193,3 +193,14 @@ def test_video_counting_equals_processing_with_default_qwen2vl_limits():
     assert processed == plan and plan.grid_thw == (2, 20, 28) and plan.frame_indices == (0, 3, 5, 8)
     assert pixel_values.shape == (2 * 20 * 28, 1176)
     assert plan.resized_hw[0] * plan.resized_hw[1] >= cfg.video_min_pixels
+
+
+def test_recipes_choose_the_frame_placement():
+    """``data.vision.frame_sampling`` is a recipe key (a string in the schema), checked on use."""
+    from omniweave.config import load_recipe
+
+    cfg = load_recipe("demo", ["data.vision.frame_sampling=transformers"])
+    assert M.VisionConfig.from_mapping(cfg.data.vision).frame_sampling == "transformers"
+    assert M.VisionConfig.from_mapping(load_recipe("demo").data.vision).frame_sampling == "qwen_vl_utils"
+    with pytest.raises(ValueError, match="frame_sampling must be one of"):
+        M.VisionConfig.from_mapping(load_recipe("demo", ["data.vision.frame_sampling=middle"]).data.vision)
