@@ -70,8 +70,9 @@ def child_env(**extra: str) -> dict:
     return env
 
 
-def train_cmd(packed: Path, out: Path, nproc: int = 1, resume: str | None = None, **kw) -> list[str]:
-    cmd = [sys.executable, "-m", "omniweave", "train", "demo", *overrides(packed, out, **kw)]
+def train_cmd(packed: Path, out: Path, nproc: int = 1, resume: str | None = None, recipe: str = "demo",
+              **kw) -> list[str]:  # fmt: skip
+    cmd = [sys.executable, "-m", "omniweave", "train", recipe, *overrides(packed, out, **kw)]
     if nproc > 1:
         cmd += ["--nproc", str(nproc)]
     if resume:
@@ -80,9 +81,9 @@ def train_cmd(packed: Path, out: Path, nproc: int = 1, resume: str | None = None
 
 
 def train_subprocess(packed: Path, out: Path, nproc: int = 1, resume: str | None = None, timeout: float = 300,
-                     env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+                     env: dict | None = None, recipe: str = "demo", **kw) -> subprocess.CompletedProcess:
     """Run ``omniweave train`` (``--nproc N`` -> torchrun) in its own process group; kill it all on timeout."""
-    proc = subprocess.Popen(train_cmd(packed, out, nproc, resume, **kw), env=env or child_env(), cwd=REPO,
+    proc = subprocess.Popen(train_cmd(packed, out, nproc, resume, recipe, **kw), env=env or child_env(), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         stdout, _ = proc.communicate(timeout=timeout)

@@ -19,6 +19,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from tests.train_factory import (
     child_env, final_state, losses, max_abs_diff, pack_jsonl, read_metrics, train_cmd, train_subprocess,
@@ -38,12 +39,12 @@ LAYOUT_WEIGHT_ATOL = 3e-5
 _RUNS: dict = {}
 
 
-def _run(demo_packed, tmp_path_factory, nproc: int, gb: int = 4, steps: int = STEPS, **kw):
+def _run(demo_packed, tmp_path_factory, nproc: int, gb: int = 4, steps: int = STEPS, recipe: str = "demo", **kw):
     """A finished run (cached per session/worker): checkpoints every 2 steps, all kept."""
-    key = (nproc, gb, steps, tuple(sorted(kw.items())))
+    key = (recipe, nproc, gb, steps, tuple(sorted(kw.items())))
     if key not in _RUNS:
         out = tmp_path_factory.mktemp(f"n{nproc}_gb{gb}") / "run"
-        res = train_subprocess(demo_packed, out, nproc=nproc, steps=steps, global_batch=gb,
+        res = train_subprocess(demo_packed, out, nproc=nproc, steps=steps, global_batch=gb, recipe=recipe,
                                train__save_interval=SAVE, train__keep_last=0, **kw)
         assert res.returncode == 0, res.stdout[-4000:]
         (out / "stdout.txt").write_text(res.stdout)
@@ -100,6 +101,25 @@ def test_parallel_layouts_train_like_single_process(demo_packed, tmp_path_factor
     if parallel.get("train__save_hf"):  # the sharded (TP + FSDP) model gathers into a HF export
         assert (run / "hf" / "config.json").exists() and list((run / "hf").glob("*.safetensors"))
     print(f"{nproc} ranks {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
+
+
+@pytest.mark.parametrize("nproc,parallel", [(2, {}), (2, {"parallel__cp": 2})], ids=["dp2", "cp2-audio-split"])
+def test_omni_training_with_audio_matches_single_process(omni_packed, tmp_path_factory, nproc, parallel):
+    """convert -> pack -> train on mixed text / image / video / audio data (``demo_omni``: the demo
+    model plus an audio tower by YAML): dp 2, and cp 2 with the audio items split over the CP ranks,
+    give the 1-rank losses, grad norms and final weights."""
+    ref = _run(omni_packed, tmp_path_factory, 1, recipe="demo_omni")
+    run = _run(omni_packed, tmp_path_factory, nproc, recipe="demo_omni", **parallel)
+    rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
+    gnorm_rel = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(read_metrics(run), read_metrics(ref)))
+    assert gnorm_rel <= LOSS_RTOL
+    state, ref_state = final_state(run), final_state(ref)
+    first = final_state(ref / "checkpoints" / f"step_{SAVE:06d}")
+    tower = [k for k in ref_state if k.startswith("audio_encoder.")]
+    assert tower and any(not torch.equal(ref_state[k], first[k]) for k in tower)  # the audio tower trains
+    dw = max_abs_diff(state, ref_state)
+    assert dw <= LAYOUT_WEIGHT_ATOL
+    print(f"omni {nproc} ranks {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
 
 
 # ---------------------------------------------------------------------------- resume
