@@ -103,14 +103,30 @@ def chunked_lse(q, k, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=Non
     return torch.cat(lses, dim=1) if lses else q.new_zeros((q.shape[1], 0), dtype=torch.float32)
 
 
+def per_document(t: torch.Tensor, bounds: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Rows ``[a, b)`` of ``t`` for each bound. When the documents tile ``t`` from row 0 (packed
+    rows, a padding tail allowed) one ``torch.split`` makes them: its backward is one ``cat``,
+    where a slice per document would zero-fill a gradient of all of ``t`` for each document
+    (hundreds per step for an audio tower's 100-frame chunks)."""
+    tiles = bool(bounds) and bounds[0][0] == 0 and all(b[0] == a[1] for a, b in zip(bounds, bounds[1:]))
+    rest = t.shape[0] - bounds[-1][1] if bounds else -1
+    if not tiles or rest < 0:
+        return [t[a:b] for a, b in bounds]
+    sizes = [b - a for a, b in bounds]
+    return list(torch.split(t, sizes + [rest] if rest else sizes))[: len(sizes)]
+
+
 def sdpa_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None, need_lse=True, **_):
     """``F.scaled_dot_product_attention`` per document; lse from :func:`chunked_lse` if asked."""
     h, hkv = q.shape[1], k.shape[1]
+    bounds = doc_bounds(cu_seqlens_q, cu_seqlens_k)
+    q_docs = per_document(q, [(q0, q1) for q0, q1, _, _ in bounds])
+    k_bounds = [(k0, k1) for _, _, k0, k1 in bounds]
     outs = []
-    for q0, q1, k0, k1 in doc_bounds(cu_seqlens_q, cu_seqlens_k):
+    for (q0, q1, k0, k1), qd, kd, vd in zip(bounds, q_docs, per_document(k, k_bounds), per_document(v, k_bounds)):
         lq, lk = q1 - q0, k1 - k0
         # [1, H, L, D]: 4-D inputs let SDPA pick its fused kernels (also on CPU)
-        qd, kd, vd = (t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        qd, kd, vd = (t.transpose(0, 1)[None] for t in (qd, kd, vd))
         if h != hkv:  # enable_gqa is not supported by every SDPA kernel; repeat explicitly
             kd, vd = kd.repeat_interleave(h // hkv, dim=1), vd.repeat_interleave(h // hkv, dim=1)
         if window is None and (not causal or lq == lk):
