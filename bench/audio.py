@@ -46,6 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo: omniweave and tests/audio_factory, also as a plain script
 sys.path.insert(0, str(ROOT / "bench"))  # bench/quick.py
+from figure import pyplot, save
 from quick import HELP as QUICK_HELP
 from quick import note
 
@@ -145,12 +146,9 @@ def tables(args, count, mel) -> str:
 
 
 def plot(count, mel, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    plt = pyplot()
     fig, ax = plt.subplots(1, 2, figsize=(12, 4))
     ax[0].barh([r["method"] for r in count], [r["files_per_s"] for r in count])
     ax[0].set(xscale="log", xlim=(1, None), xlabel="files/s (log)", title="audio token counting")
@@ -161,11 +159,7 @@ def plot(count, mel, path: Path) -> None:
     ax[1].set(xticks=x, xticklabels=[f"{r['clips']}\n{r['n_mels']} bins" for r in mel], ylabel="clips/s",
               title="log-mel extraction")
     ax[1].legend()
-    for a in ax:
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, grid=ax)
 
 
 def main() -> int:
