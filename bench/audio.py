@@ -237,19 +237,20 @@ def plot(count, mel, enc, path: Path) -> None:
     ax[0].barh([r["method"] for r in count], [r["files_per_s"] for r in count])
     ax[0].set(xscale="log", xlim=(1, None), xlabel="files/s (log)", title="audio token counting")
     ax[0].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    x = np.arange(len(mel))
-    ax[1].bar(x - 0.2, [r["ours_clips_per_s"] for r in mel], 0.4, label="omniweave log_mel")
-    ax[1].bar(x + 0.2, [r["hf_clips_per_s"] for r in mel], 0.4, label="WhisperFeatureExtractor")
-    ax[1].set(xticks=x, xticklabels=[f"{r['clips']}\n{r['n_mels']} bins" for r in mel], ylabel="clips/s",
-              title="log-mel extraction")
-    ax[1].legend()
-    x = np.arange(len(enc))
-    ax[2].bar(x - 0.2, [r["ours_clips_per_s"] for r in enc], 0.4, label="omniweave (varlen)")
-    ax[2].bar(x + 0.2, [r["hf_clips_per_s"] for r in enc], 0.4, label="transformers")
-    ax[2].set(xticks=x, xticklabels=[f"{r['tower']} ({r['speedup']:.1f}x)" for r in enc], ylabel="clips/s",
-              title="audio tower, forward + backward")
-    ax[2].legend()
+    paired_bars(ax[1], mel, [f"{r['clips']}\n{r['n_mels']} bins" for r in mel], "log-mel extraction",
+                ("omniweave log_mel", "WhisperFeatureExtractor"))
+    paired_bars(ax[2], enc, [f"{r['tower']} ({r['speedup']:.1f}x)" for r in enc], "audio tower, forward + backward",
+                ("omniweave (varlen)", "transformers"))
     save(fig, path, grid=ax)
+
+
+def paired_bars(ax, rows: list[dict], ticks: list[str], title: str, labels: tuple[str, str]) -> None:
+    """Ours (``ours_clips_per_s``) and the baseline (``hf_clips_per_s``) side by side, a pair per row."""
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["ours_clips_per_s"] for r in rows], 0.4, label=labels[0])
+    ax.bar(x + 0.2, [r["hf_clips_per_s"] for r in rows], 0.4, label=labels[1])
+    ax.set(xticks=x, xticklabels=ticks, ylabel="clips/s", title=title)
+    ax.legend()
 
 
 def main() -> int:
