@@ -1,6 +1,7 @@
-"""Benchmark: audio token counting from headers, and log-mel extraction (omniweave/data/audio.py, mel.py).
+"""Benchmark: audio token counting from headers, log-mel extraction (omniweave/data/audio.py, mel.py)
+and the audio towers (omniweave/models/components/audio_encoder.py).
 
-Two measurements, each against its baseline in the same run, on the same files / clips:
+Three measurements, each against its baseline in the same run, on the same files / clips:
 
 (a) **token counting** of ``--files`` real audio files (wav, flac, mp3, m4a, ogg/opus; 8-48 kHz,
     mono and stereo, ``--seconds`` long each, written with PyAV's encoders, in memory):
@@ -21,6 +22,14 @@ Two measurements, each against its baseline in the same run, on the same files /
     median of ``--repeats``, and the max |difference| of the features. Twice: the decoded clips
     (mostly padding, which ``log_mel`` does not transform) and the same audio tiled to exactly 30 s
     (no padding: the STFT and mel themselves compared).
+
+(c) **audio towers**, forward + backward (gradients of every parameter) over the log-mel features
+    of all decoded clips at once: our ``qwen2_audio`` and ``qwen2_5_omni`` towers (one varlen call
+    over all items) vs transformers' ``Qwen2AudioEncoder`` (the clips' 30 s windows in one padded
+    batch with the padding masked, as ``Qwen2AudioForConditionalGeneration`` calls it) and
+    ``Qwen2_5OmniAudioEncoder`` (the clips concatenated with ``feature_lens``, as the thinker calls
+    it), both on sdpa attention, with the same weights (``TOWER``: a small tower, real mel bins and
+    windows); clips per second, median of ``--repeats``, and the max |difference| of the outputs.
 
 Timings use ``--threads`` intra-op threads (both sides) and wall time; medians over ``--repeats``
 after one warm-up pass.
@@ -46,14 +55,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo: omniweave and tests/audio_factory, also as a plain script
 sys.path.insert(0, str(ROOT / "bench"))  # bench/quick.py
+from figure import pyplot, save
 from quick import HELP as QUICK_HELP
 from quick import note
 
 from omniweave.data import audio as A
 from omniweave.data.mel import log_mel
+from omniweave.models.hf.qwen2_audio import Qwen2AudioAdapter
+from omniweave.models.registry import build_component
 from tests.audio_factory import FORMATS, OPUS_RATES, available, encode, signal
 
 RATES = (8000, 16000, 22050, 44100, 48000)
+# (c)'s towers in transformers' config names: real mel bins and 30 s windows, small layers
+TOWER = {"num_mel_bins": 128, "encoder_layers": 2, "d_model": 64, "encoder_attention_heads": 4,
+         "encoder_ffn_dim": 256, "max_source_positions": 1500}
+OMNI = {"n_window": 100, "output_dim": 512}  # the Qwen2.5-Omni tower's chunking and projection
 
 
 def make_files(n: int, seconds: float) -> list[tuple[str, bytes]]:
@@ -131,7 +147,70 @@ def mel_rows(clips, args, extractor, label: str) -> list[dict]:
     return rows
 
 
-def tables(args, count, mel) -> str:
+def towers(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(ours, transformers') ``family`` tower of ``TOWER`` sizes with the same random weights."""
+    if family == "qwen2_audio":
+        from transformers.models.qwen2_audio.configuration_qwen2_audio import Qwen2AudioEncoderConfig as HFConfig
+        from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder as HFTower
+
+        hf_cfg, extra = HFConfig(**TOWER), {}
+    else:
+        from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
+            Qwen2_5OmniAudioEncoderConfig as HFConfig,
+        )
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder as HFTower
+
+        hf_cfg, extra = HFConfig(**TOWER, **OMNI), {"name": family, **OMNI}
+    hf_cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hf = HFTower(hf_cfg)
+    cfg = {**Qwen2AudioAdapter().encoder_config_to_ours(hf_cfg.to_dict()), **extra, "attn_backend": "sdpa"}
+    ours = build_component("audio_encoder", cfg)
+    ours.load_state_dict(hf.state_dict())  # the same parameter names (strict)
+    return ours, hf
+
+
+def encoder_rows(clips, args) -> list[dict]:
+    from transformers.masking_utils import create_bidirectional_mask
+
+    rows = []
+    for family in ("qwen2_audio", "qwen2_5_omni"):
+        ours, hf = towers(family)
+        # Qwen2-Audio: one 30 s window per clip (all fit); Qwen2.5-Omni: whole clips
+        mel = log_mel([torch.from_numpy(c) for c in clips], TOWER["num_mel_bins"], truncation=family == "qwen2_audio")
+        features, frames = mel.features, mel.num_frames
+        if family == "qwen2_audio":
+            conv_len, out_len = hf._get_feat_extract_output_lengths(frames)
+            positions = (features.shape[-1] - 2) // 2 + 1
+            mask = create_bidirectional_mask(config=hf.config, inputs_embeds=torch.zeros(len(clips), positions, 1),
+                                             attention_mask=(torch.arange(positions)[None] < conv_len[:, None]).long())
+            keep = torch.arange(positions // 2)[None] < out_len[:, None]  # each clip's valid rows, as the model keeps
+
+            def hf_forward():
+                return hf(features, attention_mask=mask).last_hidden_state[keep]
+        else:
+            joint = torch.cat([features[i, :, :f] for i, f in enumerate(frames.tolist())], dim=1)
+
+            def hf_forward():
+                return hf(joint, feature_lens=frames).last_hidden_state
+
+        def step(model, forward):
+            out = forward()
+            params = [p for p in model.parameters() if p.requires_grad]  # HF's position table is frozen
+            torch.autograd.grad(out.square().mean(), params, allow_unused=True)  # HF's unused audio_bos_eos_token
+            return out.detach()
+
+        s_ours, out = timed(lambda: step(ours, lambda: ours(features, frames)), args.repeats)
+        s_hf, ref = timed(lambda: step(hf, hf_forward), args.repeats)
+        diff = float((out - ref).abs().max())
+        rows.append({"tower": family, "clips": len(clips), "ours_clips_per_s": len(clips) / s_ours,
+                     "hf_clips_per_s": len(clips) / s_hf, "speedup": s_hf / s_ours, "max_abs_diff": diff})
+        print(f"  {family}: ours {len(clips) / s_ours:.1f} clips/s, transformers {len(clips) / s_hf:.1f} clips/s "
+              f"({s_hf / s_ours:.2f}x), max |diff| {diff:.1e}", flush=True)
+    return rows
+
+
+def tables(args, count, mel, enc) -> str:
     lines = [(f"(a) token counting: {args.files} files (~{args.seconds:g} s each), {args.threads} thread(s), "
               f"median of {args.repeats}"), "", "| method | files/s | header's speedup |", "|---|---:|---:|"]
     base = count[0]["files_per_s"]
@@ -141,31 +220,37 @@ def tables(args, count, mel) -> str:
               "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r['clips']} | {r['n_mels']} | {r['ours_clips_per_s']:.1f} | {r['hf_clips_per_s']:.1f} | {r['speedup']:.2f}x | "
               f"{r['max_abs_diff']:.1e} |" for r in mel]
+    sizes = f"{TOWER['encoder_layers']} layers, width {TOWER['d_model']}, {TOWER['encoder_ffn_dim']} ffn"
+    lines += ["", f"(c) audio towers ({sizes}), forward + backward over all {args.files} clips in one call, "
+              f"median of {args.repeats}", "",
+              "| tower | ours clips/s | transformers clips/s | speedup | max abs diff |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['tower']} | {r['ours_clips_per_s']:.1f} | {r['hf_clips_per_s']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['max_abs_diff']:.1e} |" for r in enc]
     return "\n".join(lines)
 
 
-def plot(count, mel, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(count, mel, enc, path: Path) -> None:
     import matplotlib.ticker
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4))
+    plt = pyplot()
+    fig, ax = plt.subplots(1, 3, figsize=(17, 4))
     ax[0].barh([r["method"] for r in count], [r["files_per_s"] for r in count])
     ax[0].set(xscale="log", xlim=(1, None), xlabel="files/s (log)", title="audio token counting")
     ax[0].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    x = np.arange(len(mel))
-    ax[1].bar(x - 0.2, [r["ours_clips_per_s"] for r in mel], 0.4, label="omniweave log_mel")
-    ax[1].bar(x + 0.2, [r["hf_clips_per_s"] for r in mel], 0.4, label="WhisperFeatureExtractor")
-    ax[1].set(xticks=x, xticklabels=[f"{r['clips']}\n{r['n_mels']} bins" for r in mel], ylabel="clips/s",
-              title="log-mel extraction")
-    ax[1].legend()
-    for a in ax:
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    paired_bars(ax[1], mel, [f"{r['clips']}\n{r['n_mels']} bins" for r in mel], "log-mel extraction",
+                ("omniweave log_mel", "WhisperFeatureExtractor"))
+    paired_bars(ax[2], enc, [f"{r['tower']} ({r['speedup']:.1f}x)" for r in enc], "audio tower, forward + backward",
+                ("omniweave (varlen)", "transformers"))
+    save(fig, path, grid=ax)
+
+
+def paired_bars(ax, rows: list[dict], ticks: list[str], title: str, labels: tuple[str, str]) -> None:
+    """Ours (``ours_clips_per_s``) and the baseline (``hf_clips_per_s``) side by side, a pair per row."""
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["ours_clips_per_s"] for r in rows], 0.4, label=labels[0])
+    ax.bar(x + 0.2, [r["hf_clips_per_s"] for r in rows], 0.4, label=labels[1])
+    ax.set(xticks=x, xticklabels=ticks, ylabel="clips/s", title=title)
+    ax.legend()
 
 
 def main() -> int:
@@ -197,12 +282,14 @@ def main() -> int:
     mel = mel_rows(clips, args, extractor, f"~{args.seconds:g} s decoded")
     # the same audio tiled to exactly 30 s: no padding to skip, the STFT itself compared
     mel += mel_rows([np.resize(c, A.WINDOW_SAMPLES) for c in clips], args, extractor, "tiled to 30 s")
-    table = tables(args, count, mel)
+    print("(c) audio towers", flush=True)
+    enc = encoder_rows(clips, args)
+    table = tables(args, count, mel, enc)
     print(f"\n{table}\n\ntotal {time.perf_counter() - t0:.0f} s")
     (args.out / "audio.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                     "files": [n for n, _ in files], "count": count, "mel": mel},
-                                                    indent=1))
-    plot(count, mel, args.out / "audio.png")
+                                                     "files": [n for n, _ in files], "count": count, "mel": mel,
+                                                     "encoder": enc}, indent=1))
+    plot(count, mel, enc, args.out / "audio.png")
     print(f"wrote {args.out / 'audio.png'} and {args.out / 'audio.json'}")
     return 0
 

@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 
 from omniweave.data import packing as P  # noqa: E402
 from omniweave.parallel.balance import CostModel, assign, imbalance, pack_features, round_robin  # noqa: E402
+from figure import pyplot, save  # noqa: E402
 from quick import HELP as QUICK_HELP, note, work_dir  # noqa: E402  (bench/, the script's folder)
 
 ARMS = ("contiguous", "Σlen² only", "cost model")
@@ -214,23 +215,16 @@ def pack_seconds(model_cfg: dict, ds, seed: int, repeats: int = 3) -> np.ndarray
 
 
 def plot(path: Path, results: dict[int, dict], per_rank: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.8), sharey=True)
     for ax, (dp, res) in zip(np.atleast_1d(axes), results.items()):
         for arm, style in zip(ARMS, ("-", "--", "-")):
             ax.plot(range(1, len(res[arm]) + 1), res[arm], style, lw=1.3, label=arm)
         ax.axhline(1.05, color="gray", lw=0.8, ls=":", label="1.05")
         ax.set(title=f"dp = {dp} ({per_rank} packs per rank)", xlabel="step")
-        ax.grid(alpha=0.3)
     np.atleast_1d(axes)[0].set_ylabel("predicted max / mean rank cost")
     np.atleast_1d(axes)[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, grid=np.atleast_1d(axes), dpi=110)
 
 
 def main() -> int:

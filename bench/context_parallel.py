@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: o
 from omniweave.parallel.spawn import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/
+from figure import pyplot, save  # noqa: E402
 from quick import HELP as QUICK_HELP, note  # noqa: E402
 
 GRID_HW = 16  # patches per frame side: 256 patches, 64 merged tokens per temporal patch
@@ -178,11 +179,7 @@ def longest_fitting(rows: list[dict], budget_mb: float) -> float:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     for cp in sorted({r["cp"] for r in rows}):
         for vs, style in ((True, "-o"), (False, "--x")):
@@ -195,9 +192,7 @@ def plot(rows: list[dict], path: Path) -> None:
     bx.set(xlabel="row length (tokens)", ylabel="vision encoder MB per rank", title="vision encoder activations")
     for a in (ax, bx):
         a.legend(fontsize=8)
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path, grid=(ax, bx))
 
 
 def main() -> None:

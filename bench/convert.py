@@ -25,6 +25,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
+from figure import pyplot, save  # noqa: E402
 from quick import HELP as QUICK_HELP, note, work_dir  # noqa: E402  (bench/, the script's folder)
 from synthetic_media import jpeg, mp4  # noqa: E402
 
@@ -129,11 +130,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "convert.json").write_text(json.dumps({"data": data, "results": results}, indent=2))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3))
     names = list(results)
     ax.barh(names, [results[n]["mb_per_s"] for n in names], color=["#999", "#999", "#3a7", "#2a5"])
@@ -142,8 +139,7 @@ def main() -> None:
     ax.set_xlabel(f"MB/s of media ({args.samples} rows, {mb:.0f} MB; median of {args.repeats})")
     ax.invert_yaxis()
     ax.set_xlim(0, max(results[n]["mb_per_s"] for n in names) * 1.25)
-    fig.tight_layout()
-    fig.savefig(out / "convert.png", dpi=120)
+    save(fig, out / "convert.png")
     print(f"wrote {out / 'convert.png'} and {out / 'convert.json'}")
 
 

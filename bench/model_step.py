@@ -36,6 +36,7 @@ from omniweave.check.speed import PRESETS, document_lengths
 from omniweave.train.metrics import matmul_peak_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ (also when imported)
+from figure import pyplot, save  # noqa: E402
 from quick import HELP as QUICK_HELP, note  # noqa: E402
 
 CONFIG = dict(PRESETS["small"], max_position_embeddings=32768, tie_word_embeddings=False)
@@ -249,11 +250,7 @@ def main() -> int:
     print(table)
     (args.out / "model_step.json").write_text(json.dumps({"peak_flops": peak, "rows": rows}, indent=2))
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for impl in impls:
         rs, style = [r for r in rows if r["impl"] == impl], "o-" if impl == "omniweave" else "s--"
@@ -263,9 +260,7 @@ def main() -> int:
     axes[1].set(xlabel="packed tokens per step", ylabel="peak memory growth (MB)", title="peak memory")
     for ax in axes:
         ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(args.out / "model_step.png", dpi=120)
+    save(fig, args.out / "model_step.png", grid=axes)
     print(f"-> {args.out / 'model_step.png'}")
     return 0
 

@@ -55,6 +55,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo: omniweave, also when run as a plain script
 sys.path.insert(0, str(ROOT / "bench"))  # bench/quick.py
+from figure import pyplot, save  # noqa: E402
 from quick import HELP as QUICK_HELP, note, work_dir  # noqa: E402
 
 from omniweave.models.components.moe import MoE, MoEConfig  # noqa: E402
@@ -274,11 +275,7 @@ def tables(args, layer: list[dict], ep: list[dict], demo: list[dict]) -> str:
 
 
 def plot(layer: list[dict], ep: list[dict], demo: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(1, 3, figsize=(14, 4))
     hiddens = sorted({r["hidden"] for r in layer})
     for i, impl in enumerate(IMPLS):
@@ -298,11 +295,7 @@ def plot(layer: list[dict], ep: list[dict], demo: list[dict], path: Path) -> Non
     ax[2].set(xticks=range(len(demo)), xticklabels=names, ylabel="training tokens/s",
               title="demo vs demo_moe (equal active params)")
     ax[2].legend()
-    for a in ax:
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, grid=ax)
 
 
 def main() -> int:

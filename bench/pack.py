@@ -39,6 +39,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from omniweave.data import packing as P  # noqa: E402
+from figure import pyplot, save  # noqa: E402
 from quick import HELP as QUICK_HELP, note, work_dir  # noqa: E402  (bench/, the script's folder)
 
 CAPACITIES = (8192, 32768)
@@ -229,11 +230,7 @@ def print_tables(times: list[dict], eff: list[dict], demo: dict | None) -> None:
 
 
 def plot(path: Path, times: list[dict], eff: list[dict], demo: dict | None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3 if demo else 2, figsize=(15 if demo else 10, 4))
     ax = axes[0]
     labels = [f"{r['algorithm']} {r['n'] / 1e6:g}M @{r['capacity'] // 1024}K" for r in times]
@@ -273,9 +270,7 @@ def plot(path: Path, times: list[dict], eff: list[dict], demo: dict | None) -> N
         ax.set(xlabel="seconds (each phase a fresh process)",
                title=f"data pack (demo): {demo['samples_per_s']:.0f} samples/s, {100 * demo['efficiency']:.2f}%")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main() -> int:

@@ -59,6 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: omniweave, bench
 from bench.context_parallel import GRID_HW, MODEL  # noqa: E402
+from bench.figure import pyplot, save  # noqa: E402
 from omniweave.parallel.spawn import run_ranks  # noqa: E402
 from omniweave.rl.rollout import NaiveRollout, Prompt, Rollout, SamplingParams, TorchRollout  # noqa: E402
 
@@ -265,11 +266,7 @@ def bench_update(model, args) -> dict:
 
 
 def plot(rollout: list[dict], cp: list[dict], update: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(16, 4.2))
     main = [r for r in rollout if r["max_new"] == rollout[0]["max_new"]]
     gs = [r["G"] for r in main]
@@ -300,10 +297,7 @@ def plot(rollout: list[dict], cp: list[dict], update: dict, path: Path) -> None:
     cx.set(ylabel="real tokens/s (forward + backward)", title=f"GRPO update: packed {update['speedup']:.2f}x padded")
     for a in (ax, bx):
         a.legend(fontsize=8)
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, grid=(ax, bx))
 
 
 def tables(rollout, cp, update) -> str:

@@ -28,6 +28,7 @@ from tqdm import tqdm  # noqa: E402
 
 from omniweave.data.sample import Conversation, Message, RawSample  # noqa: E402
 from omniweave.data.tokenize import SampleProcessor  # noqa: E402
+from figure import pyplot, save  # noqa: E402
 from quick import HELP as QUICK_HELP, note  # noqa: E402  (bench/, the script's folder)
 from synthetic_media import jpeg, mp4  # noqa: E402
 
@@ -89,11 +90,7 @@ def main() -> int:
     for r in rows:
         print(f"{r['data']:8} {r['samples']:7d} {r['metadata_samples_per_s']:19.1f} {r['full_samples_per_s']:15.2f} {r['speedup']:7.0f}x")
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     args.out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
     x = np.arange(len(rows))
@@ -104,8 +101,7 @@ def main() -> int:
     ax.set_ylabel("samples / s (log)")
     ax.set_title("Tokenization throughput, 1 CPU process")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
-    fig.tight_layout()
-    fig.savefig(args.out / "tokenize.png", dpi=120)
+    save(fig, args.out / "tokenize.png")
     (args.out / "tokenize.json").write_text(json.dumps(rows, indent=2))
     best = rows[-1]
     print(f"tokenize bench: metadata-only {best['metadata_samples_per_s']:.1f} samples/s vs full "

@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # bench/quick.py, also when imported as bench.train
+from figure import pyplot, save  # noqa: E402
 from quick import HELP as QUICK_HELP, note, work_dir  # noqa: E402
 
 # Single-token words of the demo tokenizer (" word" -> 1 token), so length targets are exact-ish.
@@ -269,11 +270,7 @@ def summarize(name: str, runs: list[list[dict]], plan: list[list[dict]], counts,
 
 
 def plot(results: list[dict], out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     names = [r["arm"] for r in results]
     vals = [r["tokens_per_s"] for r in results]
@@ -288,10 +285,7 @@ def plot(results: list[dict], out: Path, title: str) -> None:
         axes[1].plot(range(1, len(r["losses"]) + 1), r["losses"], style, label=r["arm"])
     axes[1].set(xlabel="optimizer step", ylabel="loss", title="same samples per step: same loss")
     axes[1].legend()
-    axes[1].grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save(fig, out, grid=axes[1:])
 
 
 def main() -> int:

@@ -41,14 +41,20 @@ def encode(x: np.ndarray, sample_rate: int, fmt: str, container_options: dict | 
     with av.open(buf, mode="w", format=container, options=container_options or {}) as out:
         out.metadata.update(metadata or {})
         stream = out.add_stream(codec, rate=sample_rate, layout=layout, options=options)
-        for i in range(0, x.shape[1], 4000):
-            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x[:, i:i + 4000]), format="fltp", layout=layout)
-            frame.sample_rate, frame.pts = sample_rate, i
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode(None):
-            out.mux(packet)
+        _mux_samples(out, stream, x, sample_rate, layout)
     return buf.getvalue()
+
+
+def _mux_samples(out, stream, x: np.ndarray, sample_rate: int, layout: str) -> None:
+    """Encode [channels, n] float samples into the audio ``stream`` of container ``out`` in 4000-sample
+    frames and flush it."""
+    for i in range(0, x.shape[1], 4000):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x[:, i:i + 4000]), format="fltp", layout=layout)
+        frame.sample_rate, frame.pts = sample_rate, i
+        for packet in stream.encode(frame):
+            out.mux(packet)
+    for packet in stream.encode(None):
+        out.mux(packet)
 
 
 def video_with_audio_bytes(num_frames: int, fps: float, audio_seconds: float, sample_rate: int = 22050,
@@ -70,12 +76,5 @@ def video_with_audio_bytes(num_frames: int, fps: float, audio_seconds: float, sa
         for packet in video.encode():
             out.mux(packet)
         if sound is not None:
-            x = signal(audio_seconds, sample_rate, 2, seed)
-            for i in range(0, x.shape[1], 4096):
-                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x[:, i:i + 4096]), format="fltp", layout="stereo")
-                frame.sample_rate, frame.pts = sample_rate, i
-                for packet in sound.encode(frame):
-                    out.mux(packet)
-            for packet in sound.encode(None):
-                out.mux(packet)
+            _mux_samples(out, sound, signal(audio_seconds, sample_rate, 2, seed), sample_rate, "stereo")
     return buf.getvalue()

@@ -71,49 +71,32 @@ def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -
     from omniweave.data.audio import probe_audio
     from omniweave.data.media import MediaError, probe_image, probe_video
 
+    probes = {"image": probe_image, "video": probe_video, "audio": probe_audio}
     total = len(ds)
     scanned = min(total, max_scan)
     modality, turns, roles = Counter(), Counter(), Counter()
-    img_bytes, img_hw, vid_bytes, vid_frames, vid_hw, bad_headers = [], [], [], [], [], 0
-    aud_bytes, aud_seconds, aud_rates, aud_channels = [], [], Counter(), Counter()
+    media_bytes = {kind: [] for kind in probes}  # kind -> bytes per item
+    headers = {kind: [] for kind in probes}  # kind -> the probe's info per readable item
+    bad_headers = 0
     per_sample_images = Counter()
     for i, sample in enumerate(ds):
         if i >= scanned:
             break
         conv = sample.conversation
-        n_img = len(conv.images)
-        kinds = [k for k, items in (("image", conv.images), ("video", conv.videos), ("audio", conv.audios)) if items]
+        items = {"image": conv.images, "video": conv.videos, "audio": conv.audios}
+        kinds = [kind for kind, names in items.items() if names]
         modality["mixed" if len(kinds) > 1 else kinds[0] if kinds else "text-only"] += 1
-        per_sample_images[n_img] += 1
+        per_sample_images[len(conv.images)] += 1
         turns[sum(m.role in ("assistant", "function") for m in conv.messages)] += 1
         roles.update(m.role for m in conv.messages)
-        for name in conv.images:
-            data = sample.media[name]
-            img_bytes.append(len(data))
-            try:
-                info = probe_image(data)
-                img_hw.append((info.height, info.width))
-            except MediaError:
-                bad_headers += 1
-        for name in conv.videos:
-            data = sample.media[name]
-            vid_bytes.append(len(data))
-            try:
-                info = probe_video(data)
-                vid_frames.append(info.num_frames)
-                vid_hw.append((info.height, info.width))
-            except MediaError:
-                bad_headers += 1
-        for name in conv.audios:
-            data = sample.media[name]
-            aud_bytes.append(len(data))
-            try:
-                info = probe_audio(data)
-                aud_seconds.append(info.duration_s)
-                aud_rates[info.sample_rate] += 1
-                aud_channels[info.channels] += 1
-            except MediaError:
-                bad_headers += 1
+        for kind, names in items.items():
+            for name in names:
+                data = sample.media[name]
+                media_bytes[kind].append(len(data))
+                try:
+                    headers[kind].append(probes[kind](data))
+                except MediaError:
+                    bad_headers += 1
 
     size = sum(s.bytes for s in ds.shards)
     bold = lambda t: _c(t, "1", color)  # noqa: E731
@@ -129,18 +112,23 @@ def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -
     print(bold("  assistant turns per conversation"))
     print("\n".join(_bar_histogram(turns, color)) if turns else "    -")
     print(bold("  media"))
-    print(f"    images: {len(img_bytes):,}; bytes {_stats(img_bytes)}")
-    if img_hw:
-        print(f"            height {_stats([h for h, _ in img_hw])}\n            width  {_stats([w for _, w in img_hw])}")
-    print(f"    videos: {len(vid_bytes):,}; bytes {_stats(vid_bytes)}")
-    if vid_hw:
-        print(f"            frames {_stats(vid_frames)}\n            height {_stats([h for h, _ in vid_hw])}"
-              f"\n            width  {_stats([w for _, w in vid_hw])}")
-    print(f"    audios: {len(aud_bytes):,}; bytes {_stats(aud_bytes)}")
-    if aud_seconds:
-        print(f"            seconds {_stats(aud_seconds, lambda v: f'{v:,.2f}')}, total {sum(aud_seconds):,.1f} s"
-              f"\n            sample rates " + ", ".join(f"{r} Hz: {n:,}" for r, n in sorted(aud_rates.items()))
-              + "; channels " + ", ".join(f"{c}: {n:,}" for c, n in sorted(aud_channels.items())))
+    images, videos, audios = headers["image"], headers["video"], headers["audio"]
+    print(f"    images: {len(media_bytes['image']):,}; bytes {_stats(media_bytes['image'])}")
+    if images:
+        print(f"            height {_stats([i.height for i in images])}"
+              f"\n            width  {_stats([i.width for i in images])}")
+    print(f"    videos: {len(media_bytes['video']):,}; bytes {_stats(media_bytes['video'])}")
+    if videos:
+        print(f"            frames {_stats([v.num_frames for v in videos])}"
+              f"\n            height {_stats([v.height for v in videos])}"
+              f"\n            width  {_stats([v.width for v in videos])}")
+    print(f"    audios: {len(media_bytes['audio']):,}; bytes {_stats(media_bytes['audio'])}")
+    if audios:
+        seconds = [a.duration_s for a in audios]
+        rates, channels = Counter(a.sample_rate for a in audios), Counter(a.channels for a in audios)
+        print(f"            seconds {_stats(seconds, lambda v: f'{v:,.2f}')}, total {sum(seconds):,.1f} s"
+              f"\n            sample rates " + ", ".join(f"{r} Hz: {n:,}" for r, n in sorted(rates.items()))
+              + "; channels " + ", ".join(f"{c}: {n:,}" for c, n in sorted(channels.items())))
     if bad_headers:
         print(_c(f"    {bad_headers} media item(s) with unreadable headers", "31", color))
 

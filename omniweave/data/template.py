@@ -88,30 +88,28 @@ class ChatTemplate:
 QWEN2_5_OMNI_SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of "
                        "perceiving auditory and visual inputs, as well as generating text and speech.")
 
+_CHATML = ChatTemplate(
+    name="chatml",
+    system="<|im_start|>system\n{content}<|im_end|>\n",
+    user="<|im_start|>user\n{content}<|im_end|>\n",
+    assistant="<|im_start|>assistant\n{content}<|im_end|>\n",
+    observation="<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n",
+    function="<|im_start|>assistant\n{content}<|im_end|>\n",
+    default_system="You are a helpful assistant.",
+    stop_tokens=("<|im_end|>",),
+)
+
 BUILTIN_TEMPLATES = {
-    "chatml": ChatTemplate(
-        name="chatml",
-        system="<|im_start|>system\n{content}<|im_end|>\n",
-        user="<|im_start|>user\n{content}<|im_end|>\n",
-        assistant="<|im_start|>assistant\n{content}<|im_end|>\n",
-        observation="<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n",
-        function="<|im_start|>assistant\n{content}<|im_end|>\n",
-        default_system="You are a helpful assistant.",
-        stop_tokens=("<|im_end|>",),
-    ),
-    "qwen2_5_omni": ChatTemplate(
+    "chatml": _CHATML,
+    # ChatML with Qwen2.5-Omni's system prompt and media tokens, as its processor and chat template write them
+    "qwen2_5_omni": dataclasses.replace(
+        _CHATML,
         name="qwen2_5_omni",
-        system="<|im_start|>system\n{content}<|im_end|>\n",
-        user="<|im_start|>user\n{content}<|im_end|>\n",
-        assistant="<|im_start|>assistant\n{content}<|im_end|>\n",
-        observation="<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n",
-        function="<|im_start|>assistant\n{content}<|im_end|>\n",
         default_system=QWEN2_5_OMNI_SYSTEM,
         image="<|vision_bos|><|IMAGE|><|vision_eos|>",
         video="<|vision_bos|><|VIDEO|><|vision_eos|>",
         image_pad="<|IMAGE|>",
         video_pad="<|VIDEO|>",
-        stop_tokens=("<|im_end|>",),
     ),
     "llama3": ChatTemplate(
         name="llama3",
