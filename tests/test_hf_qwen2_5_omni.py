@@ -290,3 +290,43 @@ def test_hf_verify_omni_with_image_video_and_audio_files(saved, tmp_path, monkey
     monkeypatch.setattr(verify_omni, "load_hf", perturbed)
     assert main(["hf", "verify", str(path), "--audio", str(tmp_path / "short.wav")]) == 1
     assert "FAIL: logits" in capsys.readouterr().out
+
+
+def test_hf_verify_use_audio_in_video_on_real_mp4s_with_their_own_sound(saved, tmp_path, capsys):
+    """``omniweave hf verify DIR --video F --use-audio-in-video`` on real mp4s (MPEG-4 video + AAC
+    sound muxed by PyAV): the sound track's token count (from the header) and log-mel equal
+    transformers' (WhisperFeatureExtractor on the same decoded track), our interleaved TMRoPE
+    positions equal get_rope_index(use_audio_in_video=True) exactly, logits ≤ 1e-4 (measured ~3e-7).
+    Sound as long as the video, longer (4.3 s under a 2.5 s video) and shorter (1.2 s under 4.5 s),
+    and beside a separate clip; a silent video is refused (exit 2), as is the flag on a non-Omni dir."""
+    from audio_factory import encode, signal, video_with_audio_bytes
+
+    from omniweave.cli import main
+
+    _, path = saved
+    clips = {"same": (12, 3.0), "sound_longer": (10, 4.3), "sound_shorter": (18, 1.2)}  # frames at 4 fps, sound s
+    for i, (name, (frames, seconds)) in enumerate(clips.items()):
+        (tmp_path / f"{name}.mp4").write_bytes(video_with_audio_bytes(frames, 4.0, seconds, height=56, width=84, seed=i))
+    # (sound tokens, its interleaved runs: 2 s = 50 tokens per chunk, cut where the video's chunks are)
+    expected = {"same": ("[75]", "[50, 25]"), "sound_longer": ("[107]", "[50, 50, 7]"), "sound_shorter": ("[30]", "[30]")}
+    for name, (tokens, runs) in expected.items():
+        assert main(["hf", "verify", str(path), "--use-audio-in-video", "--video", str(tmp_path / f"{name}.mp4")]) == 0
+        out = capsys.readouterr().out
+        assert f"audio tokens  max|Δ| = 0.000e+00  per clip {tokens} planned from headers (HF {tokens})" in out, out
+        assert f"a video's sound track in runs {runs}" in out, out
+        assert "positions     max|Δ| = 0.000e+00" in out and "OK: all differences" in out, out
+    (tmp_path / "s.wav").write_bytes(encode(signal(2.5, 16000, 1), 16000, "wav"))
+    assert main(["hf", "verify", str(path), "--use-audio-in-video", "--audio", str(tmp_path / "s.wav"),
+                 "--video", str(tmp_path / "sound_shorter.mp4")]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "per clip [62, 30]" in out and "frames [250, 120]" in out and "OK: all differences" in out, out
+
+    (tmp_path / "silent.mp4").write_bytes(video_with_audio_bytes(12, 4.0, 0.0, height=56, width=84, audio=False))
+    assert main(["hf", "verify", str(path), "--use-audio-in-video", "--video", str(tmp_path / "silent.mp4")]) == 2
+    assert "no_audio_stream" in capsys.readouterr().err
+    assert main(["hf", "verify", str(path), "--use-audio-in-video"]) == 2
+    assert "--use-audio-in-video needs --video" in capsys.readouterr().err
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    assert main(["hf", "verify", str(tmp_path / "vl"), "--use-audio-in-video", "--video", str(tmp_path / "same.mp4")]) == 2
+    assert "--use-audio-in-video is Qwen2.5-Omni's" in capsys.readouterr().err
