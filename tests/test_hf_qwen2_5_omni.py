@@ -88,9 +88,10 @@ def test_config_round_trips_and_carries_the_token_ids(saved, ours):
     assert model.hf_model_type() == "qwen2_5_omni_thinker"
 
 
-def omni_row(seed: int = 0, text: int = 5) -> tuple[dict, dict]:
+def omni_row(seed: int = 0, text: int = 5, token_ids: dict = IDS) -> tuple[dict, dict]:
     """(our batch, transformers' inputs) of one row: text, an image, an audio clip, a video, a
-    second clip, each framed by its start / end tokens; positions from transformers' get_rope_index."""
+    second clip, each framed by its start / end tokens (``token_ids``: IDS's keys);
+    positions from transformers' get_rope_index."""
     from omniweave.data.audio import encoder_tokens
 
     g = torch.Generator().manual_seed(seed)
@@ -102,13 +103,13 @@ def omni_row(seed: int = 0, text: int = 5) -> tuple[dict, dict]:
         spans.append((sum(x.numel() for x in ids), n))
         ids.extend([torch.full((n,), token), torch.tensor([end]), rand(text)])
 
-    span(IDS["vision_start_token_id"], IDS["image_token_index"], IMAGE_GRID[0] * IMAGE_GRID[1] * IMAGE_GRID[2] // 4,
-         IDS["vision_end_token_id"], vision_spans)  # fmt: skip
+    vision = token_ids["vision_start_token_id"], token_ids["vision_end_token_id"]
+    audio = token_ids["audio_start_token_id"], token_ids["audio_end_token_id"]
+    span(vision[0], token_ids["image_token_index"], IMAGE_GRID[0] * IMAGE_GRID[1] * IMAGE_GRID[2] // 4, vision[1], vision_spans)
     audio_tokens = [encoder_tokens(f) for f in AUDIO_FRAMES]
-    span(IDS["audio_start_token_id"], IDS["audio_token_index"], audio_tokens[0], IDS["audio_end_token_id"], audio_spans)
-    span(IDS["vision_start_token_id"], IDS["video_token_index"], VIDEO_GRID[0] * VIDEO_GRID[1] * VIDEO_GRID[2] // 4,
-         IDS["vision_end_token_id"], vision_spans)  # fmt: skip
-    span(IDS["audio_start_token_id"], IDS["audio_token_index"], audio_tokens[1], IDS["audio_end_token_id"], audio_spans)
+    span(audio[0], token_ids["audio_token_index"], audio_tokens[0], audio[1], audio_spans)
+    span(vision[0], token_ids["video_token_index"], VIDEO_GRID[0] * VIDEO_GRID[1] * VIDEO_GRID[2] // 4, vision[1], vision_spans)
+    span(audio[0], token_ids["audio_token_index"], audio_tokens[1], audio[1], audio_spans)
     input_ids = torch.cat(ids)
     image = torch.randn(IMAGE_GRID[0] * IMAGE_GRID[1] * IMAGE_GRID[2], 3 * 2 * 14 * 14, generator=g)
     video = torch.randn(VIDEO_GRID[0] * VIDEO_GRID[1] * VIDEO_GRID[2], 3 * 2 * 14 * 14, generator=g)
@@ -211,10 +212,15 @@ def test_7b_recipe_builds_on_meta_with_the_thinker_parameter_count():
     assert cfg.data.rope == "mrope_omni" and cfg.data.audio.family == "qwen2_5_omni"
 
 
-def test_tiny_recipe_trains_and_exports_as_a_thinker_with_the_demo_tokenizer_ids(tmp_path):
+# the demo tokenizer's ids of the qwen2_5_omni template's media tokens (<|IMAGE|>, <|vision_bos|> …)
+TEMPLATE_IDS = IDS | dict(image_token_index=697, video_token_index=698, vision_start_token_id=695, vision_end_token_id=696)
+
+
+def test_tiny_recipe_trains_and_exports_as_a_thinker_with_its_template_token_ids(tmp_path):
     """configs/recipes/tiny_qwen2_5_omni.yaml builds, a row with every modality back-propagates
     into both towers, and the export (with the recipe's data section) is a thinker directory
-    transformers loads with the demo tokenizer's token ids and equal logits (≤ 1e-5)."""
+    transformers loads with the ids of the media tokens the recipe's template writes and equal
+    logits (≤ 1e-5)."""
     from omniweave.config import load_recipe, to_dict
     from omniweave.models.hf.export import export_hf
 
@@ -222,7 +228,7 @@ def test_tiny_recipe_trains_and_exports_as_a_thinker_with_the_demo_tokenizer_ids
     assert cfg["data"]["rope"] == "mrope_omni"
     torch.manual_seed(0)
     model = build_model(cfg["model"])
-    batch, theirs = omni_row(seed=2)
+    batch, theirs = omni_row(seed=2, token_ids=TEMPLATE_IDS)
     labels = batch["input_ids"].roll(-1)
     out = model({**batch, "labels": labels})
     out.loss_sum.backward()
@@ -231,7 +237,7 @@ def test_tiny_recipe_trains_and_exports_as_a_thinker_with_the_demo_tokenizer_ids
     assert model.image_encoder.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
     export_hf(model, cfg["model"], tmp_path, data_cfg=cfg["data"])
     exported = json.loads((tmp_path / "config.json").read_text())
-    assert {k: exported[k] for k in IDS} == IDS  # the demo tokenizer's ids, also under *_index names
+    assert {k: exported[k] for k in IDS} == TEMPLATE_IDS  # the qwen2_5_omni template's tokens, also under *_index names
     hf = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(tmp_path).eval()
     pos = hf_positions(hf, theirs)
     with torch.no_grad():
