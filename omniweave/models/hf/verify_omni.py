@@ -127,7 +127,8 @@ def verify_omni(args, hf_dir: Path, hf_cfg: dict, report) -> int:
         return 2
     errors = _token_id_errors(proc, omni)
     if errors:
-        print("error: " + "; ".join(errors), file=sys.stderr)
+        print("error: " + "; ".join(errors) + f" (template {args.template!r}: is --template the one the model was "
+              "trained with, e.g. qwen2_5_omni?)", file=sys.stderr)  # fmt: skip
         return 2
     ours_media = media_batch(proc, [(s, raw.media[s.part]) for s in sample.media])
     hf_model = _hf_thinker(hf_dir, hf_cfg)
