@@ -174,3 +174,18 @@ def test_auto_processor_loads_the_export(exported, tmp_path):
     assert hf["image_grid_thw"].tolist() == [list(sample.media[0].grid_thw)]
     assert hf["video_grid_thw"].tolist() == [list(sample.media[2].grid_thw)]
     assert hf["feature_attention_mask"].sum(-1).tolist() == [250, 300]
+
+
+def test_a_template_token_the_tokenizer_lacks_is_refused(exported, tmp_path):
+    """The processor looks the media tokens up by name: one the tokenizer does not hold is an export
+    error naming it, not a directory whose processor fails later."""
+    from omniweave.data.tokenizer import load_tokenizer
+    from omniweave.models.hf.processor_files import write_processor_files
+
+    out, _, data = exported
+    (tmp_path / "t.yaml").write_text('base: qwen2_5_omni\nimage: "<|vision_bos|><|PICTURE|><|vision_eos|>"\n'
+                                     'image_pad: "<|PICTURE|>"\n')  # fmt: skip
+    hf_cfg = json.loads((out / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"has no \['<\|PICTURE\|>'\] token"):
+        write_processor_files(tmp_path, {**data, "template": str(tmp_path / "t.yaml")}, hf_cfg,
+                              load_tokenizer(data["tokenizer"]).path)  # fmt: skip

@@ -134,10 +134,11 @@ def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str, name
 
     template = load_template(template_name)
     names = media_tokens(template) if named_tokens else {}
-    tok = load_tokenizer(str(tok_dir)) if names else None
-    missing = [t for t in names.values() if not tok.has_token(t)] if names else []
-    if missing:
-        raise ValueError(f"template {template_name!r}: the tokenizer in {tok_dir} has no {missing} token(s)")
+    if names:  # a name the processor looks up must be a token of the tokenizer
+        tok = load_tokenizer(str(tok_dir))
+        missing = [t for t in names.values() if not tok.has_token(t)]
+        if missing:
+            raise ValueError(f"template {template_name!r}: the tokenizer in {tok_dir} has no {missing} token(s)")
 
     written = []
     for name in TOKENIZER_FILES:
