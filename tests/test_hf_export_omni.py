@@ -154,8 +154,9 @@ def test_auto_processor_loads_the_export(exported, tmp_path):
 
     The video is 224 x 448 (100,352 pixels, multiples of 28): a frame size both our resize rules
     and transformers' leave as it is, since Qwen2_5OmniProcessor passes its own class default
-    ``size`` (128·28² to 768·28² pixels) to the video processor over the exported config's; frame
-    resizing parity is not what this test is about."""
+    ``size`` (128·28² to 768·28² pixels) to the video processor over the exported config's. A
+    480 x 640 video gets our grid when the caller passes the exported ``size`` (what docs/audio.md
+    tells users to do; without it transformers' class default gives [3, 22, 30])."""
     pytest.importorskip("torchvision")
     from transformers import AutoProcessor
     from transformers.video_utils import load_video
@@ -179,6 +180,14 @@ def test_auto_processor_loads_the_export(exported, tmp_path):
     assert hf["image_grid_thw"].tolist() == [list(sample.media[0].grid_thw)]
     assert hf["video_grid_thw"].tolist() == [list(sample.media[2].grid_thw)] == [[3, 16, 32]]
     assert hf["feature_attention_mask"].sum(-1).tolist() == [250, 300]
+
+    big = video_with_audio_bytes(12, 4.0, 3.0, height=480, width=640, seed=2)
+    (tmp_path / "big.mp4").write_bytes(big)
+    frames, metadata = load_video(str(tmp_path / "big.mp4"), backend="pyav")
+    size = json.loads((out / "video_preprocessor_config.json").read_text())["size"]
+    hf = processor(text="<|VIDEO|>", videos=[frames], video_metadata=[metadata], videos_kwargs={"size": size},
+                   return_tensors="pt")  # fmt: skip
+    assert hf["video_grid_thw"].tolist() == [list(proc.plan_media("video", big).video.grid_thw)] == [[3, 20, 26]]
 
 
 def test_a_template_token_the_tokenizer_lacks_is_refused(exported, tmp_path):
