@@ -88,9 +88,10 @@ def test_config_round_trips_and_carries_the_token_ids(saved, ours):
     assert model.hf_model_type() == "qwen2_5_omni_thinker"
 
 
-def omni_row(seed: int = 0, text: int = 5) -> tuple[dict, dict]:
+def omni_row(seed: int = 0, text: int = 5, token_ids: dict = IDS) -> tuple[dict, dict]:
     """(our batch, transformers' inputs) of one row: text, an image, an audio clip, a video, a
-    second clip, each framed by its start / end tokens; positions from transformers' get_rope_index."""
+    second clip, each framed by its start / end tokens (``token_ids``: IDS's keys);
+    positions from transformers' get_rope_index."""
     from omniweave.data.audio import encoder_tokens
 
     g = torch.Generator().manual_seed(seed)
@@ -102,13 +103,13 @@ def omni_row(seed: int = 0, text: int = 5) -> tuple[dict, dict]:
         spans.append((sum(x.numel() for x in ids), n))
         ids.extend([torch.full((n,), token), torch.tensor([end]), rand(text)])
 
-    span(IDS["vision_start_token_id"], IDS["image_token_index"], IMAGE_GRID[0] * IMAGE_GRID[1] * IMAGE_GRID[2] // 4,
-         IDS["vision_end_token_id"], vision_spans)  # fmt: skip
+    vision = token_ids["vision_start_token_id"], token_ids["vision_end_token_id"]
+    audio = token_ids["audio_start_token_id"], token_ids["audio_end_token_id"]
+    span(vision[0], token_ids["image_token_index"], IMAGE_GRID[0] * IMAGE_GRID[1] * IMAGE_GRID[2] // 4, vision[1], vision_spans)
     audio_tokens = [encoder_tokens(f) for f in AUDIO_FRAMES]
-    span(IDS["audio_start_token_id"], IDS["audio_token_index"], audio_tokens[0], IDS["audio_end_token_id"], audio_spans)
-    span(IDS["vision_start_token_id"], IDS["video_token_index"], VIDEO_GRID[0] * VIDEO_GRID[1] * VIDEO_GRID[2] // 4,
-         IDS["vision_end_token_id"], vision_spans)  # fmt: skip
-    span(IDS["audio_start_token_id"], IDS["audio_token_index"], audio_tokens[1], IDS["audio_end_token_id"], audio_spans)
+    span(audio[0], token_ids["audio_token_index"], audio_tokens[0], audio[1], audio_spans)
+    span(vision[0], token_ids["video_token_index"], VIDEO_GRID[0] * VIDEO_GRID[1] * VIDEO_GRID[2] // 4, vision[1], vision_spans)
+    span(audio[0], token_ids["audio_token_index"], audio_tokens[1], audio[1], audio_spans)
     input_ids = torch.cat(ids)
     image = torch.randn(IMAGE_GRID[0] * IMAGE_GRID[1] * IMAGE_GRID[2], 3 * 2 * 14 * 14, generator=g)
     video = torch.randn(VIDEO_GRID[0] * VIDEO_GRID[1] * VIDEO_GRID[2], 3 * 2 * 14 * 14, generator=g)
@@ -211,10 +212,15 @@ def test_7b_recipe_builds_on_meta_with_the_thinker_parameter_count():
     assert cfg.data.rope == "mrope_omni" and cfg.data.audio.family == "qwen2_5_omni"
 
 
-def test_tiny_recipe_trains_and_exports_as_a_thinker_with_the_demo_tokenizer_ids(tmp_path):
+# the demo tokenizer's ids of the qwen2_5_omni template's media tokens (<|IMAGE|>, <|vision_bos|> …)
+TEMPLATE_IDS = IDS | dict(image_token_index=697, video_token_index=698, vision_start_token_id=695, vision_end_token_id=696)
+
+
+def test_tiny_recipe_trains_and_exports_as_a_thinker_with_its_template_token_ids(tmp_path):
     """configs/recipes/tiny_qwen2_5_omni.yaml builds, a row with every modality back-propagates
     into both towers, and the export (with the recipe's data section) is a thinker directory
-    transformers loads with the demo tokenizer's token ids and equal logits (≤ 1e-5)."""
+    transformers loads with the ids of the media tokens the recipe's template writes and equal
+    logits (≤ 1e-5)."""
     from omniweave.config import load_recipe, to_dict
     from omniweave.models.hf.export import export_hf
 
@@ -222,7 +228,7 @@ def test_tiny_recipe_trains_and_exports_as_a_thinker_with_the_demo_tokenizer_ids
     assert cfg["data"]["rope"] == "mrope_omni"
     torch.manual_seed(0)
     model = build_model(cfg["model"])
-    batch, theirs = omni_row(seed=2)
+    batch, theirs = omni_row(seed=2, token_ids=TEMPLATE_IDS)
     labels = batch["input_ids"].roll(-1)
     out = model({**batch, "labels": labels})
     out.loss_sum.backward()
@@ -231,7 +237,7 @@ def test_tiny_recipe_trains_and_exports_as_a_thinker_with_the_demo_tokenizer_ids
     assert model.image_encoder.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
     export_hf(model, cfg["model"], tmp_path, data_cfg=cfg["data"])
     exported = json.loads((tmp_path / "config.json").read_text())
-    assert {k: exported[k] for k in IDS} == IDS  # the demo tokenizer's ids, also under *_index names
+    assert {k: exported[k] for k in IDS} == TEMPLATE_IDS  # the qwen2_5_omni template's tokens, also under *_index names
     hf = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(tmp_path).eval()
     pos = hf_positions(hf, theirs)
     with torch.no_grad():
@@ -290,3 +296,43 @@ def test_hf_verify_omni_with_image_video_and_audio_files(saved, tmp_path, monkey
     monkeypatch.setattr(verify_omni, "load_hf", perturbed)
     assert main(["hf", "verify", str(path), "--audio", str(tmp_path / "short.wav")]) == 1
     assert "FAIL: logits" in capsys.readouterr().out
+
+
+def test_hf_verify_use_audio_in_video_on_real_mp4s_with_their_own_sound(saved, tmp_path, capsys):
+    """``omniweave hf verify DIR --video F --use-audio-in-video`` on real mp4s (MPEG-4 video + AAC
+    sound muxed by PyAV): the sound track's token count (from the header) and log-mel equal
+    transformers' (WhisperFeatureExtractor on the same decoded track), our interleaved TMRoPE
+    positions equal get_rope_index(use_audio_in_video=True) exactly, logits ≤ 1e-4 (measured ~3e-7).
+    Sound as long as the video, longer (4.3 s under a 2.5 s video) and shorter (1.2 s under 4.5 s),
+    and beside a separate clip; a silent video is refused (exit 2), as is the flag on a non-Omni dir."""
+    from audio_factory import encode, signal, video_with_audio_bytes
+
+    from omniweave.cli import main
+
+    _, path = saved
+    clips = {"same": (12, 3.0), "sound_longer": (10, 4.3), "sound_shorter": (18, 1.2)}  # frames at 4 fps, sound s
+    for i, (name, (frames, seconds)) in enumerate(clips.items()):
+        (tmp_path / f"{name}.mp4").write_bytes(video_with_audio_bytes(frames, 4.0, seconds, height=56, width=84, seed=i))
+    # (sound tokens, its interleaved runs: 2 s = 50 tokens per chunk, cut where the video's chunks are)
+    expected = {"same": ("[75]", "[50, 25]"), "sound_longer": ("[107]", "[50, 50, 7]"), "sound_shorter": ("[30]", "[30]")}
+    for name, (tokens, runs) in expected.items():
+        assert main(["hf", "verify", str(path), "--use-audio-in-video", "--video", str(tmp_path / f"{name}.mp4")]) == 0
+        out = capsys.readouterr().out
+        assert f"audio tokens  max|Δ| = 0.000e+00  per clip {tokens} planned from headers (HF {tokens})" in out, out
+        assert f"a video's sound track in runs {runs}" in out, out
+        assert "positions     max|Δ| = 0.000e+00" in out and "OK: all differences" in out, out
+    (tmp_path / "s.wav").write_bytes(encode(signal(2.5, 16000, 1), 16000, "wav"))
+    assert main(["hf", "verify", str(path), "--use-audio-in-video", "--audio", str(tmp_path / "s.wav"),
+                 "--video", str(tmp_path / "sound_shorter.mp4")]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "per clip [62, 30]" in out and "frames [250, 120]" in out and "OK: all differences" in out, out
+
+    (tmp_path / "silent.mp4").write_bytes(video_with_audio_bytes(12, 4.0, 0.0, height=56, width=84, audio=False))
+    assert main(["hf", "verify", str(path), "--use-audio-in-video", "--video", str(tmp_path / "silent.mp4")]) == 2
+    assert "no_audio_stream" in capsys.readouterr().err
+    assert main(["hf", "verify", str(path), "--use-audio-in-video"]) == 2
+    assert "--use-audio-in-video needs --video" in capsys.readouterr().err
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    assert main(["hf", "verify", str(tmp_path / "vl"), "--use-audio-in-video", "--video", str(tmp_path / "same.mp4")]) == 2
+    assert "--use-audio-in-video is Qwen2.5-Omni's" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from torch import nn
 
 from omniweave.data.media import VisionConfig
 from omniweave.models.hf.loading import adapter_for, assign_state_dict
-from omniweave.models.hf.processor_files import write_processor_files
+from omniweave.models.hf.processor_files import media_tokens, write_processor_files
 from omniweave.models.registry import build_model
 
 
@@ -37,17 +37,21 @@ def hf_model_type(model: nn.Module) -> str:
 
 def tokenizer_hf_fields(data_cfg: dict | None) -> tuple[dict, Path | None]:
     """(config.json token ids, tokenizer dir) of a recipe's ``data:`` section, so an exported VL
-    model's ``image_token_id`` … match the tokenizer it was trained with; ({}, None) without one."""
+    model's ``image_token_id`` … are the ids of the media tokens its ``data.template`` wrote in
+    training (chatml: ``<|image_pad|>``, qwen2_5_omni: ``<|IMAGE|>`` …); ({}, None) without one."""
     if not data_cfg or not data_cfg.get("tokenizer"):
         return {}, None
+    from omniweave.data.template import load_template
     from omniweave.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data_cfg["tokenizer"])
+    media = media_tokens(load_template(str(data_cfg.get("template", "chatml"))))  # what training wrote
     ids = {}
-    for key, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-                       ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
-                       ("audio_token_index", "<|AUDIO|>"),  # Qwen2-Audio's config key (set only where cfg has it)
-                       ("audio_start_token_id", "<|audio_bos|>"), ("audio_end_token_id", "<|audio_eos|>"),  # Omni thinker
+    for key, token in (("image_token_id", media["image_token"]), ("video_token_id", media["video_token"]),
+                       ("vision_start_token_id", media["vision_bos_token"]), ("vision_end_token_id", media["vision_eos_token"]),
+                       ("audio_token_index", media["audio_token"]),  # Qwen2-Audio's config key (set only where cfg has it)
+                       ("audio_start_token_id", media["audio_bos_token"]),  # Omni thinker
+                       ("audio_end_token_id", media["audio_eos_token"]),
                        ("eos_token_id", tok.eos_token), ("bos_token_id", tok.bos_token), ("pad_token_id", tok.pad_token)):
         if token and tok.has_token(token):
             ids[key] = tok.token_id(token)

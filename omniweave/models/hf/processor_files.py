@@ -17,6 +17,13 @@ Audio models (Qwen2-Audio) get ``preprocessor_config.json`` as ``WhisperFeatureE
 mel bins of the exported audio tower; 16 kHz, 30 s windows: ``data/mel.py``'s constants) and
 ``processor_config.json`` naming ``Qwen2AudioProcessor``.
 
+The Qwen2.5-Omni thinker (``Qwen2_5OmniProcessor``: image processor, video processor, feature
+extractor, tokenizer) gets one ``preprocessor_config.json`` holding both the image processor's and
+the ``WhisperFeatureExtractor``'s fields (``AutoImageProcessor`` and ``AutoFeatureExtractor`` each
+read it, as in the released checkpoints), the video config, and in ``tokenizer_config.json`` the
+named media tokens its processor reads off the tokenizer (``image_token``, ``audio_bos_token`` …:
+the recipe template's, :func:`media_tokens`).
+
 The image and video configs are written as separate files with both the ``size`` dict
 (transformers 5) and the ``min_pixels`` / ``max_pixels`` keys (transformers 4, serving engines);
 ``processor_config.json`` holds no nested copies, so each setting lives in one place.
@@ -32,7 +39,8 @@ from omniweave.data.media import VisionConfig
 from omniweave.data.mel import CHUNK_SAMPLES, HOP_LENGTH, N_FFT, SAMPLE_RATE
 
 PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                     "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor"}  # fmt: skip
+                     "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor",
+                     "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor"}  # fmt: skip
 AUDIO_PROCESSOR_CLASSES = {"qwen2_audio": "Qwen2AudioProcessor"}
 # Qwen3-VL's processor writes video timestamps and needs its own video processor (metadata)
 VIDEO_PROCESSOR_TYPES = {"Qwen3VLProcessor": "Qwen3VLVideoProcessor"}
@@ -103,12 +111,36 @@ def check_vision_matches_model(vision: VisionConfig, hf_cfg: dict) -> None:
             raise ValueError(f"data.vision.{ours}={getattr(vision, ours)} but the model's vision_config.{theirs}={v[theirs]}")
 
 
-def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str) -> list[str]:
+def media_tokens(template) -> dict[str, str]:
+    """A chat template's media tokens under transformers' names: the pads and the tokens framing
+    them (``image`` = vision_bos + pad + vision_eos, ``audio`` = audio_bos + pad + audio_eos)."""
+    vision_bos, vision_eos = template.image.split(template.image_pad)
+    audio_bos, audio_eos = template.audio.split(template.audio_pad)
+    return {"image_token": template.image_pad, "video_token": template.video_pad, "audio_token": template.audio_pad,
+            "vision_bos_token": vision_bos, "vision_eos_token": vision_eos,
+            "audio_bos_token": audio_bos, "audio_eos_token": audio_eos}  # fmt: skip
+
+
+# processors that read the media tokens off the tokenizer (tokenizer.image_token …), not their own defaults
+NAMED_TOKEN_PROCESSORS = ("Qwen2_5OmniProcessor",)
+
+
+def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str, named_tokens: bool = False) -> list[str]:
     """Copy the tokenizer and write ``chat_template.jinja`` for the recipe's template. A chat
     template the tokenizer brought along (tokenizer_config.json's ``chat_template``, or files
-    next to it) is not copied: the exported one is what the model was trained with."""
+    next to it) is not copied: the exported one is what the model was trained with.
+    ``named_tokens``: tokenizer_config.json also names the template's media tokens
+    (``image_token``: ``<|IMAGE|>`` …), which the tokenizer must hold."""
     from omniweave.data.template import hf_chat_template, load_template
-    from omniweave.data.tokenizer import TOKENIZER_FILES
+    from omniweave.data.tokenizer import TOKENIZER_FILES, load_tokenizer
+
+    template = load_template(template_name)
+    names = media_tokens(template) if named_tokens else {}
+    if names:  # a name the processor looks up must be a token of the tokenizer
+        tok = load_tokenizer(str(tok_dir))
+        missing = [t for t in names.values() if not tok.has_token(t)]
+        if missing:
+            raise ValueError(f"template {template_name!r}: the tokenizer in {tok_dir} has no {missing} token(s)")
 
     written = []
     for name in TOKENIZER_FILES:
@@ -117,11 +149,12 @@ def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str) -> l
         if name == "tokenizer_config.json":
             tok_cfg = json.loads((tok_dir / name).read_text())
             tok_cfg.pop("chat_template", None)
+            tok_cfg.update(names)
             (out_dir / name).write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
         else:
             shutil.copyfile(tok_dir / name, out_dir / name)
         written.append(name)
-    (out_dir / "chat_template.jinja").write_text(hf_chat_template(load_template(template_name)))
+    (out_dir / "chat_template.jinja").write_text(hf_chat_template(template))
     return written + ["chat_template.jinja"]
 
 
@@ -129,11 +162,12 @@ def write_processor_files(out_dir: Path, data_cfg: dict, hf_cfg: dict, tok_dir: 
     """Write the tokenizer, chat template and (VL model types) processor configs; returns the
     names written. ``hf_cfg`` is the exported config.json (its model_type picks the processor)."""
     written = []
+    processor_class = PROCESSOR_CLASSES.get(hf_cfg.get("model_type"))
     if tok_dir is not None:
-        written += write_tokenizer_files(tok_dir, out_dir, str(data_cfg.get("template", "chatml")))
+        written += write_tokenizer_files(tok_dir, out_dir, str(data_cfg.get("template", "chatml")),
+                                         named_tokens=processor_class in NAMED_TOKEN_PROCESSORS)  # fmt: skip
     if hf_cfg.get("model_type") in AUDIO_PROCESSOR_CLASSES:
         return written + write_audio_processor_files(out_dir, hf_cfg)
-    processor_class = PROCESSOR_CLASSES.get(hf_cfg.get("model_type"))
     if processor_class is None:  # a text-only model: the tokenizer is its processor
         return written
     vision = VisionConfig.from_mapping(data_cfg.get("vision"))
@@ -141,6 +175,9 @@ def write_processor_files(out_dir: Path, data_cfg: dict, hf_cfg: dict, tok_dir: 
     files = {"preprocessor_config.json": image_processor_config(vision, processor_class),
              "video_preprocessor_config.json": video_processor_config(vision, processor_class),
              "processor_config.json": {"processor_class": processor_class}}  # fmt: skip
+    if "audio_config" in hf_cfg:  # Qwen2.5-Omni: the feature extractor reads the same file
+        n_mels = hf_cfg["audio_config"]["num_mel_bins"]
+        files["preprocessor_config.json"] |= audio_feature_extractor_config(n_mels, processor_class)
     for name, content in files.items():
         (out_dir / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return written + list(files)

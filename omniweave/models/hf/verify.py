@@ -17,7 +17,9 @@ runs the same conversation through both, printing max|Δ| for every stage:
     logits        OmniModel.logits vs transformers' forward (fp32)
 
 Audio-language models (an ``audio_config`` and no ``vision_config``: Qwen2-Audio) are checked by
-``verify_audio.py`` (audio token counts, mel features, logits).
+``verify_audio.py`` (audio token counts, mel features, logits), the Qwen2.5-Omni thinker by
+``verify_omni.py`` (also ``--use-audio-in-video``: the videos' own sound tracks as audio inputs;
+any other model type refuses that flag, exit 2).
 
 It exits 1 when any difference exceeds ``--atol`` (ids and grids must be equal), 0 otherwise.
 
@@ -57,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     parser.add_argument("--video", action="append", default=[], help="video file (repeatable)")
     parser.add_argument("--audio", action="append", default=[], help="audio file (repeatable; audio models)")
+    parser.add_argument("--use-audio-in-video", action="store_true",
+                        help="Qwen2.5-Omni: each --video's own sound track is an audio input too")
     parser.add_argument("--atol", type=float, default=1e-4, help="tolerance on max|Δ| (default 1e-4)")
     parser.add_argument("--prompt", default="Describe what you see.", help="user text after the media")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random media")
@@ -256,7 +260,11 @@ def verify(args) -> int:
 
     hf_dir = Path(args.hf_dir)
     hf_cfg = read_hf_config(hf_dir)
-    if hf_cfg.get("model_type") in ("qwen2_5_omni_thinker", "qwen2_5_omni"):
+    omni = hf_cfg.get("model_type") in ("qwen2_5_omni_thinker", "qwen2_5_omni")
+    if args.use_audio_in_video and not omni:
+        print(f"error: --use-audio-in-video is Qwen2.5-Omni's; {hf_dir} is {hf_cfg.get('model_type')}", file=sys.stderr)
+        return 2
+    if omni:
         from omniweave.models.hf.verify_omni import verify_omni
 
         return verify_omni(args, hf_dir, hf_cfg, _report)

@@ -12,6 +12,13 @@ Called by ``verify.py`` for those model types. One conversation (``<image>``, ``
                    decoded clips (``truncation=False``: a clip keeps all its frames), valid frames only
     logits         OmniModel.logits vs transformers' thinker forward (fp32), on our input_ids
 
+``--use-audio-in-video``: each ``--video`` carries its own sound track, which becomes an audio
+input too (our side: ``data.audio.use_audio_in_video``, its pads interleaved with the video's in
+``seconds_per_chunk`` chunks; transformers: the same decoded track through
+``WhisperFeatureExtractor`` and ``use_audio_in_video=True`` for ``get_rope_index`` and the
+forward). A video without an audio stream is refused (exit 2, reason ``no_audio_stream``), as the
+data pipeline rejects it.
+
 Pixels: ours are fed to both (our resize rules are checked against transformers' processors by the
 Qwen2.5-VL verify). Positions: ours (``rope: mrope_omni``, planned
 offline) must equal transformers' ``get_rope_index`` (TMRoPE) on the same ids; each model runs on
@@ -59,10 +66,10 @@ def _sample(args, hf_dir: Path, model_cfg: dict, media: dict[str, list[bytes]]):
     tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else "demo"
     omni = model_cfg["foundation"]["extra_hf"]["omni"]
     vision["position_id_per_seconds"] = omni.get("position_id_per_seconds", 25)
+    audio = {"family": "qwen2_5_omni", "n_mels": model_cfg["audio_encoder"]["num_mel_bins"],
+             "seconds_per_chunk": omni.get("seconds_per_chunk", 2), "use_audio_in_video": args.use_audio_in_video}
     proc = SampleProcessor({"tokenizer": tokenizer, "template": args.template, "max_len": 1 << 20, "rope": "mrope_omni",
-                            "vision": vision, "audio": {"family": "qwen2_5_omni",
-                                                        "n_mels": model_cfg["audio_encoder"]["num_mel_bins"],
-                                                        "seconds_per_chunk": omni.get("seconds_per_chunk", 2)}})  # fmt: skip
+                            "vision": vision, "audio": audio})  # fmt: skip
     raw = RawSample(key="verify", conversation=conv, media=files)
     return proc, raw, proc.tokenize(raw)
 
@@ -105,25 +112,37 @@ def _hf_thinker(hf_dir: Path, hf_cfg: dict):
 
 def verify_omni(args, hf_dir: Path, hf_cfg: dict, report) -> int:
     from omniweave.data.loader import media_batch
+    from omniweave.data.tokenize import SampleRejected
 
+    if args.use_audio_in_video and not args.video:
+        print("error: --use-audio-in-video needs --video files that carry a sound track", file=sys.stderr)
+        return 2
     model_cfg = adapter_for(hf_cfg["model_type"]).model_config(hf_cfg)
     omni = model_cfg["foundation"]["extra_hf"]["omni"]
     media = _media(args)
-    proc, raw, sample = _sample(args, hf_dir, model_cfg, media)
+    try:
+        proc, raw, sample = _sample(args, hf_dir, model_cfg, media)
+    except SampleRejected as e:  # e.g. no_audio_stream: a --video without sound under --use-audio-in-video
+        print(f"error: our data pipeline rejects the conversation ({e})", file=sys.stderr)
+        return 2
     errors = _token_id_errors(proc, omni)
     if errors:
-        print("error: " + "; ".join(errors), file=sys.stderr)
+        print("error: " + "; ".join(errors) + f" (template {args.template!r}: is --template the one the model was "
+              "trained with, e.g. qwen2_5_omni?)", file=sys.stderr)  # fmt: skip
         return 2
     ours_media = media_batch(proc, [(s, raw.media[s.part]) for s in sample.media])
     hf_model = _hf_thinker(hf_dir, hf_cfg)
     kw: dict = {}
     rows = []
-    if media["audio"]:
+    audio_spans = [s for s in sample.media if s.kind == "audio"]
+    if audio_spans:
         features, mask = _hf_features(proc, sample, raw, model_cfg["audio_encoder"]["num_mel_bins"])
         hf_counts = hf_model.model.audio_tower._get_feat_extract_output_lengths(mask.sum(-1))[1].tolist()
-        ours_counts = ours_media["audio_spans"][:, 1].tolist()
+        video_parts = {s.part for s in sample.media if s.kind == "video"}
+        ours_counts = [s.length for s in audio_spans]  # a video's sound: the sum of its interleaved runs
         rows.append(("audio tokens", 0.0 if ours_counts == hf_counts else None,
-                     f"per clip {ours_counts} planned from headers (HF {hf_counts})"))  # fmt: skip
+                     f"per clip {ours_counts} planned from headers (HF {hf_counts})"
+                     + "".join(f"; a video's sound track in runs {[n for _, n in s.ranges()]}" for s in audio_spans if s.part in video_parts)))  # fmt: skip
         lengths = ours_media["audio_lengths"]
         same = torch.equal(lengths, mask.sum(-1))
         diff = max((ours_media["audio_features"][i, :, :n] - features[i, :, :n]).abs().max().item()
@@ -143,7 +162,7 @@ def verify_omni(args, hf_dir: Path, hf_cfg: dict, report) -> int:
     seconds = [s.second_per_grid for s in vision_spans if s.kind == "video"]
     ids = torch.from_numpy(sample.input_ids.astype(np.int64))
     pos, _ = hf_model.model.get_rope_index(ids[None], kw.get("image_grid_thw"), kw.get("video_grid_thw"),
-                                           torch.ones_like(ids[None]), False, kw["feature_attention_mask"].sum(-1)
+                                           torch.ones_like(ids[None]), args.use_audio_in_video, kw["feature_attention_mask"].sum(-1)
                                            if "feature_attention_mask" in kw else None,
                                            torch.tensor(seconds) if seconds else None)  # fmt: skip
     ours_pos = torch.from_numpy(sample.position_ids.astype(np.int64))
@@ -155,9 +174,9 @@ def verify_omni(args, hf_dir: Path, hf_cfg: dict, report) -> int:
     batch = {"input_ids": ids, "position_ids": ours_pos, "cu_seqlens": torch.tensor([0, ids.numel()], dtype=torch.int32),
              **ours_media}  # fmt: skip
     with torch.no_grad():
-        ref = hf_model(input_ids=ids[None], position_ids=pos, **kw).logits[0]
+        ref = hf_model(input_ids=ids[None], position_ids=pos, use_audio_in_video=args.use_audio_in_video, **kw).logits[0]
         got = ours.logits(batch)
     rows.append(("logits", (ref - got).abs().max().item(),
-                 f"[{ref.shape[0]}, {ref.shape[1]}] fp32; {len(kinds)} image/video and {len(media['audio'])} audio "
+                 f"[{ref.shape[0]}, {ref.shape[1]}] fp32; {len(kinds)} image/video and {len(audio_spans)} audio "
                  "item(s); ours on our positions, transformers on its own"))  # fmt: skip
     return report(rows, args.atol)
