@@ -41,6 +41,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+import omniweave  # noqa: E402,F401  before transformers (omniweave/torchvision_compat.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # bench/quick.py, also when imported as bench.train
 from figure import pyplot, save  # noqa: E402

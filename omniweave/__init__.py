@@ -1,7 +1,7 @@
 """omniweave: train multimodal models (text, images, video, audio) on an LLM backbone."""
 
-from omniweave.torchvision_compat import make_torchvision_importable as _make_torchvision_importable
+from omniweave import torchvision_compat as _torchvision_compat
 
 __version__ = "0.1.0"
 
-_make_torchvision_importable()  # before anything imports transformers (see torchvision_compat.py)
+_torchvision_compat.install()  # before anything imports torchvision (see torchvision_compat.py)

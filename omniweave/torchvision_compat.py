@@ -8,14 +8,19 @@ load, and ``import torchvision`` then dies registering fake kernels for ``torchv
 ``torchvision::qnms`` ("operator torchvision::nms does not exist"); transformers, which sees the
 package installed, fails with it.
 
-:func:`make_torchvision_importable` runs once at ``import omniweave``. Where torchvision is not
-installed, or its compiled ops load (a matching torch build), it does nothing. Otherwise it defines
-just those two operator schemas, without kernels, so the import succeeds: resize, normalise and the
-other transforms work; calling ``torchvision.ops.nms`` raises (no kernel), as it should.
+:func:`make_torchvision_importable` runs just before the first ``import torchvision`` of a
+process that imported omniweave (:func:`install`, called by ``import omniweave``, puts a finder
+first on ``sys.meta_path`` that calls it; torch is not imported before then). Where torchvision is
+not installed, or its compiled ops load (a matching torch build), it does nothing. Otherwise it
+defines just those two operator schemas, without kernels, so the import succeeds: resize,
+normalise and the other transforms work; calling ``torchvision.ops.nms`` raises (no kernel), as it
+should. A script that imports transformers before omniweave on such a machine still fails inside
+torchvision: import omniweave first (tests/conftest.py and the bench scripts do).
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
 import sys
 from pathlib import Path
@@ -50,3 +55,27 @@ def make_torchvision_importable() -> str:
     for schema in _SCHEMAS:
         _LIBRARY.define(schema)
     return "schemas"
+
+
+class _BeforeTorchvision(importlib.abc.MetaPathFinder):
+    """Finds nothing; on the first lookup of ``torchvision`` it steps aside and prepares the import."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision":
+            uninstall()
+            make_torchvision_importable()
+        return None
+
+
+_FINDER = _BeforeTorchvision()
+
+
+def install() -> None:
+    """Prepare torchvision's import lazily (see the module doc); idempotent."""
+    if "torchvision" not in sys.modules and _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
+def uninstall() -> None:
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)

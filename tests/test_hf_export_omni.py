@@ -147,6 +147,15 @@ def test_hf_verify_passes_on_the_export_with_a_video_and_its_sound(exported, tmp
     assert "config image_token_index=697 but the tokenizer's id is 5" in capsys.readouterr().err
 
 
+def _our_frames(frames, metadata, frame_indices):
+    """The frames we sampled (qwen-vl-utils' placement, the recipe's default), handed to the
+    processor as qwen-vl-utils hands them: the export's video processor does not sample itself
+    (``do_sample_frames: false``)."""
+    picked = list(dict.fromkeys(frame_indices))
+    metadata.frames_indices = picked
+    return frames[picked]
+
+
 def test_auto_processor_loads_the_export(exported, tmp_path):
     """The real AutoProcessor (needs torchvision): a Qwen2_5OmniProcessor whose ids equal ours for
     an image, a clip and a video with its own sound track (``load_audio_from_video``, the track
@@ -170,6 +179,7 @@ def test_auto_processor_loads_the_export(exported, tmp_path):
     assert type(processor).__name__ == "Qwen2_5OmniProcessor"
     (tmp_path / "v.mp4").write_bytes(video)
     frames, metadata = load_video(str(tmp_path / "v.mp4"), backend="pyav")  # torchcodec is not installed either
+    frames = _our_frames(frames, metadata, sample.media[2].frame_indices)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "audio"}, {"type": "video"},
                                              {"type": "text", "text": PROMPT}]}]  # fmt: skip
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -184,6 +194,7 @@ def test_auto_processor_loads_the_export(exported, tmp_path):
     big = video_with_audio_bytes(12, 4.0, 3.0, height=480, width=640, seed=2)
     (tmp_path / "big.mp4").write_bytes(big)
     frames, metadata = load_video(str(tmp_path / "big.mp4"), backend="pyav")
+    frames = _our_frames(frames, metadata, proc.plan_media("video", big).video.frame_indices)
     size = json.loads((out / "video_preprocessor_config.json").read_text())["size"]
     hf = processor(text="<|VIDEO|>", videos=[frames], video_metadata=[metadata], videos_kwargs={"size": size},
                    return_tensors="pt")  # fmt: skip
