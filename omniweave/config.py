@@ -96,6 +96,7 @@ class TrainSchema:
     precision: str = "fp32"
     cpu_threads: Optional[int] = None
     ac: str = "none"
+    offload: str = "none"
     seed: int = 0
     init_from: Optional[str] = None
     save_interval: int = 0

@@ -86,3 +86,13 @@ def test_a_component_field_its_yaml_leaves_at_the_default_is_overridden_like_any
     assert cfg.model.foundation.attn_backend == "math" and cfg.model.foundation.num_layers == 3
     with pytest.raises(RecipeError, match="did you mean 'model.foundation.attn_backend'"):
         config.load_recipe("demo", ["model.foundation.attn_backnd=math"])
+
+
+def test_an_unknown_offload_mode_is_refused_naming_the_key():
+    """``train.offload`` is none or optimizer; anything else fails before a model is built."""
+    import pytest
+
+    from omniweave.parallel.fsdp import apply_fsdp
+
+    with pytest.raises(ValueError, match=r"train.offload='gpu'; choose one of none, optimizer"):
+        apply_fsdp(None, None, offload="gpu")

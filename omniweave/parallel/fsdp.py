@@ -50,8 +50,12 @@ def apply_ac(model: nn.Module, mode: str = "none", every: int = 2) -> None:
     _replace_blocks(model, wrap)
 
 
+OFFLOAD = ("none", "optimizer")
+
+
 def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=None,
-               experts: list[nn.Module] = (), experts_mesh=None) -> nn.Module:
+               experts: list[nn.Module] = (), experts_mesh=None, offload: str = "none",
+               pin_memory: bool = False) -> nn.Module:
     """``fully_shard`` every block and then the root over ``mesh``; with ``encoder_mesh`` (the
     encoders' own data-parallel mesh, see ``dims.Meshes``) the encoders' blocks, the rest of
     each encoder and its projector shard over that one instead.
@@ -62,13 +66,20 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
     sharded master weights stay fp32 (FSDP2 ``MixedPrecisionPolicy``). ``experts`` (the MoE
     layers' routed experts, already split by expert parallelism, parallel/expert.py) shard over
     their own ``experts_mesh`` (the ranks holding the same experts) on their expert dim (the
-    next dim when there are fewer local experts than ranks), or, without one, are left alone."""
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    next dim when there are fewer local experts than ranks), or, without one, are left alone.
+    ``offload="optimizer"``: FSDP2's ``CPUOffloadPolicy`` — the sharded fp32 master weights, their
+    gradients and so the optimizer state live in host memory and the optimizer steps there; the
+    device holds a block's gathered weights while it runs (``pin_memory`` where there is an
+    accelerator: pinned host buffers copy asynchronously)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mp = None
+    if offload not in OFFLOAD:
+        raise ValueError(f"train.offload={offload!r}; choose one of {', '.join(OFFLOAD)}")
+    extra = {}
     if precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    extra = {} if mp is None else {"mp_policy": mp}
+        extra["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload == "optimizer":
+        extra["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
     if experts and (experts_mesh is None or experts_mesh.size() == 1):
         extra["ignored_params"] = {p for m in experts for p in m.parameters()}
     elif experts:

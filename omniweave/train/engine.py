@@ -98,10 +98,11 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
         apply_ep(model, meshes.ep)
     set_router_groups(model, meshes.fsdp, meshes.cp)
     apply_ac(model, str(cfg.train.get("ac", "none")))
-    if dims.world_size > 1:
+    if uses_fsdp(cfg, dims.world_size):
         apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")),
                    encoder_mesh=meshes.encoder_fsdp if dims.tp_encoder < dims.tp else None,
-                   experts=expert_modules(model) if dims.ep > 1 else (), experts_mesh=meshes.expert_dp)
+                   experts=expert_modules(model) if dims.ep > 1 else (), experts_mesh=meshes.expert_dp,
+                   offload=offload_mode(cfg), pin_memory=device.type != "cpu")
     if meta_init:  # materialise each rank's shards only, then initialise them
         model.to_empty(device=device)
         seed_sharded_init(int(cfg.train.seed), device)
@@ -109,6 +110,16 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
     if cfg.train.get("init_from"):
         init_weights_from(model, str(cfg.train.init_from))
     return model
+
+
+def offload_mode(cfg) -> str:
+    return str(cfg.train.get("offload", "none") or "none")
+
+
+def uses_fsdp(cfg, world_size: int) -> bool:
+    """FSDP2 wraps the model on more than one rank, and on one when it offloads (its offload policy
+    is what moves the master weights and optimizer state to host memory)."""
+    return world_size > 1 or offload_mode(cfg) != "none"
 
 
 def seed_sharded_init(seed: int, device: torch.device) -> None:
@@ -211,7 +222,7 @@ class Engine:
             torch.set_num_threads(tc_threads(cfg))
         tc = cfg.train
         self.total = int(tc.steps)
-        self.precision, self.fsdp = str(tc.get("precision", "fp32")), self.world > 1
+        self.precision, self.fsdp = str(tc.get("precision", "fp32")), uses_fsdp(cfg, self.world)
         self.run_dir = Path(cfg.output_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.config_yaml = OmegaConf.to_yaml(cfg)
@@ -257,7 +268,8 @@ class Engine:
         d = self.dims
         n = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return (f"{self.info.type} x{self.world} (dp={d.dp}, cp={d.cp} {d.cp_attention}, tp={d.tp}, "
-                f"encoder tp={d.tp_encoder}{f', ep={d.ep}' if d.ep > 1 else ''}), {n / 1e6:.2f}M trainable parameters")
+                f"encoder tp={d.tp_encoder}{f', ep={d.ep}' if d.ep > 1 else ''}), {n / 1e6:.2f}M trainable parameters"
+                + (", weights + optimizer state offloaded to host memory" if offload_mode(self.cfg) != "none" else ""))
 
     # ------------------------------------------------------------------ one step
 

@@ -29,6 +29,17 @@ def build_optimizer(model: nn.Module, train_cfg) -> torch.optim.Optimizer:
     )
 
 
+def _full(norm) -> torch.Tensor:
+    """A DTensor norm reduced over its mesh. Offloaded gradients (``train.offload``) are host
+    tensors on an accelerator's mesh, whose collectives want device tensors: reduce a copy there."""
+    from torch.distributed.tensor import DTensor
+
+    local, mesh = norm.to_local(), norm.device_mesh
+    if local.device.type != mesh.device_type:
+        norm = DTensor.from_local(local.to(mesh.device_type), mesh, norm.placements, run_check=False)
+    return norm.full_tensor()
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """Global L2 norm of the gradients (clipped to ``max_norm`` when > 0), for parameters that may
     live on different device meshes (per-component tensor / data parallelism): the norm of each
@@ -41,9 +52,11 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     squares = []
     for ps in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=True)
-        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+        squares.append((_full(norm) if hasattr(norm, "full_tensor") else norm).double() ** 2)
+    total = (torch.stack([sq.to(squares[0].device) for sq in squares]).sum().sqrt() if squares
+             else torch.zeros((), dtype=torch.float64))  # fmt: skip
     if max_norm > 0:
         for ps in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(ps[0].grad.dtype), foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(ps[0].grad.device, ps[0].grad.dtype),
+                                                 foreach=True)  # fmt: skip
     return float(total)

@@ -189,6 +189,28 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(demo_packed, tmp_path_factory,
     assert max_abs_diff(final_state(run), final_state(ref)) <= WEIGHT_ATOL
 
 
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1rank", "dp2"])
+def test_optimizer_offload_trains_and_resumes_like_without(demo_packed, tmp_path_factory, tmp_path, nproc):
+    """``train.offload: optimizer`` (FSDP2's CPU offload policy, on one rank too): the 1-rank losses
+    and final weights; its step-4 checkpoint resumed (offloaded again) finishes the same way."""
+    ref = _run(demo_packed, tmp_path_factory, 1)
+    run = _run(demo_packed, tmp_path_factory, nproc, train__offload="optimizer")
+    assert "weights + optimizer state offloaded to host memory" in (run / "stdout.txt").read_text()
+    rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
+    dw = max_abs_diff(final_state(run), final_state(ref))
+    assert dw <= WEIGHT_ATOL
+    resumed = tmp_path / "run"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run / "checkpoints" / "step_000004", resumed / "checkpoints" / "step_000004")
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(run)[:4]))
+    res = train_subprocess(demo_packed, resumed, nproc=nproc, resume="auto", steps=STEPS, train__save_interval=SAVE,
+                           train__keep_last=0, train__offload="optimizer")
+    assert res.returncode == 0, res.stdout[-4000:]
+    _assert_same_losses(losses(resumed), losses(ref), LOSS_RTOL)
+    assert max_abs_diff(final_state(resumed), final_state(ref)) <= WEIGHT_ATOL
+    print(f"offload {nproc} rank(s): loss max rel Δ {rel:.2e}, weights max |Δ| {dw:.2e}")
+
+
 # ---------------------------------------------------------------------------- media imbalance
 
 
