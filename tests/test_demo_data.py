@@ -124,7 +124,7 @@ def test_pixels_hold_the_answer(demo):
 def test_same_seed_same_bytes_other_seed_differs(tmp_path):
     a = generate(tmp_path / "a", samples=30, eval_samples=10, seed=5)
     b = generate(tmp_path / "b", samples=30, eval_samples=10, seed=5)
-    c = generate(tmp_path / "c", samples=30, eval_samples=10, seed=6)
+    generate(tmp_path / "c", samples=30, eval_samples=10, seed=6)
     assert a == b
     for name in ("train.jsonl", "eval.jsonl"):
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
