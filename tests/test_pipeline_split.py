@@ -9,7 +9,8 @@ import itertools
 
 import pytest
 
-from omniweave.parallel.pipeline import check_microbatches, encoder_cost_in_layers, split_layers, stage_ranges
+from omniweave.parallel.pipeline import (check_microbatches, check_model, encoder_cost_in_layers, split_layers,
+                                         stage_ranges)
 
 
 def test_explicit_pp_layers_are_used_as_given():
@@ -72,6 +73,32 @@ def test_microbatch_errors_name_the_keys():
         check_microbatches(3, 4, "1f1b")
     with pytest.raises(ValueError, match=r"parallel.pp_schedule=interleaved_1f1b.*multiple of 2"):
         check_microbatches(5, 2, "interleaved_1f1b")
+
+
+def _model(recipe: str, *overrides: str):
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.models.registry import build_model
+
+    return build_model(to_dict(load_recipe(recipe, list(overrides)).model))
+
+
+def test_model_errors_name_the_keys():
+    """Checked on every rank before a stage runs: tied embeddings (embedding and LM head would sit
+    in different stages), DeepStack levels beyond stage 0's layers, a model without the OmniModel
+    parts the stages are built from."""
+    from omniweave.models.components.decoder import Decoder, DecoderConfig
+    from omniweave.models.text import CausalLM
+
+    check_model(_model("demo"), [1, 1])
+    with pytest.raises(ValueError, match="model.foundation.tie_word_embeddings"):
+        check_model(_model("demo", "model.foundation.tie_word_embeddings=true"), [1, 1])
+    qwen3_vl = _model("tiny_qwen3_vl")  # 2 DeepStack levels, 3 layers
+    check_model(qwen3_vl, [2, 1])
+    with pytest.raises(ValueError, match=r"stage 0 holds 1 layers.*2 levels.*parallel.pp_layers"):
+        check_model(qwen3_vl, [1, 2])
+    with pytest.raises(TypeError, match="OmniModel"):
+        check_model(CausalLM(Decoder(DecoderConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2,
+                                                   num_heads=2, num_kv_heads=1))), [1, 1])
 
 
 def _compositions(total: int, parts: int):

@@ -135,10 +135,6 @@ class StageModule(nn.Module):
         if self.is_first:
             inputs = model.foundation_inputs(self.rows[int(x)])
             h, deepstack = inputs["inputs_embeds"], inputs.get("deepstack")
-            if deepstack is not None and deepstack.num_levels > len(self.layer_ids):
-                raise ValueError(f"stage 0 holds {len(self.layer_ids)} layers but the DeepStack adds "
-                                 f"{deepstack.num_levels} levels after the first layers: give stage 0 at least "
-                                 f"{deepstack.num_levels} (parallel.pp_layers)")
         else:
             h = x[0]
         cos, sin = foundation.rope(position_ids[0])
@@ -211,9 +207,7 @@ class Pipeline:
             raise ValueError(f"parallel.pp_schedule={schedule} with parallel.pp_virtual={virtual}: "
                              f"{', '.join(LOOPED)} need pp_virtual >= 2, the others 1")
         check_microbatches(n_microbatches, pp, schedule)
-        if getattr(model.foundation.config, "tie_word_embeddings", False):
-            raise ValueError("tied word embeddings (model.foundation.tie_word_embeddings) put the embedding "
-                             "and the LM head in different pipeline stages; untie them to use parallel.pp")
+        check_model(model, sizes)
         ranges = stage_ranges(sizes)
         ids = [rank + v * pp for v in range(virtual)]
         self.modules = [StageModule(model, ranges[s], s == 0, s == len(sizes) - 1) for s in ids]
@@ -276,3 +270,19 @@ def check_microbatches(n_microbatches: int, pp: int, schedule: str) -> None:
     if schedule in LOOPED and n_microbatches % rounds:
         raise ValueError(f"parallel.pp_schedule={schedule} runs micro-batches in rounds of parallel.pp={pp}: "
                          f"{n_microbatches} rows per step (train.global_batch / dp) must be a multiple of {rounds}")
+
+
+def check_model(model: nn.Module, sizes: list[int]) -> None:
+    """What the stages need of the model, checked on every rank before any stage runs (an error
+    inside the schedule would stop one rank and leave the others waiting for its sends)."""
+    if not hasattr(model, "foundation_inputs") or not hasattr(model.foundation, "run_layers"):
+        raise TypeError(f"pipeline stages are built from an OmniModel over a Decoder foundation, got "
+                        f"{type(model).__name__}")
+    if getattr(model.foundation.config, "tie_word_embeddings", False):
+        raise ValueError("tied word embeddings (model.foundation.tie_word_embeddings) put the embedding "
+                         "and the LM head in different pipeline stages; untie them to use parallel.pp")
+    levels = getattr(model, "deepstack_levels", 0)
+    if levels > sizes[0]:
+        raise ValueError(f"stage 0 holds {sizes[0]} layers but the DeepStack adds {levels} levels after the "
+                         f"first {levels} layers, which must sit in stage 0: give it at least {levels} "
+                         "(parallel.pp_layers)")
