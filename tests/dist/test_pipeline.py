@@ -5,7 +5,7 @@ The demo model (Qwen2.5-VL-shaped: ViT + patch merger + M-RoPE decoder) with its
 layers, on the 4 demo packs with the most kinds of media (images and videos in the same rows),
 each padded with a loss-free document to the packs' 512 tokens (the run's static row length).
 The reference is the plain model on the unpadded rows: Σ loss_sum / loss tokens, backward.
-Every case takes one pipeline step of the 4 rows as 4 micro-batches on 2 ranks; the loss and
+Every case takes one pipeline step of its rows (4 demo packs, 2 Qwen3-VL rows), one micro-batch each; the loss and
 every gradient (each parameter on the rank holding it, compared by name; together the ranks
 hold each parameter of the model exactly once) equal the reference within 1e-5 relative:
 
