@@ -105,3 +105,31 @@ def _compositions(total: int, parts: int):
     for cuts in itertools.combinations(range(1, total), parts - 1):
         bounds = (0, *cuts, total)
         yield [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("overrides, world, keys", [
+    (["parallel.pp=2", "parallel.dp=2"], 4, ["parallel.pp=2 runs alone", "dp=2"]),
+    (["parallel.pp=2", "parallel.pp_schedule=dualpipe"], 2, ["parallel.pp_schedule='dualpipe'"]),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], 2, ["parallel.pp_virtual=1", "interleaved_1f1b"]),
+    (["parallel.pp=2", "parallel.pp_layers=[1,2]"], 2, ["parallel.pp_layers [1, 2]", "model.foundation.num_layers"]),
+    (["parallel.pp=4"], 2, ["pp*cp*tp = 4"]),
+    (["parallel.pp=0"], 2, ["parallel.pp=0"]),
+])
+def test_recipe_pp_errors_name_the_keys(overrides, world, keys):
+    """``parallel.pp`` and its keys are checked with the layout, before any rank builds a model."""
+    from omniweave.config import load_recipe
+    from omniweave.parallel.dims import ParallelDims
+
+    cfg = load_recipe("demo", overrides)  # the demo foundation has 2 layers
+    with pytest.raises(ValueError) as err:
+        ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
+    assert all(k in str(err.value) for k in keys), str(err.value)
+
+
+def test_recipe_pp_layout():
+    from omniweave.config import load_recipe
+    from omniweave.parallel.dims import ParallelDims
+
+    cfg = load_recipe("demo", ["parallel.pp=2", "parallel.pp_layers=[1,1]"])
+    dims = ParallelDims.from_config(cfg.parallel, 2, model=cfg.model)
+    assert (dims.pp, dims.dp, dims.cp, dims.tp) == (2, 1, 1, 1)

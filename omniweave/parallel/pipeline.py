@@ -104,6 +104,28 @@ def stage_ranges(sizes: list[int]) -> list[range]:
     return [range(end - n, end) for n, end in zip(sizes, ends)]
 
 
+def slice_model(model: nn.Module, layers, first: bool, last: bool, share: bool = False) -> nn.Module:
+    """A copy of ``model`` holding only decoder ``layers``, and the encoders, projectors and
+    embedding when ``first``, the final norm and LM head when ``last``; the other parts are None
+    (parameter names unchanged). ``share``: the kept parts are ``model``'s own modules (not copies).
+    Every part of the model must be one of these, so that a new part cannot be dropped silently."""
+    foundation = model.foundation
+    first_parts = [foundation.embed_tokens, *(getattr(model, s) for m in model.modalities for s in (m.encoder, m.projector))]
+    last_parts = [foundation.norm, foundation.lm_head]
+    keep = {id(m): first for m in first_parts if m is not None}  # None: not in this (already sliced) model
+    keep.update({id(m): last for m in last_parts if m is not None})
+    keep.update({id(layer): i in layers for i, layer in enumerate(foundation.layers) if layer is not None})
+    containers = {id(foundation), id(foundation.layers)}
+    unknown = [name for name, m in (*model.named_children(), *foundation.named_children())
+               if m is not None and id(m) not in keep and id(m) not in containers]
+    if unknown:
+        raise TypeError(f"pipeline stages do not know where these parts of the model go: {unknown}")
+    memo = {i: None for i, kept in keep.items() if not kept}  # deepcopy maps each of them to None
+    if share:
+        memo.update({id(m): m for m in (*first_parts, *last_parts, *foundation.layers) if m is not None and keep[id(m)]})
+    return copy.deepcopy(model, memo=memo)
+
+
 class StageModule(nn.Module):
     """One stage of an OmniModel: the model's parts it needs, under their own names.
 
@@ -112,16 +134,9 @@ class StageModule(nn.Module):
     token-loss sum ``[1]`` (fp32), the others the hidden state ``[1, L, D]``."""
 
     def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
+        """``model``: this rank's part of the model (``slice_model``), whose modules the stage shares."""
         super().__init__()
-        foundation = model.foundation
-        dropped = [layer for i, layer in enumerate(foundation.layers) if i not in layers]
-        if not first:
-            dropped += [foundation.embed_tokens, *(getattr(model, s) for m in model.modalities
-                                                    for s in (m.encoder, m.projector))]
-        if not last:
-            dropped += [foundation.norm, foundation.lm_head]
-        # a copy without the dropped parts (deepcopy maps each of them to None; names are kept)
-        part = copy.deepcopy(model, memo={id(m): None for m in dropped})
+        part = slice_model(model, layers, first, last, share=True)
         for name, child in part.named_children():
             self.add_module(name, child)
         self._model = (part,)  # not a submodule: its children are registered above
@@ -210,7 +225,10 @@ class Pipeline:
         check_model(model, sizes)
         ranges = stage_ranges(sizes)
         ids = [rank + v * pp for v in range(virtual)]
-        self.modules = [StageModule(model, ranges[s], s == 0, s == len(sizes) - 1) for s in ids]
+        mine = [i for s in ids for i in ranges[s]]
+        # this rank's part of the model: what the optimizer and checkpoints see; the stages share its modules
+        self.local = slice_model(model, mine, 0 in ids, len(sizes) - 1 in ids)
+        self.modules = [StageModule(self.local, ranges[s], s == 0, s == len(sizes) - 1) for s in ids]
         self.stages = [pl.PipelineStage(m, s, len(sizes), device, group=group) for m, s in zip(self.modules, ids)]
         self.n_microbatches, self.group, self.device = n_microbatches, group, device
         self.capacity: int | None = None  # the row length fixed by the first step
@@ -226,8 +244,7 @@ class Pipeline:
 
     def named_parameters(self):
         """(name, parameter) of this rank's stages, under the model's names."""
-        for m in self.modules:
-            yield from m.named_parameters()
+        return self.local.named_parameters()
 
     def check_rows(self, rows: list[dict]) -> None:
         """ValueError unless the step has ``n_microbatches`` rows, all of the run's length."""
@@ -286,3 +303,32 @@ def check_model(model: nn.Module, sizes: list[int]) -> None:
         raise ValueError(f"stage 0 holds {sizes[0]} layers but the DeepStack adds {levels} levels after the "
                          f"first {levels} layers, which must sit in stage 0: give it at least {levels} "
                          "(parallel.pp_layers)")
+
+
+def build_pipeline(model: nn.Module, cfg, dims, meshes, device) -> Pipeline:
+    """The trainer's pipeline from the recipe: ``parallel.pp_layers`` or the cost-model split
+    (the encoders' share from the packed data's vision tokens per row), ``parallel.pp_schedule``,
+    ``parallel.pp_virtual``; one micro-batch per row of the rank's ``train.global_batch / dp``."""
+    from omniweave.config import to_dict
+
+    par, model_cfg = cfg.parallel, to_dict(cfg.model)
+    pp_layers = par.get("pp_layers")
+    cost = None if pp_layers is not None else encoder_cost_in_layers(model_cfg, _patches_per_token(cfg.data.path, model_cfg))
+    sizes = split_layers(model.foundation.config.num_layers, dims.pp, int(par.get("pp_virtual", 1) or 1),
+                         None if pp_layers is None else list(pp_layers), first_stage_cost=cost)
+    return Pipeline(model, sizes, meshes.pp.get_group(), device, str(par.get("pp_schedule", "1f1b")),
+                    n_microbatches=int(cfg.train.global_batch) // dims.dp)
+
+
+def _patches_per_token(packed: str, model_cfg: dict) -> float:
+    """Encoder patches per decoder token of the packed data (stats.json: vision tokens, each
+    merge² patches, over the packs' capacity tokens); 0 for a model without an image encoder."""
+    import json
+    from pathlib import Path
+
+    vit = model_cfg.get("image_encoder")
+    if vit is None:
+        return 0.0
+    stats = json.loads((Path(packed) / "stats.json").read_text())
+    merge = int((model_cfg.get("projector") or {}).get("merge_size") or vit.get("spatial_merge_size", 2))
+    return stats["vision_tokens"] * merge**2 / max(stats["capacity_tokens"], 1)

@@ -103,6 +103,27 @@ def test_parallel_layouts_train_like_single_process(demo_packed, tmp_path_factor
     print(f"{nproc} ranks {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
 
 
+@pytest.mark.parametrize("parallel", [
+    {"parallel__pp": 2},
+    {"parallel__pp": 2, "parallel__pp_schedule": "interleaved_1f1b", "parallel__pp_virtual": 2},
+], ids=["pp2-1f1b", "pp2xv2-interleaved"])
+def test_pipeline_trains_like_single_process(demo_packed, tmp_path_factory, parallel):
+    """`omniweave train --nproc 2 parallel.pp=2` (the demo foundation at 4 layers; 4 rows per step
+    = 4 micro-batches, padded to data.max_len): the 1-rank losses, token counts and grad norms
+    (summed over the stages' ranks), and its checkpoints (each rank saves its stages' weights)
+    load into one plain process with the 1-rank final weights."""
+    layers = {"model__foundation__num_layers": 4}
+    ref = _run(demo_packed, tmp_path_factory, 1, **layers)
+    run = _run(demo_packed, tmp_path_factory, 2, **layers, **parallel)
+    rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
+    assert [r["tokens"] for r in read_metrics(run)] == [r["tokens"] for r in read_metrics(ref)]
+    gnorm_rel = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(read_metrics(run), read_metrics(ref)))
+    assert gnorm_rel <= LOSS_RTOL
+    dw = max_abs_diff(final_state(run), final_state(ref))
+    assert dw <= LAYOUT_WEIGHT_ATOL
+    print(f"pp {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
+
+
 @pytest.mark.parametrize("nproc,parallel", [(2, {}), (2, {"parallel__cp": 2})], ids=["dp2", "cp2-audio-split"])
 def test_omni_training_with_audio_matches_single_process(omni_packed, tmp_path_factory, nproc, parallel):
     """convert -> pack -> train on mixed text / image / video / audio data (``demo_omni``: the demo
