@@ -67,12 +67,13 @@ class ParallelDims:
                              "(the encoder's tp group sits inside the foundation's)")
         if pp < 1:
             raise ValueError(f"parallel.pp={pp} must be >= 1")
+        pp_names = ("pp*", f"pp={pp} x ") if pp > 1 else ("", "")
         if dp == -1:
             if world_size % (pp * cp * tp):
-                raise ValueError(f"world size {world_size} is not divisible by pp*cp*tp = {pp * cp * tp}")
+                raise ValueError(f"world size {world_size} is not divisible by {pp_names[0]}cp*tp = {pp * cp * tp}")
             dp = world_size // (pp * cp * tp)
         if dp < 1 or pp * dp * cp * tp != world_size:
-            raise ValueError(f"parallel pp={pp} x dp={dp} x cp={cp} x tp={tp} = {pp * dp * cp * tp} != world size "
+            raise ValueError(f"parallel {pp_names[1]}dp={dp} x cp={cp} x tp={tp} = {pp * dp * cp * tp} != world size "
                              f"{world_size} (set parallel.dp=-1 to use all remaining ranks)")
         mode = str(get("cp_attention", "ring"))
         if mode not in CP_ATTENTION:
