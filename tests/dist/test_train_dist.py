@@ -5,6 +5,8 @@ single-process run of the same recipe and data (DESIGN.md §4):
   and final weights;
 - resume: a run SIGKILLed mid-training, or killed inside a checkpoint write, and resumed with
   ``--resume auto`` reproduces the uninterrupted losses; a 1-rank checkpoint resumes on 2 ranks;
+- pipeline parallelism: pp 2 (1f1b; interleaved x virtual 2) gives the 1-rank losses, grad norms
+  and weights, and its checkpoints resume on 1 rank (and a 1-rank one at pp 2);
 - a rank whose pack has no media next to a rank with a video does not hang.
 """
 
@@ -208,6 +210,28 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(demo_packed, tmp_path_factory,
     assert res.returncode == 0, res.stdout[-4000:]
     _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
     assert max_abs_diff(final_state(run), final_state(ref)) <= WEIGHT_ATOL
+
+
+@pytest.mark.parametrize("saved_on, resumed_on", [(1, 2), (2, 1)], ids=["1rank-to-pp2", "pp2-to-1rank"])
+def test_pipeline_checkpoints_resume_at_another_layout(demo_packed, tmp_path_factory, tmp_path, saved_on, resumed_on):
+    """A step-2 checkpoint of one layout (1 rank, or pp 2: each rank saved its stages' weights and
+    AdamW moments under the model's names) resumed on the other: the rest of the run matches 1 rank."""
+    layers = {"model__foundation__num_layers": 4}
+    pp = {1: {}, 2: {"parallel__pp": 2}}
+    ref = _run(demo_packed, tmp_path_factory, 1, **layers)
+    saved = _run(demo_packed, tmp_path_factory, saved_on, **layers, **pp[saved_on])
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(saved / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(saved)[:2]))
+    res = train_subprocess(demo_packed, run, nproc=resumed_on, resume="auto", steps=STEPS, train__save_interval=SAVE,
+                           train__keep_last=0, **layers, **pp[resumed_on])
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "resumed from" in res.stdout
+    rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
+    dw = max_abs_diff(final_state(run), final_state(ref))
+    assert dw <= LAYOUT_WEIGHT_ATOL
+    print(f"checkpoint of {saved_on} -> {resumed_on} ranks: loss max rel Δ {rel:.2e}, weights max |Δ| {dw:.2e}")
 
 
 # ---------------------------------------------------------------------------- media imbalance
