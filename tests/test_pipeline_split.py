@@ -133,3 +133,16 @@ def test_recipe_pp_layout():
     cfg = load_recipe("demo", ["parallel.pp=2", "parallel.pp_layers=[1,1]"])
     dims = ParallelDims.from_config(cfg.parallel, 2, model=cfg.model)
     assert (dims.pp, dims.dp, dims.cp, dims.tp) == (2, 1, 1, 1)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["train.save_hf=true"], "train.save_hf"),
+    (["foundation@model.foundation=qwen3_moe_tiny", "train.ac=full"], "a MoE foundation (model.foundation.num_experts), train.ac=full"),
+])
+def test_train_refuses_what_pipelines_cannot_do_yet(capsys, overrides, named):
+    """`omniweave train --nproc 2 parallel.pp=2` with a setting pipelines do not support yet: one
+    line naming the keys, exit 2, before any rank starts."""
+    from omniweave.cli import main
+
+    assert main(["train", "demo", "parallel.pp=2", *overrides, "--nproc", "2"]) == 2
+    assert f"parallel.pp=2 does not support {named} yet" in capsys.readouterr().err

@@ -305,6 +305,19 @@ def check_model(model: nn.Module, sizes: list[int]) -> None:
                          "(parallel.pp_layers)")
 
 
+def unsupported_with_pp(cfg) -> list[str]:
+    """The recipe settings a pipelined run (``parallel.pp`` > 1) cannot honour yet, by their keys."""
+    from omniweave.config import to_dict
+    from omniweave.models.components.decoder import moe_layer_indices
+
+    tc, ev = cfg.train, cfg.get("eval") or {}
+    found = {"train.phase=grpo": tc.get("phase") == "grpo", "train.save_hf": bool(tc.get("save_hf")),
+             "train.eval_interval with eval.path": bool(tc.get("eval_interval")) and bool(ev.get("path")),
+             "a MoE foundation (model.foundation.num_experts)": bool(moe_layer_indices(to_dict(cfg.model.foundation))),
+             f"train.ac={tc.get('ac')}": str(tc.get("ac", "none") or "none") != "none"}
+    return [k for k, v in found.items() if v]
+
+
 def build_pipeline(model: nn.Module, cfg, dims, meshes, device) -> Pipeline:
     """The trainer's pipeline from the recipe: ``parallel.pp_layers`` or the cost-model split
     (the encoders' share from the packed data's vision tokens per row), ``parallel.pp_schedule``,

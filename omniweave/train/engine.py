@@ -219,6 +219,7 @@ class Engine:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
         self.model = build(cfg, self.device, self.dims, self.meshes)
+        self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # global shapes
         self.pipeline = None
         if self.dims.pp > 1:  # this rank's stages; self.model becomes its part of the model
             self.flop_counts = model_flop_counts(self.model)  # the whole model's, before it is cut
@@ -236,16 +237,9 @@ class Engine:
     def _pipeline(self, cfg) -> nn.Module:
         """``parallel.pp``: the pipeline over the built model (parallel/pipeline.py); returns this
         rank's part of the model. What a pipelined run cannot do yet fails here, naming the keys."""
-        from omniweave.models.components.router_loss import router_layers
-        from omniweave.parallel.pipeline import build_pipeline
+        from omniweave.parallel.pipeline import build_pipeline, unsupported_with_pp
 
-        tc = cfg.train
-        unsupported = {"train.phase=grpo": tc.get("phase") == "grpo", "train.save_hf": bool(tc.get("save_hf")),
-                       "train.eval_interval with eval.path": bool(tc.get("eval_interval"))
-                       and bool(cfg.get("eval", {}).get("path")),
-                       "a MoE foundation (router losses)": bool(router_layers(self.model)),
-                       f"train.ac={tc.get('ac')}": str(tc.get("ac", "none")) != "none"}
-        named = [k for k, v in unsupported.items() if v]
+        named = unsupported_with_pp(cfg)  # the CLI says so before any rank starts (trainer.check_ready)
         if named:
             raise ValueError(f"parallel.pp={self.dims.pp} does not support {', '.join(named)} yet")
         self.pipeline = build_pipeline(self.model, cfg, self.dims, self.meshes, self.device)
@@ -278,7 +272,7 @@ class Engine:
 
     def describe(self) -> str:
         d = self.dims
-        n = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        n = self.trainable
         return (f"{self.info.type} x{self.world} ({f'pp={d.pp}, ' if d.pp > 1 else ''}dp={d.dp}, cp={d.cp} {d.cp_attention}, tp={d.tp}, "
                 f"encoder tp={d.tp_encoder}{f', ep={d.ep}' if d.ep > 1 else ''}), {n / 1e6:.2f}M trainable parameters")
 
