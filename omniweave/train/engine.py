@@ -328,7 +328,8 @@ class Engine:
 
         rows = [to_device(mb, self.device) for mb in pad_rows(micro_batches, int(self.cfg.data.max_len))]
         t0 = time.perf_counter()
-        loss = self.pipeline.step(rows, normaliser=max(normaliser, 1))
+        with autocast(self.device, self.precision, self.fsdp):
+            loss = self.pipeline.step(rows, normaliser=max(normaliser, 1))
         compute_s = time.perf_counter() - t0
         return self._apply_update(torch.tensor(loss * max(normaliser, 1), dtype=torch.float64, device=self.device),
                                   {}, normaliser, compute_s, count_step, reduce=False)
