@@ -125,6 +125,10 @@ class ParallelSchema:
     cp_head_groups: int = 1
     vision_split: bool = True
     ep: int = 1
+    pp: int = 1
+    pp_layers: Optional[List[int]] = None
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
 
 
 @dataclass

@@ -3,7 +3,7 @@
     dims = ParallelDims.from_config(cfg.parallel, world_size=8, model=cfg.model)   # dp=-1 -> 8 // (cp * tp)
     meshes = dims.build_meshes("cuda")                                          # DeviceMesh + groups
 
-Mesh dims, outermost first: ``dp``, ``cp`` (or ``cp_ring`` x ``cp_ulysses`` with hybrid CP
+Mesh dims, outermost first: ``pp`` (pipeline stages, parallel/pipeline.py; alone so far), ``dp``, ``cp`` (or ``cp_ring`` x ``cp_ulysses`` with hybrid CP
 attention: Ulysses inside each group of ``cp_ulysses`` consecutive ranks, ring across them),
 ``tp_rep`` x ``tp_enc``. Tensor parallelism is per component (``model.foundation.tp``,
 ``model.image_encoder.tp`` = ``model.audio_encoder.tp``: the encoders share one): the foundation is
@@ -44,6 +44,7 @@ class ParallelDims:
     vision_split: bool = True  # CP ranks share the vision encoder's work (else each encodes all media)
     tp_encoder: int = 1  # model.image_encoder.tp (= model.audio_encoder.tp: one for all encoders); divides tp
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep data-parallel ranks
+    pp: int = 1  # pipeline stages (ranks), the outermost mesh dim (parallel/pipeline.py)
 
     @classmethod
     def from_config(cls, parallel: Any, world_size: int, model: Any = None) -> "ParallelDims":
@@ -57,20 +58,23 @@ class ParallelDims:
         if len(set(encoder_tp.values())) > 1:
             raise ValueError("the encoders share one tp group: set the same tp for each "
                              f"({', '.join(f'model.{e}.tp={t}' for e, t in encoder_tp.items())})")
-        dp, cp, tp = int(get("dp", -1)), int(get("cp", 1)), int(comp("foundation"))
+        dp, cp, tp, pp = int(get("dp", -1)), int(get("cp", 1)), int(comp("foundation")), int(get("pp", 1))
         tp_enc, enc_key = next(iter(encoder_tp.values()), 1), f"model.{encoders[0] if encoders else 'image_encoder'}.tp"
         if cp < 1 or tp < 1 or tp_enc < 1:
             raise ValueError(f"parallel.cp={cp}, model.foundation.tp={tp}, {enc_key}={tp_enc} must be >= 1")
         if tp % tp_enc:
             raise ValueError(f"{enc_key}={tp_enc} must divide model.foundation.tp={tp} "
                              "(the encoder's tp group sits inside the foundation's)")
+        if pp < 1:
+            raise ValueError(f"parallel.pp={pp} must be >= 1")
+        pp_names = ("pp*", f"pp={pp} x ") if pp > 1 else ("", "")
         if dp == -1:
-            if world_size % (cp * tp):
-                raise ValueError(f"world size {world_size} is not divisible by cp*tp = {cp * tp}")
-            dp = world_size // (cp * tp)
-        if dp < 1 or dp * cp * tp != world_size:
-            raise ValueError(f"parallel dp={dp} x cp={cp} x tp={tp} = {dp * cp * tp} != world size {world_size} "
-                             "(set parallel.dp=-1 to use all remaining ranks)")
+            if world_size % (pp * cp * tp):
+                raise ValueError(f"world size {world_size} is not divisible by {pp_names[0]}cp*tp = {pp * cp * tp}")
+            dp = world_size // (pp * cp * tp)
+        if dp < 1 or pp * dp * cp * tp != world_size:
+            raise ValueError(f"parallel {pp_names[1]}dp={dp} x cp={cp} x tp={tp} = {pp * dp * cp * tp} != world size "
+                             f"{world_size} (set parallel.dp=-1 to use all remaining ranks)")
         mode = str(get("cp_attention", "ring"))
         if mode not in CP_ATTENTION:
             raise ValueError(f"parallel.cp_attention={mode!r}; choose one of {', '.join(CP_ATTENTION)}")
@@ -81,9 +85,11 @@ class ParallelDims:
         ep = int(get("ep", 1) or 1)
         if ep != 1:
             check_ep(ep, dp, cp, (model.get("foundation") or {}) if model is not None else {})
+        if pp > 1:
+            check_pp(parallel, pp, dp, cp, tp, ep, model)
         return cls(dp=dp, cp=cp, tp=tp, world_size=world_size, cp_attention=mode,
                    cp_ulysses=uly if mode == "hybrid" else 1, vision_split=bool(get("vision_split", True)),
-                   tp_encoder=tp_enc, ep=ep)
+                   tp_encoder=tp_enc, ep=ep, pp=pp)
 
     @property
     def shard_ranks(self) -> int:
@@ -96,7 +102,8 @@ class ParallelDims:
 
         hybrid = self.cp_attention == "hybrid" and self.cp > 1
         cp_dims = [("cp_ring", self.cp // self.cp_ulysses), ("cp_ulysses", self.cp_ulysses)] if hybrid else [("cp", self.cp)]
-        named = [("dp", self.dp), *cp_dims, ("tp_rep", self.tp // self.tp_encoder), ("tp_enc", self.tp_encoder)]
+        named = [("pp", self.pp), ("dp", self.dp), *cp_dims, ("tp_rep", self.tp // self.tp_encoder),
+                 ("tp_enc", self.tp_encoder)]
         mesh = init_device_mesh(device_type, tuple(n for _, n in named), mesh_dim_names=tuple(k for k, _ in named))
         cp_names = tuple(k for k, _ in cp_dims)
 
@@ -118,7 +125,7 @@ class ParallelDims:
             dp_rank=mesh["dp"].get_local_rank(), cp_rank=cp_mesh.get_local_rank(),
             ring_group=mesh["cp_ring"].get_group() if hybrid else None,
             ulysses_group=mesh["cp_ulysses"].get_group() if hybrid else None,
-            ep=ep_mesh, expert_dp=expert_dp,
+            ep=ep_mesh, expert_dp=expert_dp, pp=mesh["pp"],
         )
 
 
@@ -140,6 +147,25 @@ def check_ep(ep: int, dp: int, cp: int, foundation: Any) -> None:
                          "(each EP rank holds num_experts / ep experts)")
 
 
+def check_pp(parallel: Any, pp: int, dp: int, cp: int, tp: int, ep: int, model: Any) -> None:
+    """``parallel.pp`` and its keys against the layout and the foundation (errors name the keys)."""
+    from omniweave.parallel.pipeline import LOOPED, SCHEDULES, split_layers
+
+    if (dp, cp, tp, ep) != (1, 1, 1, 1):
+        raise ValueError(f"parallel.pp={pp} runs alone so far: it needs parallel.dp = parallel.cp = "
+                         f"model.foundation.tp = parallel.ep = 1 (got dp={dp}, cp={cp}, tp={tp}, ep={ep})")
+    schedule, virtual = str(parallel.get("pp_schedule", "1f1b")), int(parallel.get("pp_virtual", 1) or 1)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if (virtual > 1) != (schedule in LOOPED):
+        raise ValueError(f"parallel.pp_schedule={schedule} with parallel.pp_virtual={virtual}: "
+                         f"{', '.join(LOOPED)} need pp_virtual >= 2, the others 1")
+    if model is not None:
+        layers = int((model.get("foundation") or {}).get("num_layers", 0))
+        pp_layers = parallel.get("pp_layers")
+        split_layers(layers, pp, virtual, None if pp_layers is None else list(pp_layers))
+
+
 @dataclass
 class Meshes:
     world: Any  # DeviceMesh over every rank (dims above)
@@ -155,3 +181,4 @@ class Meshes:
     ulysses_group: Any = None  # hybrid only
     ep: Any = None  # ep > 1: 1-D mesh of this rank's EP group (ep consecutive dp x cp ranks)
     expert_dp: Any = None  # ep > 1: 1-D mesh of the dp x cp / ep ranks holding the same experts
+    pp: Any = None  # 1-D mesh of this rank's pipeline (its ranks hold stages r, r + pp, ...)

@@ -98,7 +98,7 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
         apply_ep(model, meshes.ep)
     set_router_groups(model, meshes.fsdp, meshes.cp)
     apply_ac(model, str(cfg.train.get("ac", "none")))
-    if uses_fsdp(cfg, dims.world_size):
+    if uses_fsdp(cfg, dims.world_size, dims.pp):
         apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")),
                    encoder_mesh=meshes.encoder_fsdp if dims.tp_encoder < dims.tp else None,
                    experts=expert_modules(model) if dims.ep > 1 else (), experts_mesh=meshes.expert_dp,
@@ -116,10 +116,11 @@ def offload_mode(cfg) -> str:
     return str(cfg.train.get("offload", "none") or "none")
 
 
-def uses_fsdp(cfg, world_size: int) -> bool:
-    """FSDP2 wraps the model on more than one rank, and on one when it offloads (its offload policy
-    is what moves the master weights and optimizer state to host memory)."""
-    return world_size > 1 or offload_mode(cfg) != "none"
+def uses_fsdp(cfg, world_size: int, pp: int = 1) -> bool:
+    """FSDP2 wraps the model when there are more ranks than pipeline stages (a pipeline's ranks hold
+    different stages, not shards: parallel/pipeline.py), and on one rank when it offloads (its
+    offload policy is what moves the master weights and optimizer state to host memory)."""
+    return world_size > pp or (pp == 1 and offload_mode(cfg) != "none")
 
 
 def seed_sharded_init(seed: int, device: torch.device) -> None:
@@ -222,7 +223,7 @@ class Engine:
             torch.set_num_threads(tc_threads(cfg))
         tc = cfg.train
         self.total = int(tc.steps)
-        self.precision, self.fsdp = str(tc.get("precision", "fp32")), uses_fsdp(cfg, self.world)
+        self.precision, self.fsdp = str(tc.get("precision", "fp32")), uses_fsdp(cfg, self.world, self.dims.pp)
         self.run_dir = Path(cfg.output_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.config_yaml = OmegaConf.to_yaml(cfg)
@@ -230,6 +231,11 @@ class Engine:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
         self.model = build(cfg, self.device, self.dims, self.meshes)
+        self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # global shapes
+        self.pipeline = None
+        if self.dims.pp > 1:  # this rank's stages; self.model becomes its part of the model
+            self.flop_counts = model_flop_counts(self.model)  # the whole model's, before it is cut
+            self.model = self._pipeline(cfg)
         self.optimizer = build_optimizer(self.model, tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -239,6 +245,17 @@ class Engine:
         self.save_interval, self.keep_last = int(tc.get("save_interval", 0) or 0), int(tc.get("keep_last", 0) or 0)
         self.eval_interval = int(tc.get("eval_interval", 0) or 0)
         self.log: MetricsLogger | None = None
+
+    def _pipeline(self, cfg) -> nn.Module:
+        """``parallel.pp``: the pipeline over the built model (parallel/pipeline.py); returns this
+        rank's part of the model. What a pipelined run cannot do yet fails here, naming the keys."""
+        from omniweave.parallel.pipeline import build_pipeline, unsupported_with_pp
+
+        named = unsupported_with_pp(cfg)  # the CLI says so before any rank starts (trainer.check_ready)
+        if named:
+            raise ValueError(f"parallel.pp={self.dims.pp} does not support {', '.join(named)} yet")
+        self.pipeline = build_pipeline(self.model, cfg, self.dims, self.meshes, self.device)
+        return self.pipeline.local
 
     # ------------------------------------------------------------------ resume and logs
 
@@ -259,26 +276,27 @@ class Engine:
     def start_logging(self, line=SFT_LINE) -> None:
         """Metrics from the current step on; ``line``: the console fields (metrics.SFT_LINE format)."""
         self.t_start = time.perf_counter()
-        self.flop_counts = model_flop_counts(self.model)
+        if self.pipeline is None:  # a pipeline counted its whole model before it was cut
+            self.flop_counts = model_flop_counts(self.model)
         self.peak_flops = device_peak_flops(self.device, self.precision) * self.world
         self.log = MetricsLogger(self.run_dir, self.total, self.step, enabled=self.rank == 0,
                                  log_interval=int(self.cfg.train.get("log_interval", 1)), line=line)
 
     def describe(self) -> str:
         d = self.dims
-        n = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        return (f"{self.info.type} x{self.world} (dp={d.dp}, cp={d.cp} {d.cp_attention}, tp={d.tp}, "
+        n = self.trainable
+        return (f"{self.info.type} x{self.world} ({f'pp={d.pp}, ' if d.pp > 1 else ''}dp={d.dp}, cp={d.cp} {d.cp_attention}, tp={d.tp}, "
                 f"encoder tp={d.tp_encoder}{f', ep={d.ep}' if d.ep > 1 else ''}), {n / 1e6:.2f}M trainable parameters"
                 + (", weights + optimizer state offloaded to host memory" if offload_mode(self.cfg) != "none" else ""))
 
     # ------------------------------------------------------------------ one step
 
     def global_sum(self, values: list[float]) -> list[float]:
-        """Per-dp-group counts summed over all ranks: the cp x tp ranks of a dp group hold the same
-        micro-batches, so each count is taken once per dp group."""
+        """Per-dp-group counts summed over all ranks: the pp x cp x tp ranks of a dp group hold the
+        same micro-batches, so each count is taken once per dp group."""
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t)
-        return [x / (self.dims.cp * self.dims.tp) for x in t.tolist()]
+        return [x / (self.dims.pp * self.dims.cp * self.dims.tp) for x in t.tolist()]
 
     def optimizer_step(self, micro_batches: list[dict], loss_fn: LossFn, normaliser: float,
                        count_step: bool = True) -> dict[str, Any]:
@@ -291,12 +309,13 @@ class Engine:
         losses and extra sums (e.g. clipped tokens) to report. Returned: ``loss`` (global,
         divided by ``normaliser``), ``grad_norm``, ``lr``, ``skipped``, ``skipped_total``,
         ``compute_s`` (forward + backward of the micro-batches) and each stat summed over the
-        micro-batches and ranks (a tp group's replicated values counted once)."""
-        from omniweave.models.components.router_loss import finish_router_step
+        micro-batches and ranks (a tp group's replicated values counted once). Under ``parallel.pp``
+        the rows run through the pipeline schedule instead, with the trainer's loss (``loss_fn``
+        is not called)."""
         from omniweave.parallel.context import shard_micro_batch
-        from omniweave.parallel.expert import sum_over
-        from omniweave.train.optim import clip_grad_norm
 
+        if self.pipeline is not None:
+            return self._pipeline_step(micro_batches, normaliser, count_step)
         scale = 1.0 / max(normaliser, 1)
         self.start_router_step(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -313,12 +332,36 @@ class Engine:
             for k, v in extra.items():
                 stats[k] = stats.get(k, 0.0) + v.detach().double()
         compute_s = time.perf_counter() - t0
+        return self._apply_update(loss_sum, stats, normaliser, compute_s, count_step)
+
+    def _pipeline_step(self, micro_batches: list[dict], normaliser: float, count_step: bool) -> dict[str, Any]:
+        """``optimizer_step`` through the pipeline schedule: the rows, padded to ``data.max_len``,
+        are its micro-batches; each one's loss sum is divided by ``normaliser`` inside it."""
+        from omniweave.parallel.pipeline import pad_rows
+
+        rows = [to_device(mb, self.device) for mb in pad_rows(micro_batches, int(self.cfg.data.max_len))]
+        t0 = time.perf_counter()
+        with autocast(self.device, self.precision, self.fsdp):
+            loss = self.pipeline.step(rows, normaliser=max(normaliser, 1))
+        compute_s = time.perf_counter() - t0
+        return self._apply_update(torch.tensor(loss * max(normaliser, 1), dtype=torch.float64, device=self.device),
+                                  {}, normaliser, compute_s, count_step, reduce=False)
+
+    def _apply_update(self, loss_sum: torch.Tensor, stats: dict, normaliser: float, compute_s: float,
+                      count_step: bool, reduce: bool = True) -> dict[str, Any]:
+        """The step after the backward: global loss and stats (``reduce``: summed over the ranks,
+        a tp group's replicated values once), clipping, the update or a skip, router statistics."""
+        from omniweave.models.components.router_loss import finish_router_step
+        from omniweave.parallel.expert import sum_over
+        from omniweave.train.optim import clip_grad_norm
+
         totals = torch.stack([loss_sum, *(torch.as_tensor(v, dtype=torch.float64, device=self.device)
                                           for v in stats.values())])
-        dist.all_reduce(totals)  # a tp foundation's values are replicated on its tp ranks
-        totals = (totals / self.dims.tp).tolist()
+        if reduce:
+            dist.all_reduce(totals)  # a tp foundation's values are replicated on its tp ranks
+        totals = (totals / (self.dims.tp if reduce else 1)).tolist()
         loss = totals[0] / max(normaliser, 1)
-        grad_norm = clip_grad_norm(self.params, self.clip)
+        grad_norm = clip_grad_norm(self.params, self.clip, group=self.pipeline.group if self.pipeline else None)
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:

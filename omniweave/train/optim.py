@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -40,10 +41,11 @@ def _full(norm) -> torch.Tensor:
     return norm.full_tensor()
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, group=None) -> float:
     """Global L2 norm of the gradients (clipped to ``max_norm`` when > 0), for parameters that may
     live on different device meshes (per-component tensor / data parallelism): the norm of each
-    mesh's gradients is computed by DTensor, the squares are summed, then every group is scaled."""
+    mesh's gradients is computed by DTensor, the squares are summed, then every group is scaled.
+    ``group``: ranks holding different parameters (pipeline stages), whose squares are summed too."""
     groups: dict[object, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
@@ -53,8 +55,11 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     for ps in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=True)
         squares.append((_full(norm) if hasattr(norm, "full_tensor") else norm).double() ** 2)
-    total = (torch.stack([sq.to(squares[0].device) for sq in squares]).sum().sqrt() if squares
-             else torch.zeros((), dtype=torch.float64))  # fmt: skip
+    total = torch.stack([sq.to(squares[0].device) for sq in squares]).sum() if squares else torch.zeros(
+        (), dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    total = total.sqrt()
     if max_norm > 0:
         for ps in groups.values():
             torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(ps[0].grad.device, ps[0].grad.dtype),

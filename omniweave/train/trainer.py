@@ -62,6 +62,13 @@ def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
 
     require(cfg, "data.path", "train.steps", "train.global_batch", "train.lr")
     check_attn_backends(to_dict(cfg.model))
+    pp = int((cfg.get("parallel") or {}).get("pp", 1) or 1)
+    if pp > 1:
+        from omniweave.parallel.pipeline import unsupported_with_pp
+
+        named = unsupported_with_pp(cfg)
+        if named:
+            raise UserError(f"parallel.pp={pp} does not support {', '.join(named)} yet")
     manifest = Path(cfg.data.path) / MANIFEST
     if not manifest.is_file():
         raise UserError(f"data.path={cfg.data.path}: no packed dataset there (no {MANIFEST}); build it with "

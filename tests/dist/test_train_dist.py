@@ -5,6 +5,8 @@ single-process run of the same recipe and data (DESIGN.md §4):
   and final weights;
 - resume: a run SIGKILLed mid-training, or killed inside a checkpoint write, and resumed with
   ``--resume auto`` reproduces the uninterrupted losses; a 1-rank checkpoint resumes on 2 ranks;
+- pipeline parallelism: pp 2 (1f1b; interleaved x virtual 2) gives the 1-rank losses, grad norms
+  and weights, and its checkpoints resume on 1 rank (and a 1-rank one at pp 2);
 - a rank whose pack has no media next to a rank with a video does not hang.
 """
 
@@ -101,6 +103,27 @@ def test_parallel_layouts_train_like_single_process(demo_packed, tmp_path_factor
     if parallel.get("train__save_hf"):  # the sharded (TP + FSDP) model gathers into a HF export
         assert (run / "hf" / "config.json").exists() and list((run / "hf").glob("*.safetensors"))
     print(f"{nproc} ranks {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
+
+
+@pytest.mark.parametrize("parallel", [
+    {"parallel__pp": 2},
+    {"parallel__pp": 2, "parallel__pp_schedule": "interleaved_1f1b", "parallel__pp_virtual": 2},
+], ids=["pp2-1f1b", "pp2xv2-interleaved"])
+def test_pipeline_trains_like_single_process(demo_packed, tmp_path_factory, parallel):
+    """`omniweave train --nproc 2 parallel.pp=2` (the demo foundation at 4 layers; 4 rows per step
+    = 4 micro-batches, padded to data.max_len): the 1-rank losses, token counts and grad norms
+    (summed over the stages' ranks), and its checkpoints (each rank saves its stages' weights)
+    load into one plain process with the 1-rank final weights."""
+    layers = {"model__foundation__num_layers": 4}
+    ref = _run(demo_packed, tmp_path_factory, 1, **layers)
+    run = _run(demo_packed, tmp_path_factory, 2, **layers, **parallel)
+    rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
+    assert [r["tokens"] for r in read_metrics(run)] == [r["tokens"] for r in read_metrics(ref)]
+    gnorm_rel = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(read_metrics(run), read_metrics(ref)))
+    assert gnorm_rel <= LOSS_RTOL
+    dw = max_abs_diff(final_state(run), final_state(ref))
+    assert dw <= LAYOUT_WEIGHT_ATOL
+    print(f"pp {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
 
 
 @pytest.mark.parametrize("nproc,parallel", [(2, {}), (2, {"parallel__cp": 2})], ids=["dp2", "cp2-audio-split"])
@@ -209,6 +232,28 @@ def test_optimizer_offload_trains_and_resumes_like_without(demo_packed, tmp_path
     _assert_same_losses(losses(resumed), losses(ref), LOSS_RTOL)
     assert max_abs_diff(final_state(resumed), final_state(ref)) <= WEIGHT_ATOL
     print(f"offload {nproc} rank(s): loss max rel Δ {rel:.2e}, weights max |Δ| {dw:.2e}")
+
+
+@pytest.mark.parametrize("saved_on, resumed_on", [(1, 2), (2, 1)], ids=["1rank-to-pp2", "pp2-to-1rank"])
+def test_pipeline_checkpoints_resume_at_another_layout(demo_packed, tmp_path_factory, tmp_path, saved_on, resumed_on):
+    """A step-2 checkpoint of one layout (1 rank, or pp 2: each rank saved its stages' weights and
+    AdamW moments under the model's names) resumed on the other: the rest of the run matches 1 rank."""
+    layers = {"model__foundation__num_layers": 4}
+    pp = {1: {}, 2: {"parallel__pp": 2}}
+    ref = _run(demo_packed, tmp_path_factory, 1, **layers)
+    saved = _run(demo_packed, tmp_path_factory, saved_on, **layers, **pp[saved_on])
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(saved / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(saved)[:2]))
+    res = train_subprocess(demo_packed, run, nproc=resumed_on, resume="auto", steps=STEPS, train__save_interval=SAVE,
+                           train__keep_last=0, **layers, **pp[resumed_on])
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "resumed from" in res.stdout
+    rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
+    dw = max_abs_diff(final_state(run), final_state(ref))
+    assert dw <= LAYOUT_WEIGHT_ATOL
+    print(f"checkpoint of {saved_on} -> {resumed_on} ranks: loss max rel Δ {rel:.2e}, weights max |Δ| {dw:.2e}")
 
 
 # ---------------------------------------------------------------------------- media imbalance

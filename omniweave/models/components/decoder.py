@@ -295,11 +295,19 @@ class Decoder(nn.Module):
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, L], dtype=torch.int32, device=x.device)
         cos, sin = self.rope(position_ids)
-        for i, layer in enumerate(self.layers):
+        x = self.run_layers(x, cos, sin, cu_seqlens, enumerate(self.layers), kv_cache, deepstack, token_valid)
+        return self.norm(x)
+
+    @staticmethod
+    def run_layers(x, cos, sin, cu_seqlens, layers, kv_cache=None, deepstack: DeepStack | None = None,
+                   token_valid=None) -> torch.Tensor:
+        """x [L, D] through ``layers`` (pairs (layer index, layer), in order), DeepStack level i added
+        after layer i. A pipeline stage (parallel/pipeline.py) runs its own slice of the layers."""
+        for i, layer in layers:
             x = layer(x, cos, sin, cu_seqlens, kv_cache, token_valid)
             if deepstack is not None and i < deepstack.num_levels:
                 x = deepstack.add(x, i)
-        return self.norm(x)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,348 @@
+"""Pipeline parallelism: an OmniModel cut into stages over ``torch.distributed.pipelining``.
+
+    sizes  = split_layers(num_layers, pp, virtual, pp_layers, first_stage_cost)    # layers per stage
+    pipe   = Pipeline(model, sizes, pp_group, device, schedule="1f1b", n_microbatches=4)
+    loss   = pipe.step(rows, normaliser=global_loss_tokens)        # forward + backward of the rows
+
+Stages are built from the model's own parts, from outside it (the model has no pipeline code):
+stage 0 holds the encoders + projectors, the token embedding and its decoder layers (DeepStack
+levels are added after the first layers, so those layers must sit in stage 0); a middle stage
+holds decoder layers; the last holds its layers, the final norm, the LM head and the loss. A
+stage module carries the parts under the model's own names (``foundation.layers.5.mlp…``), so
+its ``named_parameters`` / state dict are a slice of the model's. Rank r holds stages
+r, r + pp, r + 2·pp… (``virtual`` of them: the interleaved schedules' loop placement).
+
+A micro-batch is one packed row. What crosses a stage boundary is the hidden state
+``[1, capacity, D]``, and ``torch.distributed.pipelining`` fixes its receive buffers from the first
+micro-batch: a later row of another length would abort the process inside the communication
+backend (pytorch#159942). So every row of a run must have the run's length (pad short rows with
+``pad_rows``), and ``Pipeline.step`` checks that before anything is sent, raising ValueError.
+
+Per-row metadata does not cross a boundary: the schedule hands every stage its micro-batch's
+slice of the step's keyword tensors (checked in torch 2.13: ``step(**kwargs)`` is chunked on dim
+0 on every rank and each stage's forward receives its chunk): M-RoPE ``position_ids [1, 3, L]``,
+``cu_seqlens [1, K]`` (-1 past the row's own documents, so that rows with different document
+counts stack), ``labels [1, L]`` and ``token_valid [1, L]``. Media have a shape per row, so only
+stage 0 reads them, from the step's rows by a row index (its positional input ``[1]``).
+
+The loss of every micro-batch is its token-loss sum divided by ``normaliser`` (the loss tokens
+of the global batch, DESIGN.md), so gradients are summed over micro-batches as they are
+(``scale_grads=False``) and equal the single-process run's.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
+LOOPED = ("interleaved_1f1b", "zero_bubble")  # schedules with several (virtual) stages per rank
+
+
+def split_layers(num_layers: int, pp: int, virtual: int = 1, pp_layers=None,
+                 first_stage_cost: float | None = 0.0) -> list[int]:
+    """Decoder layers of each of the ``pp · virtual`` stages, in stage order.
+
+    ``pp_layers``: explicit counts (``parallel.pp_layers``), one per stage, each >= 1, summing to
+    ``num_layers``. Otherwise ``first_stage_cost`` decides: None asks for a uniform split (the
+    layers must divide evenly); a number >= 0 is the encoders' work in decoder-layer units
+    (``encoder_cost_in_layers``), which stage 0 carries besides its layers, and the split
+    minimises the largest stage cost (layers cost alike; ties go to the most even split)."""
+    stages = pp * virtual
+    if pp < 1 or virtual < 1:
+        raise ValueError(f"parallel.pp={pp} and parallel.pp_virtual={virtual} must be >= 1")
+    if num_layers < stages:
+        raise ValueError(f"{num_layers} decoder layers cannot fill parallel.pp={pp} x parallel.pp_virtual={virtual} "
+                         f"= {stages} stages (each stage needs at least one layer)")
+    if pp_layers is not None:
+        sizes = [int(n) for n in pp_layers]
+        if len(sizes) != stages:
+            raise ValueError(f"parallel.pp_layers {sizes} has {len(sizes)} entries; parallel.pp={pp} x "
+                             f"parallel.pp_virtual={virtual} needs one per stage ({stages})")
+        if min(sizes) < 1 or sum(sizes) != num_layers:
+            raise ValueError(f"parallel.pp_layers {sizes} must be >= 1 each and sum to the foundation's "
+                             f"{num_layers} layers (model.foundation.num_layers); they sum to {sum(sizes)}")
+        return sizes
+    if first_stage_cost is None:
+        if num_layers % stages:
+            raise ValueError(f"a uniform split of {num_layers} layers over parallel.pp={pp} x parallel.pp_virtual="
+                             f"{virtual} = {stages} stages does not divide; set parallel.pp_layers")
+        return [num_layers // stages] * stages
+    if first_stage_cost < 0:
+        raise ValueError(f"first_stage_cost={first_stage_cost} must be >= 0")
+    if stages == 1:
+        return [num_layers]
+
+    def split(first: int) -> list[int]:  # stage 0 takes ``first``, the rest as evenly as possible
+        q, r = divmod(num_layers - first, stages - 1)
+        return [first] + [q + (s >= stages - 1 - r) for s in range(stages - 1)]  # extras to the last stages
+
+    candidates = [split(first) for first in range(1, num_layers - stages + 2)]
+    return min(candidates, key=lambda s: (max(s[0] + first_stage_cost, *s[1:]), max(s) - min(s)))
+
+
+def encoder_cost_in_layers(model_cfg: dict, patches_per_token: float) -> float:
+    """The encoders' forward + backward work per row in decoder-layer units, from the FLOP cost
+    model (parallel/cost_model.py): ``p · patches / (b / num_layers)`` per token. Its proxy: a
+    decoder layer costs its share of the per-token matmuls ``b`` (the LM head's share included),
+    the encoder its per-patch matmuls and window attention ``p``; attention over whole frames and
+    documents (the squared terms) is left out."""
+    from omniweave.parallel.cost_model import CostModel
+
+    cost = CostModel.from_model_config(model_cfg)
+    per_layer = cost.b / int(model_cfg["foundation"]["num_layers"])
+    return cost.p * patches_per_token / per_layer
+
+
+def stage_ranges(sizes: list[int]) -> list[range]:
+    """The decoder layers of each stage, from ``split_layers``' counts."""
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    return [range(end - n, end) for n, end in zip(sizes, ends)]
+
+
+def slice_model(model: nn.Module, layers, first: bool, last: bool, share: bool = False) -> nn.Module:
+    """A copy of ``model`` holding only decoder ``layers``, and the encoders, projectors and
+    embedding when ``first``, the final norm and LM head when ``last``; the other parts are None
+    (parameter names unchanged). ``share``: the kept parts are ``model``'s own modules (not copies).
+    Every part of the model must be one of these, so that a new part cannot be dropped silently."""
+    foundation = model.foundation
+    first_parts = [foundation.embed_tokens, *(getattr(model, s) for m in model.modalities for s in (m.encoder, m.projector))]
+    last_parts = [foundation.norm, foundation.lm_head]
+    keep = {id(m): first for m in first_parts if m is not None}  # None: not in this (already sliced) model
+    keep.update({id(m): last for m in last_parts if m is not None})
+    keep.update({id(layer): i in layers for i, layer in enumerate(foundation.layers) if layer is not None})
+    containers = {id(foundation), id(foundation.layers)}
+    unknown = [name for name, m in (*model.named_children(), *foundation.named_children())
+               if m is not None and id(m) not in keep and id(m) not in containers]
+    if unknown:
+        raise TypeError(f"pipeline stages do not know where these parts of the model go: {unknown}")
+    memo = {i: None for i, kept in keep.items() if not kept}  # deepcopy maps each of them to None
+    if share:
+        memo.update({id(m): m for m in (*first_parts, *last_parts, *foundation.layers) if m is not None and keep[id(m)]})
+    return copy.deepcopy(model, memo=memo)
+
+
+class StageModule(nn.Module):
+    """One stage of an OmniModel: the model's parts it needs, under their own names.
+
+    ``forward(x, position_ids, cu_seqlens, labels, token_valid)``: x is the row index ``[1]``
+    (int64) on stage 0, else the hidden state ``[1, L, D]``; the last stage returns the row's
+    token-loss sum ``[1]`` (fp32), the others the hidden state ``[1, L, D]``."""
+
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
+        """``model``: this rank's part of the model (``slice_model``), whose modules the stage shares."""
+        super().__init__()
+        part = slice_model(model, layers, first, last, share=True)
+        for name, child in part.named_children():
+            self.add_module(name, child)
+        self._model = (part,)  # not a submodule: its children are registered above
+        self.layer_ids, self.is_first, self.is_last = layers, first, last
+        self.rows: list[dict] = []  # the step's rows (stage 0 reads their media)
+
+    def forward(self, x, position_ids, cu_seqlens, labels, token_valid):
+        model, foundation = self._model[0], self.foundation
+        cu = cu_seqlens[0][cu_seqlens[0] >= 0]
+        deepstack = None
+        if self.is_first:
+            inputs = model.foundation_inputs(self.rows[int(x)])
+            h, deepstack = inputs["inputs_embeds"], inputs.get("deepstack")
+        else:
+            h = x[0]
+        cos, sin = foundation.rope(position_ids[0])
+        layers = ((i, foundation.layers[i]) for i in self.layer_ids)
+        h = foundation.run_layers(h, cos, sin, cu, layers, deepstack=deepstack, token_valid=token_valid[0])
+        # outputs are not views: the split (zero-bubble) backward detaches a stage's outputs in place
+        if not self.is_last:
+            return h[None].clone()
+        loss_sum, _ = model.ce_sum(foundation.norm(h), foundation.lm_head.weight, labels[0], model.loss_chunk)
+        return torch.stack([loss_sum])
+
+
+def pad_rows(rows: list[dict], capacity: int) -> list[dict]:
+    """Each row with one loss-free pad document appended up to ``capacity`` tokens (the packs'
+    ``max_len``): the static length a pipeline run needs. Pads change no loss or gradient."""
+    from omniweave.parallel.context.sharding import append_pad_document
+
+    long = [r["input_ids"].shape[0] for r in rows if r["input_ids"].shape[0] > capacity]
+    if long:
+        raise ValueError(f"rows of {long} tokens exceed the pipeline capacity of {capacity} (data.max_len)")
+    return [append_pad_document(r, capacity - r["input_ids"].shape[0]) for r in rows]
+
+
+@dataclass
+class _Inputs:
+    row_index: torch.Tensor  # [n] int64
+    kwargs: dict  # name -> [n, ...]
+
+
+def _stack_rows(rows: list[dict], device) -> _Inputs:
+    """The step's per-row metadata stacked on dim 0 (the schedule chunks it per micro-batch)."""
+    length = rows[0]["input_ids"].shape[0]
+    docs = max(r["cu_seqlens"].numel() for r in rows)
+
+    def cu(r):
+        c = r["cu_seqlens"].to(torch.int32)
+        return torch.cat([c, c.new_full((docs - c.numel(),), -1)])
+
+    def valid(r):
+        v = r.get("token_valid")
+        return torch.ones(length, dtype=torch.bool) if v is None else v
+
+    def pos(r):
+        p = r.get("position_ids")
+        p = torch.arange(length)[None] if p is None else p
+        return p[None] if p.dim() == 1 else p
+
+    kwargs = {"position_ids": torch.stack([pos(r) for r in rows]), "cu_seqlens": torch.stack([cu(r) for r in rows]),
+              "labels": torch.stack([r["labels"] for r in rows]), "token_valid": torch.stack([valid(r) for r in rows])}
+    return _Inputs(torch.arange(len(rows)), {k: v.to(device) for k, v in kwargs.items()})
+
+
+class Pipeline:
+    """This rank's stages of ``model`` and the schedule that runs them (see the module doc).
+
+    ``sizes``: layers per stage (``split_layers``); ``group``: the pipeline's process group (its
+    ranks hold stages r, r + pp, …); ``n_microbatches``: rows per step."""
+
+    def __init__(self, model: nn.Module, sizes: list[int], group, device, schedule: str = "1f1b",
+                 n_microbatches: int = 1):
+        from torch.distributed import pipelining as pl
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"parallel.pp_schedule={schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        pp, rank = dist.get_world_size(group), dist.get_rank(group)
+        if len(sizes) % pp:
+            raise ValueError(f"{len(sizes)} stages do not spread over parallel.pp={pp} ranks")
+        virtual = len(sizes) // pp
+        if (virtual > 1) != (schedule in LOOPED):
+            raise ValueError(f"parallel.pp_schedule={schedule} with parallel.pp_virtual={virtual}: "
+                             f"{', '.join(LOOPED)} need pp_virtual >= 2, the others 1")
+        check_microbatches(n_microbatches, pp, schedule)
+        check_model(model, sizes)
+        ranges = stage_ranges(sizes)
+        ids = [rank + v * pp for v in range(virtual)]
+        mine = [i for s in ids for i in ranges[s]]
+        # this rank's part of the model: what the optimizer and checkpoints see; the stages share its modules
+        self.local = slice_model(model, mine, 0 in ids, len(sizes) - 1 in ids)
+        self.modules = [StageModule(self.local, ranges[s], s == 0, s == len(sizes) - 1) for s in ids]
+        self.stages = [pl.PipelineStage(m, s, len(sizes), device, group=group) for m, s in zip(self.modules, ids)]
+        self.n_microbatches, self.group, self.device = n_microbatches, group, device
+        self.capacity: int | None = None  # the row length fixed by the first step
+        self._normaliser = 1.0
+        cls = {"1f1b": pl.Schedule1F1B, "gpipe": pl.ScheduleGPipe, "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+               "zero_bubble": pl.ScheduleInterleavedZeroBubble}[schedule]
+        stages = self.stages if schedule in LOOPED else self.stages[0]
+        self.schedule = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.last_rank = dist.get_global_rank(group, (len(sizes) - 1) % pp)
+
+    def _loss(self, loss_sum: torch.Tensor, _labels: torch.Tensor) -> torch.Tensor:
+        return loss_sum.sum() / self._normaliser
+
+    def named_parameters(self):
+        """(name, parameter) of this rank's stages, under the model's names."""
+        return self.local.named_parameters()
+
+    def check_rows(self, rows: list[dict]) -> None:
+        """ValueError unless the step has ``n_microbatches`` rows, all of the run's length."""
+        if len(rows) != self.n_microbatches:
+            raise ValueError(f"a pipeline step takes {self.n_microbatches} rows (micro-batches), got {len(rows)}")
+        lengths = [int(r["input_ids"].shape[0]) for r in rows]
+        capacity = lengths[0] if self.capacity is None else self.capacity
+        if any(n != capacity for n in lengths):
+            raise ValueError(f"pipeline rows must all have the run's length {capacity} (the hidden state crossing "
+                             f"the stages has a fixed shape); got lengths {lengths}: pad them with pad_rows")
+
+    def step(self, rows: list[dict], normaliser: float) -> float:
+        """Forward + backward of ``rows`` (gradients accumulate in the stages' parameters); returns
+        Σ loss_sum / normaliser on every rank of the group."""
+        self.check_rows(rows)  # before any send: a shape change would abort inside the backend
+        self.capacity = int(rows[0]["input_ids"].shape[0])
+        self._normaliser = float(normaliser)
+        inputs = _stack_rows(rows, self.device)
+        for m in self.modules:
+            m.rows = rows
+        args = (inputs.row_index.to(self.device),) if any(m.is_first for m in self.modules) else ()
+        has_last = any(m.is_last for m in self.modules)
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=inputs.kwargs["labels"] if has_last else None,
+                           losses=losses if has_last else None, **inputs.kwargs)
+        for m in self.modules:
+            m.rows = []
+        total = torch.stack(losses).sum().detach().double() if has_last else torch.zeros((), dtype=torch.float64)
+        total = total.to(self.device)
+        dist.broadcast(total, src=self.last_rank, group=self.group)
+        return float(total)
+
+
+def check_microbatches(n_microbatches: int, pp: int, schedule: str) -> None:
+    """The schedules' rules on micro-batches (rows per step and pipeline), as errors naming keys."""
+    if n_microbatches < pp:
+        raise ValueError(f"{n_microbatches} micro-batches (packed rows per step and data-parallel rank: "
+                         f"train.global_batch / dp) are fewer than the parallel.pp={pp} pipeline stages")
+    rounds = max(1, n_microbatches // pp)
+    if schedule in LOOPED and n_microbatches % rounds:
+        raise ValueError(f"parallel.pp_schedule={schedule} runs micro-batches in rounds of parallel.pp={pp}: "
+                         f"{n_microbatches} rows per step (train.global_batch / dp) must be a multiple of {rounds}")
+
+
+def check_model(model: nn.Module, sizes: list[int]) -> None:
+    """What the stages need of the model, checked on every rank before any stage runs (an error
+    inside the schedule would stop one rank and leave the others waiting for its sends)."""
+    if not hasattr(model, "foundation_inputs") or not hasattr(model.foundation, "run_layers"):
+        raise TypeError(f"pipeline stages are built from an OmniModel over a Decoder foundation, got "
+                        f"{type(model).__name__}")
+    if getattr(model.foundation.config, "tie_word_embeddings", False):
+        raise ValueError("tied word embeddings (model.foundation.tie_word_embeddings) put the embedding "
+                         "and the LM head in different pipeline stages; untie them to use parallel.pp")
+    levels = getattr(model, "deepstack_levels", 0)
+    if levels > sizes[0]:
+        raise ValueError(f"stage 0 holds {sizes[0]} layers but the DeepStack adds {levels} levels after the "
+                         f"first {levels} layers, which must sit in stage 0: give it at least {levels} "
+                         "(parallel.pp_layers)")
+
+
+def unsupported_with_pp(cfg) -> list[str]:
+    """The recipe settings a pipelined run (``parallel.pp`` > 1) cannot honour yet, by their keys."""
+    from omniweave.config import to_dict
+    from omniweave.models.components.decoder import moe_layer_indices
+
+    tc, ev = cfg.train, cfg.get("eval") or {}
+    found = {"train.phase=grpo": tc.get("phase") == "grpo", "train.save_hf": bool(tc.get("save_hf")),
+             "train.eval_interval with eval.path": bool(tc.get("eval_interval")) and bool(ev.get("path")),
+             "a MoE foundation (model.foundation.num_experts)": bool(moe_layer_indices(to_dict(cfg.model.foundation))),
+             f"train.ac={tc.get('ac')}": str(tc.get("ac", "none") or "none") != "none",
+             f"train.offload={tc.get('offload')}": str(tc.get("offload", "none") or "none") != "none"}
+    return [k for k, v in found.items() if v]
+
+
+def build_pipeline(model: nn.Module, cfg, dims, meshes, device) -> Pipeline:
+    """The trainer's pipeline from the recipe: ``parallel.pp_layers`` or the cost-model split
+    (the encoders' share from the packed data's vision tokens per row), ``parallel.pp_schedule``,
+    ``parallel.pp_virtual``; one micro-batch per row of the rank's ``train.global_batch / dp``."""
+    from omniweave.config import to_dict
+
+    par, model_cfg = cfg.parallel, to_dict(cfg.model)
+    pp_layers = par.get("pp_layers")
+    cost = None if pp_layers is not None else encoder_cost_in_layers(model_cfg, _patches_per_token(cfg.data.path, model_cfg))
+    sizes = split_layers(model.foundation.config.num_layers, dims.pp, int(par.get("pp_virtual", 1) or 1),
+                         None if pp_layers is None else list(pp_layers), first_stage_cost=cost)
+    return Pipeline(model, sizes, meshes.pp.get_group(), device, str(par.get("pp_schedule", "1f1b")),
+                    n_microbatches=int(cfg.train.global_batch) // dims.dp)
+
+
+def _patches_per_token(packed: str, model_cfg: dict) -> float:
+    """Encoder patches per decoder token of the packed data (stats.json: vision tokens, each
+    merge² patches, over the packs' capacity tokens); 0 for a model without an image encoder."""
+    import json
+    from pathlib import Path
+
+    vit = model_cfg.get("image_encoder")
+    if vit is None:
+        return 0.0
+    stats = json.loads((Path(packed) / "stats.json").read_text())
+    merge = int((model_cfg.get("projector") or {}).get("merge_size") or vit.get("spatial_merge_size", 2))
+    return stats["vision_tokens"] * merge**2 / max(stats["capacity_tokens"], 1)

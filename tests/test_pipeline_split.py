@@ -1,0 +1,149 @@
+"""Pipeline stage splits and the pipeline's input checks (omniweave/parallel/pipeline.py), without
+processes: explicit ``parallel.pp_layers``, the uniform split, the cost-balanced split with the
+encoders on stage 0 (optimal against every split, exhaustively on small cases), and the errors
+naming the recipe keys."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from omniweave.parallel.pipeline import (check_microbatches, check_model, encoder_cost_in_layers, split_layers,
+                                         stage_ranges)
+
+
+def test_explicit_pp_layers_are_used_as_given():
+    assert split_layers(6, 2, pp_layers=[1, 5]) == [1, 5]
+    assert split_layers(6, 2, virtual=2, pp_layers=[2, 1, 2, 1]) == [2, 1, 2, 1]
+    assert stage_ranges([2, 1, 3]) == [range(0, 2), range(2, 3), range(3, 6)]
+
+
+def test_uniform_split():
+    assert split_layers(8, 4, first_stage_cost=None) == [2, 2, 2, 2]
+    assert split_layers(8, 2, virtual=2, first_stage_cost=None) == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("layers, stages, cost", [(4, 2, 0.0), (10, 4, 0.0), (8, 2, 2.0), (9, 3, 1.5), (12, 4, 5.0),
+                                                  (7, 3, 0.4), (5, 5, 0.0)])
+def test_cost_split_minimises_the_largest_stage(layers, stages, cost):
+    """Stage 0 costs its layers plus the encoders' ``cost``; no split of the layers into ``stages``
+    contiguous non-empty stages has a smaller largest stage cost."""
+    sizes = split_layers(layers, stages, first_stage_cost=cost)
+    assert len(sizes) == stages and sum(sizes) == layers and min(sizes) >= 1
+    best = min(max(s[0] + cost, *s[1:]) for s in _compositions(layers, stages))
+    assert max(sizes[0] + cost, *sizes[1:]) == best
+
+
+def test_heavy_encoder_moves_layers_off_stage_0():
+    assert split_layers(8, 2, first_stage_cost=0.0) == [4, 4]
+    assert split_layers(8, 2, first_stage_cost=2.0) == [3, 5]
+    assert split_layers(8, 2, first_stage_cost=100.0) == [1, 7]  # at least one layer per stage
+
+
+def test_encoder_cost_from_the_flop_model():
+    """The demo recipe's ViT + merger per row in decoder-layer units: proportional to the patches
+    per token, positive, and 0 without media."""
+    from omniweave.config import load_recipe, to_dict
+
+    model_cfg = to_dict(load_recipe("demo", []).model)
+    one = encoder_cost_in_layers(model_cfg, 1.0)
+    assert one > 0 and encoder_cost_in_layers(model_cfg, 0.0) == 0.0
+    assert encoder_cost_in_layers(model_cfg, 0.5) == pytest.approx(one / 2)
+
+
+@pytest.mark.parametrize("kwargs, keys", [
+    ({"num_layers": 6, "pp": 2, "pp_layers": [2, 2]}, ["parallel.pp_layers", "model.foundation.num_layers"]),
+    ({"num_layers": 6, "pp": 2, "pp_layers": [6, 0]}, ["parallel.pp_layers", ">= 1"]),
+    ({"num_layers": 6, "pp": 2, "virtual": 2, "pp_layers": [3, 3]}, ["parallel.pp_layers", "parallel.pp_virtual"]),
+    ({"num_layers": 3, "pp": 2, "virtual": 2}, ["parallel.pp=2", "parallel.pp_virtual=2", "at least one layer"]),
+    ({"num_layers": 6, "pp": 4, "first_stage_cost": None}, ["parallel.pp=4", "does not divide", "parallel.pp_layers"]),
+    ({"num_layers": 6, "pp": 0}, ["parallel.pp=0"]),
+])
+def test_split_errors_name_the_keys(kwargs, keys):
+    with pytest.raises(ValueError) as err:
+        split_layers(**kwargs)
+    assert all(k in str(err.value) for k in keys), str(err.value)
+
+
+def test_microbatch_errors_name_the_keys():
+    check_microbatches(2, 2, "1f1b")
+    check_microbatches(4, 2, "interleaved_1f1b")
+    with pytest.raises(ValueError, match=r"train.global_batch.*parallel.pp=4"):
+        check_microbatches(3, 4, "1f1b")
+    with pytest.raises(ValueError, match=r"parallel.pp_schedule=interleaved_1f1b.*multiple of 2"):
+        check_microbatches(5, 2, "interleaved_1f1b")
+
+
+def _model(recipe: str, *overrides: str):
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.models.registry import build_model
+
+    return build_model(to_dict(load_recipe(recipe, list(overrides)).model))
+
+
+def test_model_errors_name_the_keys():
+    """Checked on every rank before a stage runs: tied embeddings (embedding and LM head would sit
+    in different stages), DeepStack levels beyond stage 0's layers, a model without the OmniModel
+    parts the stages are built from."""
+    from omniweave.models.components.decoder import Decoder, DecoderConfig
+    from omniweave.models.text import CausalLM
+
+    check_model(_model("demo"), [1, 1])
+    with pytest.raises(ValueError, match="model.foundation.tie_word_embeddings"):
+        check_model(_model("demo", "model.foundation.tie_word_embeddings=true"), [1, 1])
+    qwen3_vl = _model("tiny_qwen3_vl")  # 2 DeepStack levels, 3 layers
+    check_model(qwen3_vl, [2, 1])
+    with pytest.raises(ValueError, match=r"stage 0 holds 1 layers.*2 levels.*parallel.pp_layers"):
+        check_model(qwen3_vl, [1, 2])
+    with pytest.raises(TypeError, match="OmniModel"):
+        check_model(CausalLM(Decoder(DecoderConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2,
+                                                   num_heads=2, num_kv_heads=1))), [1, 1])
+
+
+def _compositions(total: int, parts: int):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("overrides, world, keys", [
+    (["parallel.pp=2", "parallel.dp=2"], 4, ["parallel.pp=2 runs alone", "dp=2"]),
+    (["parallel.pp=2", "parallel.pp_schedule=dualpipe"], 2, ["parallel.pp_schedule='dualpipe'"]),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], 2, ["parallel.pp_virtual=1", "interleaved_1f1b"]),
+    (["parallel.pp=2", "parallel.pp_layers=[1,2]"], 2, ["parallel.pp_layers [1, 2]", "model.foundation.num_layers"]),
+    (["parallel.pp=4"], 2, ["pp*cp*tp = 4"]),
+    (["parallel.pp=0"], 2, ["parallel.pp=0"]),
+])
+def test_recipe_pp_errors_name_the_keys(overrides, world, keys):
+    """``parallel.pp`` and its keys are checked with the layout, before any rank builds a model."""
+    from omniweave.config import load_recipe
+    from omniweave.parallel.dims import ParallelDims
+
+    cfg = load_recipe("demo", overrides)  # the demo foundation has 2 layers
+    with pytest.raises(ValueError) as err:
+        ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
+    assert all(k in str(err.value) for k in keys), str(err.value)
+
+
+def test_recipe_pp_layout():
+    from omniweave.config import load_recipe
+    from omniweave.parallel.dims import ParallelDims
+
+    cfg = load_recipe("demo", ["parallel.pp=2", "parallel.pp_layers=[1,1]"])
+    dims = ParallelDims.from_config(cfg.parallel, 2, model=cfg.model)
+    assert (dims.pp, dims.dp, dims.cp, dims.tp) == (2, 1, 1, 1)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["train.save_hf=true"], "train.save_hf"),
+    (["train.offload=optimizer"], "train.offload=optimizer"),
+    (["foundation@model.foundation=qwen3_moe_tiny", "train.ac=full"], "a MoE foundation (model.foundation.num_experts), train.ac=full"),
+])
+def test_train_refuses_what_pipelines_cannot_do_yet(capsys, overrides, named):
+    """`omniweave train --nproc 2 parallel.pp=2` with a setting pipelines do not support yet: one
+    line naming the keys, exit 2, before any rank starts."""
+    from omniweave.cli import main
+
+    assert main(["train", "demo", "parallel.pp=2", *overrides, "--nproc", "2"]) == 2
+    assert f"parallel.pp=2 does not support {named} yet" in capsys.readouterr().err
