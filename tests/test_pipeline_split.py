@@ -108,7 +108,7 @@ def _compositions(total: int, parts: int):
 
 
 @pytest.mark.parametrize("overrides, world, keys", [
-    (["parallel.pp=2", "parallel.dp=2"], 4, ["parallel.pp=2 runs alone", "dp=2"]),
+    (["parallel.pp=2", "parallel.cp=2"], 4, ["parallel.pp=2 composes with data parallelism only", "cp=2"]),
     (["parallel.pp=2", "parallel.pp_schedule=dualpipe"], 2, ["parallel.pp_schedule='dualpipe'"]),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], 2, ["parallel.pp_virtual=1", "interleaved_1f1b"]),
     (["parallel.pp=2", "parallel.pp_layers=[1,2]"], 2, ["parallel.pp_layers [1, 2]", "model.foundation.num_layers"]),

@@ -3,7 +3,7 @@
     dims = ParallelDims.from_config(cfg.parallel, world_size=8, model=cfg.model)   # dp=-1 -> 8 // (cp * tp)
     meshes = dims.build_meshes("cuda")                                          # DeviceMesh + groups
 
-Mesh dims, outermost first: ``pp`` (pipeline stages, parallel/pipeline.py; alone so far), ``dp``, ``cp`` (or ``cp_ring`` x ``cp_ulysses`` with hybrid CP
+Mesh dims, outermost first: ``pp`` (pipeline stages, parallel/pipeline.py; with dp only so far), ``dp``, ``cp`` (or ``cp_ring`` x ``cp_ulysses`` with hybrid CP
 attention: Ulysses inside each group of ``cp_ulysses`` consecutive ranks, ring across them),
 ``tp_rep`` x ``tp_enc``. Tensor parallelism is per component (``model.foundation.tp``,
 ``model.image_encoder.tp`` = ``model.audio_encoder.tp``: the encoders share one): the foundation is
@@ -151,9 +151,9 @@ def check_pp(parallel: Any, pp: int, dp: int, cp: int, tp: int, ep: int, model: 
     """``parallel.pp`` and its keys against the layout and the foundation (errors name the keys)."""
     from omniweave.parallel.pipeline import LOOPED, SCHEDULES, split_layers
 
-    if (dp, cp, tp, ep) != (1, 1, 1, 1):
-        raise ValueError(f"parallel.pp={pp} runs alone so far: it needs parallel.dp = parallel.cp = "
-                         f"model.foundation.tp = parallel.ep = 1 (got dp={dp}, cp={cp}, tp={tp}, ep={ep})")
+    if (cp, tp, ep) != (1, 1, 1):
+        raise ValueError(f"parallel.pp={pp} composes with data parallelism only so far: it needs parallel.cp = "
+                         f"model.foundation.tp = parallel.ep = 1 (got cp={cp}, tp={tp}, ep={ep})")
     schedule, virtual = str(parallel.get("pp_schedule", "1f1b")), int(parallel.get("pp_virtual", 1) or 1)
     if schedule not in SCHEDULES:
         raise ValueError(f"parallel.pp_schedule={schedule!r}; choose one of {', '.join(SCHEDULES)}")

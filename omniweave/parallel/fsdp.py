@@ -71,15 +71,9 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
     gradients and so the optimizer state live in host memory and the optimizer steps there; the
     device holds a block's gathered weights while it runs (``pin_memory`` where there is an
     accelerator: pinned host buffers copy asynchronously)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    if offload not in OFFLOAD:
-        raise ValueError(f"train.offload={offload!r}; choose one of {', '.join(OFFLOAD)}")
-    extra = {}
-    if precision == "bf16":
-        extra["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if offload == "optimizer":
-        extra["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+    extra = _policies(precision, offload, pin_memory)
     if experts and (experts_mesh is None or experts_mesh.size() == 1):
         extra["ignored_params"] = {p for m in experts for p in m.parameters()}
     elif experts:
@@ -99,8 +93,59 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
             fully_shard(encoder, mesh=encoder_mesh, **extra)
             fully_shard(projector, mesh=encoder_mesh, **extra)
     fully_shard(model, mesh=mesh, **extra)
+    _sum_gradients(model)
+    return model
+
+
+def apply_fsdp_to_stage_parts(part: nn.Module, stages: list[nn.Module], mesh, precision: str = "fp32") -> nn.Module:
+    """FSDP2 for a pipeline rank's part of the model (``parallel/pipeline.slice_model``; parts it
+    does not hold are None) over ``mesh``, the data-parallel ranks holding the same stages: every
+    decoder layer, encoder block, encoder, projector and the embedding is its own FSDP unit; the
+    final norm and LM head are the last stage's module's (``stages``: this rank's
+    ``pipeline.StageModule``s). The part itself is no unit: the stages call its pieces, never its
+    forward, so its own parameters would never be gathered. Gradients are summed, as
+    ``apply_fsdp``'s."""
+    from torch.distributed.fsdp import fully_shard
+
+    extra = _policies(precision, "none", False)
+    foundation = part.foundation
+    units = [b for b in foundation.layers if b is not None]
+    for encoder, projector in _encoders(part):
+        if encoder is not None:
+            units += [*_encoder_blocks(encoder), encoder]
+        units += [projector] if projector is not None else []
+    units += [foundation.embed_tokens] if foundation.embed_tokens is not None else []
+    for unit in units:
+        fully_shard(unit, mesh=mesh, **extra)
+    for stage in stages:  # the final norm and LM head (the loss reads lm_head.weight without calling
+        if stage.is_last:  # lm_head) go with the last stage's module, whose forward gathers them
+            fully_shard(stage, mesh=mesh, **extra)
+    _sum_gradients(part)
+    for stage in stages:
+        _sum_gradients(stage)
+    return part
+
+
+def _policies(precision: str, offload: str, pin_memory: bool) -> dict:
+    """``fully_shard`` keyword arguments: bf16 compute with fp32 reduction and master weights; the
+    offload policy for ``train.offload``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    if offload not in OFFLOAD:
+        raise ValueError(f"train.offload={offload!r}; choose one of {', '.join(OFFLOAD)}")
+    extra = {}
+    if precision == "bf16":
+        extra["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload == "optimizer":
+        extra["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+    return extra
+
+
+def _sum_gradients(model: nn.Module) -> None:
+    """Gradients SUMMED over the ranks (the trainer divides by the global loss-token count)."""
+    from torch.distributed.fsdp import FSDPModule
+
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
-    return model

@@ -98,7 +98,7 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
         apply_ep(model, meshes.ep)
     set_router_groups(model, meshes.fsdp, meshes.cp)
     apply_ac(model, str(cfg.train.get("ac", "none")))
-    if uses_fsdp(cfg, dims.world_size, dims.pp):
+    if dims.pp == 1 and uses_fsdp(cfg, dims.world_size):  # a pipeline shards its ranks' parts after the cut
         apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")),
                    encoder_mesh=meshes.encoder_fsdp if dims.tp_encoder < dims.tp else None,
                    experts=expert_modules(model) if dims.ep > 1 else (), experts_mesh=meshes.expert_dp,
@@ -255,6 +255,10 @@ class Engine:
         if named:
             raise ValueError(f"parallel.pp={self.dims.pp} does not support {', '.join(named)} yet")
         self.pipeline = build_pipeline(self.model, cfg, self.dims, self.meshes, self.device)
+        if self.fsdp:  # pp x dp: the ranks holding the same stages shard them
+            from omniweave.parallel.fsdp import apply_fsdp_to_stage_parts
+
+            apply_fsdp_to_stage_parts(self.pipeline.local, self.pipeline.modules, self.meshes.fsdp, self.precision)
         return self.pipeline.local
 
     # ------------------------------------------------------------------ resume and logs
@@ -344,8 +348,10 @@ class Engine:
         with autocast(self.device, self.precision, self.fsdp):
             loss = self.pipeline.step(rows, normaliser=max(normaliser, 1))
         compute_s = time.perf_counter() - t0
-        return self._apply_update(torch.tensor(loss * max(normaliser, 1), dtype=torch.float64, device=self.device),
-                                  {}, normaliser, compute_s, count_step, reduce=False)
+        loss_sum = torch.tensor(loss * max(normaliser, 1), dtype=torch.float64, device=self.device)
+        if self.dims.dp > 1:  # each pipeline has its data-parallel share of the rows
+            dist.all_reduce(loss_sum, group=self.meshes.fsdp.get_group())
+        return self._apply_update(loss_sum, {}, normaliser, compute_s, count_step, reduce=False)
 
     def _apply_update(self, loss_sum: torch.Tensor, stats: dict, normaliser: float, compute_s: float,
                       count_step: bool, reduce: bool = True) -> dict[str, Any]:

@@ -105,18 +105,24 @@ def test_parallel_layouts_train_like_single_process(demo_packed, tmp_path_factor
     print(f"{nproc} ranks {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
 
 
-@pytest.mark.parametrize("parallel", [
-    {"parallel__pp": 2},
-    {"parallel__pp": 2, "parallel__pp_schedule": "interleaved_1f1b", "parallel__pp_virtual": 2},
-], ids=["pp2-1f1b", "pp2xv2-interleaved"])
-def test_pipeline_trains_like_single_process(demo_packed, tmp_path_factory, parallel):
-    """`omniweave train --nproc 2 parallel.pp=2` (the demo foundation at 4 layers; 4 rows per step
-    = 4 micro-batches, padded to data.max_len): the 1-rank losses, token counts and grad norms
-    (summed over the stages' ranks), and its checkpoints (each rank saves its stages' weights)
-    load into one plain process with the 1-rank final weights."""
+@pytest.mark.parametrize("nproc,parallel", [
+    (2, {"parallel__pp": 2}),
+    (2, {"parallel__pp": 2, "parallel__pp_schedule": "interleaved_1f1b", "parallel__pp_virtual": 2}),
+    (4, {"parallel__pp": 2}),
+    (4, {"parallel__pp": 2, "parallel__pp_schedule": "interleaved_1f1b", "parallel__pp_virtual": 2,
+         "train__global_batch": 8}),
+], ids=["pp2-1f1b", "pp2xv2-interleaved", "pp2xdp2", "pp2xv2xdp2-interleaved"])
+def test_pipeline_trains_like_single_process(demo_packed, tmp_path_factory, nproc, parallel):
+    """`omniweave train --nproc N parallel.pp=2` (the demo foundation at 4 layers; 4 rows per step
+    = 4 micro-batches per pipeline, 2 each under dp 2, padded to data.max_len; under dp 2 each
+    pipeline's parts FSDP-sharded over the ranks holding the same stages): the 1-rank losses,
+    token counts and grad norms (summed over the stages' ranks), and its checkpoints (each rank
+    saves its stages' weights) load into one plain process with the 1-rank final weights."""
     layers = {"model__foundation__num_layers": 4}
-    ref = _run(demo_packed, tmp_path_factory, 1, **layers)
-    run = _run(demo_packed, tmp_path_factory, 2, **layers, **parallel)
+    parallel = dict(parallel)
+    gb = parallel.pop("train__global_batch", 4)  # interleaved under dp 2: 4 rows per pipeline
+    ref = _run(demo_packed, tmp_path_factory, 1, gb, **layers)
+    run = _run(demo_packed, tmp_path_factory, nproc, gb, **layers, **parallel)
     rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
     assert [r["tokens"] for r in read_metrics(run)] == [r["tokens"] for r in read_metrics(ref)]
     gnorm_rel = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(read_metrics(run), read_metrics(ref)))
