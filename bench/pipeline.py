@@ -12,15 +12,17 @@ Three measurements, each in fresh groups of gloo processes (one intra-op thread 
    measured fractions are indicative only.
 2. **Cost-model split vs uniform split** on a VLM whose encoder is heavy (the demo recipe with a
    6-block ViT over video rows, ~90 % of the tokens video, and an 8-layer decoder) at pp = 2,
-   1f1b: the step time (slowest rank, median over ``--repeats``) of the split that
-   ``split_layers`` picks from the FLOP cost model (the encoders' work in decoder-layer units,
-   ``encoder_cost_in_layers``) and of the uniform split, and their ratio.
+   1f1b: the step time (slowest rank, median over ``--split-repeats``; the two splits alternate
+   step by step) of the split that ``split_layers`` picks from the FLOP cost model (the encoders'
+   work in decoder-layer units, ``encoder_cost_in_layers``) and of the uniform split, their ratio,
+   and each rank's stage compute time (the balance the split achieved).
 3. **Per-rank memory** at pp = 1, 2, 4 (that VLM, the cost-model split, 1f1b, one step + one AdamW
    step): parameter, gradient and optimizer-state bytes of each rank's stages, exact (counted from
    the tensors); and the peak RSS growth over the RSS before the step (activations, gradients,
    optimizer state and allocator slack; noisy: torch has no CPU allocator statistics).
 
-    python bench/pipeline.py [--pp 2 4] [--microbatches 4 8] [--repeats 3] [--out bench/out] [--quick]
+    python bench/pipeline.py [--pp 2 4] [--microbatches 4 8] [--repeats 3] [--split-repeats 7]
+                             [--out bench/out] [--quick]
 
 ``--quick`` (bench/quick.py): pp = 2 only, 2 micro-batches, short rows, 1 repeat; not meaningful figures.
 """
@@ -254,12 +256,14 @@ def tables(bubble_rows: list[dict], split_rows: list[dict], split_info: dict, me
         per = " / ".join(f"{x:.2f}" for x in r["idle_per_rank"])
         lines.append(f"| {r['pp']} | {r['schedule']} | {r['virtual']} | {r['m']} | {r['measured']:.3f} | {per} | "
                      f"{r['theory']:.3f} | {r['step_s']:.3f} |")
-    uniform, model = split_rows
+    uniform = split_rows[0]
     lines += ["", f"Encoder cost {split_info['cost']:.2f} decoder layers ({split_info['patches_per_token']:.2f} "
               f"patches per token); {split_info['m']} rows of {split_info['tokens']} tokens, 1f1b:", "",
-              "| split | layers per stage | step s (median, slowest rank) | x uniform |", "|---|---|---|---|"]
+              "| split | layers per stage | step s (median, slowest rank) | x uniform | stage compute s per rank |",
+              "|---|---|---|---|---|"]
     for r in split_rows:
-        lines.append(f"| {r['name']} | {r['sizes']} | {r['step_s']:.3f} | {uniform['step_s'] / r['step_s']:.2f} |")
+        per = " / ".join(f"{x:.2f}" for x in r["compute_per_rank"])
+        lines.append(f"| {r['name']} | {r['sizes']} | {r['step_s']:.3f} | {uniform['step_s'] / r['step_s']:.2f} | {per} |")
     lines += ["", "| pp | rank | decoder layers | encoder | params MB | grads MB | AdamW state MB | sum MB | "
               "peak RSS growth MB |", "|" + "---|" * 9]
     for r in mem_rows:
@@ -274,16 +278,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes of the bubble measurement")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8], help="micro-batches (rows) per step")
-    p.add_argument("--text-length", type=int, default=512, help="tokens per text row (bubble measurement)")
+    p.add_argument("--text-length", type=int, default=256, help="tokens per text row (bubble measurement)")
     p.add_argument("--vlm-length", type=int, default=512, help="~tokens per video row (split and memory)")
     p.add_argument("--memory-pp", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="measured steps per bubble case (after a warm-up step)")
+    p.add_argument("--split-repeats", type=int, default=7, help="measured steps per split (they alternate)")
     p.add_argument("--out", type=Path, default=Path("bench/out"), help="every result file goes here (and only here)")
     p.add_argument("--quick", action="store_true", help=QUICK_HELP + ": pp 2, 2 micro-batches, short rows")
     args = p.parse_args()
     if args.quick:
         args.pp, args.microbatches, args.text_length, args.vlm_length = [2], [2], 64, 128
-        args.memory_pp, args.repeats = [1, 2], 1
+        args.memory_pp, args.repeats, args.split_repeats = [1, 2], 1, 1
         note("pp 2, 2 micro-batches, 64 / 128-token rows, memory at pp 1 and 2, 1 repeat")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
@@ -292,9 +297,10 @@ def main() -> None:
     m = max(2, min(args.microbatches))
     chosen, cost = cost_split(2, args.vlm_length)
     uniform = [LAYERS // 2] * 2
-    split_rows = run_ranks(_split_rank, 2, [uniform, chosen], m, args.vlm_length, args.repeats, timeout=1800)[0]
-    for r, name in zip(split_rows, ("uniform", "cost model")):
-        r["name"] = name
+    per_rank = run_ranks(_split_rank, 2, [uniform, chosen], m, args.vlm_length, args.split_repeats, timeout=1800)
+    split_rows = per_rank[0]
+    for i, (r, name) in enumerate(zip(split_rows, ("uniform", "cost model"))):
+        r["name"], r["compute_per_rank"] = name, [ranks[i]["compute_s"] for ranks in per_rank]
     rows, ppt = vlm_rows(1, args.vlm_length)
     split_info = {"cost": cost, "patches_per_token": ppt, "m": m, "tokens": rows[0]["input_ids"].shape[0]}
     mem_rows = [r for pp in args.memory_pp for r in memory(pp, m, args.vlm_length)]
