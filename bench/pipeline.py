@@ -239,12 +239,14 @@ def plot(bubble_rows: list[dict], split_rows: list[dict], mem_rows: list[dict], 
     ax.legend(fontsize=7)
     bx.bar([str(r["sizes"]) + "\n" + r["name"] for r in split_rows], [r["step_s"] for r in split_rows])
     bx.set(ylabel="step s (median, slowest rank)", title="heavy-encoder VLM, pp 2: stage split")
-    for pp in sorted({r["pp"] for r in mem_rows}):
+    for i, pp in enumerate(sorted({r["pp"] for r in mem_rows})):
         sel = [r for r in mem_rows if r["pp"] == pp]
         cx.plot([r["rank"] for r in sel], [(r["params_b"] + r["grads_b"] + r["optim_b"]) / 2**20 for r in sel], "-o",
-                label=f"pp={pp} params+grads+AdamW")
-        cx.plot([r["rank"] for r in sel], [r["rss_growth_b"] / 2**20 for r in sel], "--x", label=f"pp={pp} peak RSS growth")
-    cx.set(xlabel="rank", ylabel="MB", title="memory per rank")
+                color=f"C{i}", label=f"pp={pp} params+grads+AdamW")
+        cx.plot([r["rank"] for r in sel], [r["rss_growth_b"] / 2**20 for r in sel], "--x", color=f"C{i}",
+                label=f"pp={pp} peak RSS growth")
+    cx.set_xticks(sorted({r["rank"] for r in mem_rows}))
+    cx.set(xlabel="rank (stage 0 holds the encoder)", ylabel="MB", title="memory per rank")
     cx.legend(fontsize=7)
     save(fig, path, grid=(ax, bx, cx))
 
