@@ -7,7 +7,8 @@ Three measurements, each in fresh groups of gloo processes (one intra-op thread 
    alike). Each stage's ``forward_one_chunk`` / ``backward_one_chunk`` /
    ``backward_weight_one_chunk`` is timed (the schedules wait for their receives outside them), so
    a rank's idle fraction is 1 - (its compute time) / (its step wall time); shown next to the
-   schedule's theoretical bubble (p-1)/(v·m + p-1) (v = 1 for 1f1b and gpipe). On a box with
+   schedule's theoretical bubble (p-1)/(v·m + p-1) (v = 1 for 1f1b and gpipe; zero bubble is shown against the interleaved bound, the
+   ideal zero-bubble schedule's being ~0). On a box with
    fewer cores than ranks the ranks' compute overlaps on the same cores and stretches, so the
    measured fractions are indicative only.
 2. **Cost-model split vs uniform split** on a VLM whose encoder is heavy (the demo recipe with a
@@ -127,7 +128,9 @@ class TimedPipeline:
         worst = torch.tensor(wall)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if record:
-            self.walls.append(wall), self.computes.append(self.timer.seconds), self.slowest.append(float(worst))
+            self.walls.append(wall)
+            self.computes.append(self.timer.seconds)
+            self.slowest.append(float(worst))
         self.pipe.local.zero_grad(set_to_none=True)
 
 
