@@ -27,10 +27,10 @@ def _run(overrides: list[str]) -> tuple[dict, list]:
     grads: list = []
     original = optim.clip_grad_norm
 
-    def clip(params, max_norm):
+    def clip(params, max_norm, **kw):
         grads.append([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
                       for p in params])
-        return original(params, max_norm)
+        return original(params, max_norm, **kw)
 
     optim.clip_grad_norm = clip
     try:
