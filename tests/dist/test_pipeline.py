@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from omniweave.parallel.spawn import run_ranks
-from tests.dist.test_layout_parity import _rows
+from tests.dist.test_layout_parity import _reference, _rows
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -69,14 +69,6 @@ def _qwen3_vl_rows() -> list[dict]:
         row = ours_batch(pack(docs))
         rows.append({**row, "num_loss_tokens": int((row["labels"] != -100).sum())})
     return rows
-
-
-def _reference(model, rows: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
-    n = sum(r["num_loss_tokens"] for r in rows)
-    model.zero_grad()
-    loss = sum(model(r).loss_sum for r in rows) / n
-    loss.backward()
-    return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
 def _body(rank: int, world: int, packed: str, cases: list) -> list[dict]:
