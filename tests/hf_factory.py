@@ -57,9 +57,25 @@ def tiny_hf_model(family: str, tied: bool = False, seed: int = 0, **config):
         for n, p in model.named_parameters():
             if n.endswith("mlp.gate.weight"):  # decisive routing: no near-ties in the top-k between implementations
                 p.normal_(std=0.5)
-            elif n.endswith("norm.weight") or n.endswith("bias"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p) if n.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+            else:
+                perturb_norm_or_bias(n, p)
     return model
+
+
+def perturb_norm_or_bias(name: str, p: torch.Tensor, norms: tuple[str, ...] = ("norm.weight",)) -> None:
+    """A norm weight (its name ends with one of ``norms``) becomes 1 + 0.1·N(0, 1) and a bias
+    0.1·N(0, 1), so that a tiny random model's every tensor matters; other parameters are kept."""
+    if name.endswith(norms):
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    elif name.endswith("bias"):
+        p.copy_(0.1 * torch.randn_like(p))
+
+
+def perturb_norms_and_biases(model: torch.nn.Module, norms: tuple[str, ...] = ("norm.weight",)) -> None:
+    """``perturb_norm_or_bias`` over every parameter of ``model``, in order."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            perturb_norm_or_bias(name, p, norms)
 
 
 def save_tiny(family: str, path, tied: bool = False, seed: int = 0, max_shard_size=None, **config):

@@ -16,6 +16,7 @@ from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditio
 
 from omniweave.models.hf.loading import adapter_for, load_hf, load_hf_into
 from omniweave.models.registry import build_model
+from tests.hf_factory import perturb_norms_and_biases
 
 # the demo tokenizer's ids (data/tokenizer.py), so the tiny recipe's exports agree with the tests
 IDS = dict(audio_token_index=693, audio_start_token_id=692, audio_end_token_id=694, image_token_index=5,
@@ -35,12 +36,7 @@ def tiny_thinker(seed: int = 0) -> Qwen2_5OmniThinkerForConditionalGeneration:
     torch.manual_seed(seed)
     cfg = Qwen2_5OmniThinkerConfig(audio_config=AUDIO, vision_config=VISION, text_config=TEXT, **IDS)
     model = Qwen2_5OmniThinkerForConditionalGeneration(cfg).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith(("norm.weight", "ln_q.weight", "norm1.weight", "norm2.weight", "ln_post.weight")):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif n.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
+    perturb_norms_and_biases(model, norms=("norm.weight", "ln_q.weight", "norm1.weight", "norm2.weight", "ln_post.weight"))
     return model
 
 

@@ -11,6 +11,7 @@ from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
 
 from omniweave.models.hf.loading import adapter_for
 from omniweave.models.registry import build_component, build_config
+from tests.hf_factory import perturb_norms_and_biases
 
 AUDIO = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=72, d_model=40)
 TEXT = dict(vocab_size=1024, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
@@ -23,12 +24,7 @@ def tiny_qwen2_audio(seed: int = 0) -> Qwen2AudioForConditionalGeneration:
     torch.manual_seed(seed)
     cfg = Qwen2AudioConfig(audio_config=AUDIO, text_config=TEXT, audio_token_index=AUDIO_TOKEN)
     model = Qwen2AudioForConditionalGeneration(cfg).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif n.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
+    perturb_norms_and_biases(model)
     return model
 
 
