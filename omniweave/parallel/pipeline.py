@@ -305,8 +305,9 @@ def check_model(model: nn.Module, sizes: list[int]) -> None:
                          "(parallel.pp_layers)")
 
 
-def unsupported_with_pp(cfg) -> list[str]:
-    """The recipe settings a pipelined run (``parallel.pp`` > 1) cannot honour yet, by their keys."""
+def unsupported_with_pp(cfg) -> str | None:
+    """Why a pipelined run (``parallel.pp`` > 1) of this recipe cannot run yet: the settings it
+    cannot honour, by their keys, in one line; None when it can."""
     from omniweave.config import to_dict
     from omniweave.models.components.decoder import moe_layer_indices
 
@@ -316,7 +317,9 @@ def unsupported_with_pp(cfg) -> list[str]:
              "a MoE foundation (model.foundation.num_experts)": bool(moe_layer_indices(to_dict(cfg.model.foundation))),
              f"train.ac={tc.get('ac')}": str(tc.get("ac", "none") or "none") != "none",
              f"train.offload={tc.get('offload')}": str(tc.get("offload", "none") or "none") != "none"}
-    return [k for k, v in found.items() if v]
+    named = [k for k, v in found.items() if v]
+    pp = int(cfg.parallel.get("pp", 1) or 1)
+    return f"parallel.pp={pp} does not support {', '.join(named)} yet" if named else None
 
 
 def build_pipeline(model: nn.Module, cfg, dims, meshes, device) -> Pipeline:

@@ -251,9 +251,9 @@ class Engine:
         rank's part of the model. What a pipelined run cannot do yet fails here, naming the keys."""
         from omniweave.parallel.pipeline import build_pipeline, unsupported_with_pp
 
-        named = unsupported_with_pp(cfg)  # the CLI says so before any rank starts (trainer.check_ready)
-        if named:
-            raise ValueError(f"parallel.pp={self.dims.pp} does not support {', '.join(named)} yet")
+        why = unsupported_with_pp(cfg)  # the CLI says so before any rank starts (trainer.check_ready)
+        if why:
+            raise ValueError(why)
         self.pipeline = build_pipeline(self.model, cfg, self.dims, self.meshes, self.device)
         if self.fsdp:  # pp x dp: the ranks holding the same stages shard them
             from omniweave.parallel.fsdp import apply_fsdp_to_stage_parts

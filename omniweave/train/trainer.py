@@ -66,9 +66,9 @@ def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
     if pp > 1:
         from omniweave.parallel.pipeline import unsupported_with_pp
 
-        named = unsupported_with_pp(cfg)
-        if named:
-            raise UserError(f"parallel.pp={pp} does not support {', '.join(named)} yet")
+        why = unsupported_with_pp(cfg)
+        if why:
+            raise UserError(why)
     manifest = Path(cfg.data.path) / MANIFEST
     if not manifest.is_file():
         raise UserError(f"data.path={cfg.data.path}: no packed dataset there (no {MANIFEST}); build it with "
