@@ -149,17 +149,13 @@ def check_ep(ep: int, dp: int, cp: int, foundation: Any) -> None:
 
 def check_pp(parallel: Any, pp: int, dp: int, cp: int, tp: int, ep: int, model: Any) -> None:
     """``parallel.pp`` and its keys against the layout and the foundation (errors name the keys)."""
-    from omniweave.parallel.pipeline import LOOPED, SCHEDULES, split_layers
+    from omniweave.parallel.pipeline import check_schedule, split_layers
 
     if (cp, tp, ep) != (1, 1, 1):
         raise ValueError(f"parallel.pp={pp} composes with data parallelism only so far: it needs parallel.cp = "
                          f"model.foundation.tp = parallel.ep = 1 (got cp={cp}, tp={tp}, ep={ep})")
     schedule, virtual = str(parallel.get("pp_schedule", "1f1b")), int(parallel.get("pp_virtual", 1) or 1)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule={schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if (virtual > 1) != (schedule in LOOPED):
-        raise ValueError(f"parallel.pp_schedule={schedule} with parallel.pp_virtual={virtual}: "
-                         f"{', '.join(LOOPED)} need pp_virtual >= 2, the others 1")
+    check_schedule(schedule, virtual)
     if model is not None:
         layers = int((model.get("foundation") or {}).get("num_layers", 0))
         pp_layers = parallel.get("pp_layers")

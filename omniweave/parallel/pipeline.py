@@ -212,15 +212,11 @@ class Pipeline:
                  n_microbatches: int = 1):
         from torch.distributed import pipelining as pl
 
-        if schedule not in SCHEDULES:
-            raise ValueError(f"parallel.pp_schedule={schedule!r}; choose one of {', '.join(SCHEDULES)}")
         pp, rank = dist.get_world_size(group), dist.get_rank(group)
         if len(sizes) % pp:
             raise ValueError(f"{len(sizes)} stages do not spread over parallel.pp={pp} ranks")
         virtual = len(sizes) // pp
-        if (virtual > 1) != (schedule in LOOPED):
-            raise ValueError(f"parallel.pp_schedule={schedule} with parallel.pp_virtual={virtual}: "
-                             f"{', '.join(LOOPED)} need pp_virtual >= 2, the others 1")
+        check_schedule(schedule, virtual)
         check_microbatches(n_microbatches, pp, schedule)
         check_model(model, sizes)
         ranges = stage_ranges(sizes)
@@ -276,6 +272,15 @@ class Pipeline:
         total = total.to(self.device)
         dist.broadcast(total, src=self.last_rank, group=self.group)
         return float(total)
+
+
+def check_schedule(schedule: str, virtual: int) -> None:
+    """``parallel.pp_schedule`` is known and fits ``parallel.pp_virtual`` (stages per rank)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if (virtual > 1) != (schedule in LOOPED):
+        raise ValueError(f"parallel.pp_schedule={schedule} with parallel.pp_virtual={virtual}: "
+                         f"{', '.join(LOOPED)} need pp_virtual >= 2, the others 1")
 
 
 def check_microbatches(n_microbatches: int, pp: int, schedule: str) -> None:
