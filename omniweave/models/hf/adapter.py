@@ -20,6 +20,15 @@ from typing import Any
 _CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype")
 
 
+def renamed(name: str, prefixes) -> str | None:
+    """``name`` with its prefix replaced by the first ``(prefix, replacement)`` of ``prefixes`` it
+    starts with; None when none does."""
+    for prefix, replacement in prefixes:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return None
+
+
 class MultimodalAdapter:
     """The whole-model interface of loading.py / export.py for an adapter of a model with encoders
     (Qwen2-VL, Qwen2-Audio, Qwen2.5-Omni): names through its ``name_to_ours`` / ``name_to_hf``,

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from omniweave.models.hf.adapter import MultimodalAdapter
+from omniweave.models.hf.adapter import MultimodalAdapter, renamed
 from omniweave.models.hf.qwen2 import Qwen2Adapter
 from omniweave.models.hf.qwen2_5_vl import Qwen25VLAdapter
 from omniweave.models.hf.qwen2_audio import Qwen2AudioAdapter
@@ -153,10 +153,10 @@ class Qwen25OmniThinkerAdapter(MultimodalAdapter):
         if hf_name.endswith("inv_freq") or hf_name.startswith(("talker.", "token2wav.")):
             return None
         hf_name = hf_name.removeprefix("thinker.")
-        for prefix, ours in _TO_OURS:
-            if hf_name.startswith(prefix):
-                return ours + hf_name[len(prefix) :]
-        raise KeyError(f"{self.model_type}: unexpected tensor {hf_name!r} in the checkpoint")
+        ours = renamed(hf_name, _TO_OURS)
+        if ours is None:
+            raise KeyError(f"{self.model_type}: unexpected tensor {hf_name!r} in the checkpoint")
+        return ours
 
     def name_to_hf(self, name: str) -> str:
         """Our name -> the name the thinker's ``save_pretrained`` writes (for the fused vision
@@ -164,10 +164,10 @@ class Qwen25OmniThinkerAdapter(MultimodalAdapter):
         m = _QKV.match(name)
         if m is not None and m.group(2) == "qkv":
             name = f"{m.group(1)}.q.{m.group(3)}"
-        for prefix, hf in _TO_HF:
-            if name.startswith(prefix):
-                return hf + name[len(prefix) :]
-        raise KeyError(f"{self.model_type}: no HF name for {name!r}")
+        hf = renamed(name, _TO_HF)
+        if hf is None:
+            raise KeyError(f"{self.model_type}: no HF name for {name!r}")
+        return hf
 
     def model_tensors_to_ours(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Vision attention ``q`` / ``k`` / ``v`` (our prefixes) concatenated into ``qkv``."""

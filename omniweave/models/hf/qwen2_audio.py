@@ -27,7 +27,7 @@ from typing import Any
 
 from omniweave.models.components.audio_encoder import Qwen25OmniAudioEncoderConfig
 from omniweave.models.components.audio_projector import LinearAudioProjectorConfig
-from omniweave.models.hf.adapter import MultimodalAdapter
+from omniweave.models.hf.adapter import MultimodalAdapter, renamed
 from omniweave.models.hf.qwen2 import Qwen2Adapter
 from omniweave.models.registry import register
 
@@ -124,17 +124,17 @@ class Qwen2AudioAdapter(MultimodalAdapter):
     def name_to_ours(self, hf_name: str) -> str | None:
         if hf_name.endswith("inv_freq"):
             return None
-        for prefix, ours in _TO_OURS:
-            if hf_name.startswith(prefix):
-                return ours + hf_name[len(prefix) :]
-        raise KeyError(f"{self.model_type}: unexpected tensor {hf_name!r} in the checkpoint")
+        ours = renamed(hf_name, _TO_OURS)
+        if ours is None:
+            raise KeyError(f"{self.model_type}: unexpected tensor {hf_name!r} in the checkpoint")
+        return ours
 
     def name_to_hf(self, name: str) -> str:
         """Our name -> the name transformers' ``save_pretrained`` writes (checkpoint layout)."""
-        for prefix, hf in _TO_HF:
-            if name.startswith(prefix):
-                return hf + name[len(prefix) :]
-        raise KeyError(f"{self.model_type}: no HF name for {name!r}")
+        hf = renamed(name, _TO_HF)
+        if hf is None:
+            raise KeyError(f"{self.model_type}: no HF name for {name!r}")
+        return hf
 
     def skip_on_export(self, model) -> set[str]:
         return set()  # the head is always written: transformers' class never ties it
