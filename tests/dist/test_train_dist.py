@@ -54,6 +54,16 @@ def _run(demo_packed, tmp_path_factory, nproc: int, gb: int = 4, steps: int = ST
     return _RUNS[key]
 
 
+def _run_dir_at(finished, step: int, run):
+    """A run directory as ``finished`` was at ``step``: that checkpoint and the metrics up to it
+    (what ``--resume auto`` continues from)."""
+    (run / "checkpoints").mkdir(parents=True)
+    name = f"step_{step:06d}"
+    shutil.copytree(finished / "checkpoints" / name, run / "checkpoints" / name)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(finished)[:step]))
+    return run
+
+
 def _assert_same_losses(got: list[float], want: list[float], rtol: float) -> float:
     assert len(got) == len(want), (got, want)
     rel = max(abs(a - b) / abs(b) for a, b in zip(got, want))
@@ -207,10 +217,7 @@ def test_kill_inside_checkpoint_write_leaves_previous_checkpoint_and_resumes(dem
 def test_one_rank_checkpoint_resumes_on_two_ranks(demo_packed, tmp_path_factory, tmp_path):
     """DCP reshards a 1-rank checkpoint onto 2 FSDP ranks; the rest of the run matches 1 rank."""
     ref = _run(demo_packed, tmp_path_factory, 1)
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    shutil.copytree(ref / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(ref)[:2]))
+    run = _run_dir_at(ref, 2, tmp_path / "run")
     res = train_subprocess(demo_packed, run, nproc=2, resume="auto", steps=STEPS, train__save_interval=SAVE,
                            train__keep_last=0)
     assert res.returncode == 0, res.stdout[-4000:]
@@ -228,10 +235,7 @@ def test_optimizer_offload_trains_and_resumes_like_without(demo_packed, tmp_path
     rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
     dw = max_abs_diff(final_state(run), final_state(ref))
     assert dw <= WEIGHT_ATOL
-    resumed = tmp_path / "run"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run / "checkpoints" / "step_000004", resumed / "checkpoints" / "step_000004")
-    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(run)[:4]))
+    resumed = _run_dir_at(run, 4, tmp_path / "run")
     res = train_subprocess(demo_packed, resumed, nproc=nproc, resume="auto", steps=STEPS, train__save_interval=SAVE,
                            train__keep_last=0, train__offload="optimizer")
     assert res.returncode == 0, res.stdout[-4000:]
@@ -248,10 +252,7 @@ def test_pipeline_checkpoints_resume_at_another_layout(demo_packed, tmp_path_fac
     pp = {1: {}, 2: {"parallel__pp": 2}}
     ref = _run(demo_packed, tmp_path_factory, 1, **layers)
     saved = _run(demo_packed, tmp_path_factory, saved_on, **layers, **pp[saved_on])
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    shutil.copytree(saved / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002")
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(saved)[:2]))
+    run = _run_dir_at(saved, 2, tmp_path / "run")
     res = train_subprocess(demo_packed, run, nproc=resumed_on, resume="auto", steps=STEPS, train__save_interval=SAVE,
                            train__keep_last=0, **layers, **pp[resumed_on])
     assert res.returncode == 0, res.stdout[-4000:]
