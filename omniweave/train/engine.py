@@ -341,8 +341,9 @@ class Engine:
         return self._apply_update(loss_sum, stats, normaliser, compute_s, count_step)
 
     def _pipeline_step(self, micro_batches: list[dict], normaliser: float, count_step: bool) -> dict[str, Any]:
-        """``optimizer_step`` through the pipeline schedule: the rows, padded to ``data.max_len``,
-        are its micro-batches; each one's loss sum is divided by ``normaliser`` inside it."""
+        """``optimizer_step`` through the pipeline schedule: the rows, CP-sharded at the run's
+        static length (parallel/pipeline_rows.py), are its micro-batches; each one's loss sum is
+        divided by ``normaliser`` inside it."""
         rows = [to_device(mb, self.device) for mb in self.pipeline.prepare_rows(micro_batches)]
         t0 = time.perf_counter()
         with autocast(self.device, self.precision, self.fsdp):
