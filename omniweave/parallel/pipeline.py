@@ -384,9 +384,10 @@ def _stats(packed: str) -> dict:
     return json.loads((Path(packed) / "stats.json").read_text())
 
 
-def _max_docs(packed: str) -> int:
-    """The most documents in one pack of the packed data (stats.json)."""
-    return int(_stats(packed)["docs_per_pack"]["max"])
+def _max_docs(packed: str) -> int | None:
+    """The most documents in one pack of the packed data (stats.json; None if it does not say)."""
+    most = (_stats(packed).get("docs_per_pack") or {}).get("max")
+    return None if most is None else int(most)
 
 
 def _patches_per_token(packed: str, model_cfg: dict) -> float:
