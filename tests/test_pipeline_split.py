@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from omniweave.parallel.pipeline import (check_microbatches, check_model, encoder_cost_in_layers, split_layers,
                                          stage_ranges)
@@ -108,7 +109,10 @@ def _compositions(total: int, parts: int):
 
 
 @pytest.mark.parametrize("overrides, world, keys", [
-    (["parallel.pp=2", "parallel.cp=2"], 4, ["parallel.pp=2 composes with data parallelism only", "cp=2"]),
+    (["parallel.pp=2", "parallel.ep=2", "foundation@model.foundation=qwen3_moe_tiny"], 4,
+     ["parallel.pp=2 with parallel.ep=2", "MoE"]),
+    (["parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_virtual=2"], 4,
+     ["parallel.pp_schedule=zero_bubble", "1 x 2 x 1", "interleaved_1f1b"]),
     (["parallel.pp=2", "parallel.pp_schedule=dualpipe"], 2, ["parallel.pp_schedule='dualpipe'"]),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], 2, ["parallel.pp_virtual=1", "interleaved_1f1b"]),
     (["parallel.pp=2", "parallel.pp_layers=[1,2]"], 2, ["parallel.pp_layers [1, 2]", "model.foundation.num_layers"]),
@@ -133,6 +137,9 @@ def test_recipe_pp_layout():
     cfg = load_recipe("demo", ["parallel.pp=2", "parallel.pp_layers=[1,1]"])
     dims = ParallelDims.from_config(cfg.parallel, 2, model=cfg.model)
     assert (dims.pp, dims.dp, dims.cp, dims.tp) == (2, 1, 1, 1)
+    cfg = load_recipe("demo", ["parallel.pp=2", "parallel.cp=2", "model.foundation.tp=2"])  # pp x dp x cp x tp
+    dims = ParallelDims.from_config(cfg.parallel, 16, model=cfg.model)
+    assert (dims.pp, dims.dp, dims.cp, dims.tp) == (2, 2, 2, 2)
 
 
 @pytest.mark.parametrize("overrides, named", [
@@ -147,3 +154,44 @@ def test_train_refuses_what_pipelines_cannot_do_yet(capsys, overrides, named):
 
     assert main(["train", "demo", "parallel.pp=2", *overrides, "--nproc", "2"]) == 2
     assert f"parallel.pp=2 does not support {named} yet" in capsys.readouterr().err
+
+
+def _row(doc_lens: list[int]) -> dict:
+    """A text row of documents of ``doc_lens`` tokens, every token a loss token."""
+    n = sum(doc_lens)
+    cu = torch.tensor([0, *doc_lens]).cumsum(0).to(torch.int32)
+    return {"input_ids": torch.arange(1, n + 1), "labels": torch.arange(1, n + 1), "cu_seqlens": cu,
+            "position_ids": torch.cat([torch.arange(k) for k in doc_lens])[None], "num_loss_tokens": n}
+
+
+@pytest.mark.parametrize("cp, tp", [(1, 1), (1, 4), (2, 1), (2, 2), (4, 2)])
+def test_static_rows_give_every_row_the_run_length(cp, tp):
+    """Rows of any length and document count (up to data.max_len and the packs' most documents)
+    reach every rank of a pipeline at one static length, a multiple of tp: a loss-free pad document
+    is appended so that the CP shard (each document padded to a multiple of 2·cp) has it, and every
+    rank's shard keeps the row's loss tokens."""
+    from omniweave.parallel.pipeline_rows import static_row_length, static_rows
+
+    max_len, max_docs = 60, 7
+    length = static_row_length(max_len, cp, tp, max_docs)
+    assert length % tp == 0 and (cp == 1 and length - max_len < tp or cp > 1 and length % 2 == 0)
+    rows = [_row([60]), _row([1] * 7), _row([13, 1, 1, 9, 2]), _row([5]), _row([30, 30])]
+    labels = [sum(int((r["labels"] != -100).sum()) for r in static_rows([row], max_len, length, cp, rank, tp))
+              for row in rows for rank in range(cp)]
+    for rank in range(cp):
+        shards = static_rows(rows, max_len, length, cp, rank, tp)
+        assert [s["input_ids"].shape[0] for s in shards] == [length] * len(rows)
+        assert all(s["position_ids"].shape[-1] == length and int(s["cu_seqlens"][-1]) == length for s in shards)
+    per_row = [sum(labels[i * cp:(i + 1) * cp]) for i in range(len(rows))]
+    assert per_row == [int(r["num_loss_tokens"]) for r in rows]  # the pads carry no loss
+    assert cp == 1 or length <= (max_len + max_docs * (2 * cp - 1)) // cp + 2 * tp  # the bound, not more
+
+
+def test_static_rows_errors_name_the_limits():
+    from omniweave.parallel.pipeline_rows import static_row_length, static_rows
+
+    length = static_row_length(16, 2, 1, max_docs=2)
+    with pytest.raises(ValueError, match=r"16 tokens in 16 documents shards to 32 tokens per CP rank.*have 12"):
+        static_rows([_row([1] * 16)], 16, length, cp=2)
+    with pytest.raises(ValueError, match=r"rows of \[17\] tokens exceed the pipeline capacity of 16 \(data.max_len\)"):
+        static_rows([_row([17])], 16, static_row_length(16), cp=1)

@@ -97,29 +97,30 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
     return model
 
 
-def apply_fsdp_to_stage_parts(part: nn.Module, stages: list[nn.Module], mesh, precision: str = "fp32") -> nn.Module:
+def apply_fsdp_to_stage_parts(part: nn.Module, stages: list[nn.Module], mesh, precision: str = "fp32",
+                              encoder_mesh=None) -> nn.Module:
     """FSDP2 for a pipeline rank's part of the model (``parallel/pipeline.slice_model``; parts it
     does not hold are None) over ``mesh``, the data-parallel ranks holding the same stages: every
-    decoder layer, encoder block, encoder, projector and the embedding is its own FSDP unit; the
-    final norm and LM head are the last stage's module's (``stages``: this rank's
-    ``pipeline.StageModule``s). The part itself is no unit: the stages call its pieces, never its
-    forward, so its own parameters would never be gathered. Gradients are summed, as
-    ``apply_fsdp``'s."""
+    decoder layer, encoder block, encoder and projector is its own FSDP unit; the embedding is the
+    first stage's module's, the final norm and LM head the last stage's (``stages``: this rank's
+    ``pipeline.StageModule``s; a tp embedding's output is a view, which FSDP2 warns about at the
+    output of a unit). The part itself is no unit: the stages call its pieces, never its
+    forward, so its own parameters would never be gathered. ``encoder_mesh``: the encoders' and
+    projectors' own mesh, as in ``apply_fsdp``. Gradients are summed, as ``apply_fsdp``'s."""
     from torch.distributed.fsdp import fully_shard
 
     extra = _policies(precision, "none", False)
     foundation = part.foundation
-    units = [b for b in foundation.layers if b is not None]
+    units = [(b, mesh) for b in foundation.layers if b is not None]
     for encoder, projector in _encoders(part):
         if encoder is not None:
-            units += [*_encoder_blocks(encoder), encoder]
-        units += [projector] if projector is not None else []
-    units += [foundation.embed_tokens] if foundation.embed_tokens is not None else []
-    for unit in units:
-        fully_shard(unit, mesh=mesh, **extra)
+            units += [(m, encoder_mesh or mesh) for m in (*_encoder_blocks(encoder), encoder)]
+        units += [(projector, encoder_mesh or mesh)] if projector is not None else []
+    for unit, unit_mesh in units:
+        fully_shard(unit, mesh=unit_mesh, **extra)
     for stage in stages:  # the final norm and LM head (the loss reads lm_head.weight without calling
-        if stage.is_last:  # lm_head) go with the last stage's module, whose forward gathers them
-            fully_shard(stage, mesh=mesh, **extra)
+        if stage.is_first or stage.is_last:  # lm_head) go with the last stage's module, whose forward
+            fully_shard(stage, mesh=mesh, **extra)  # gathers them; the embedding with the first's
     _sum_gradients(part)
     for stage in stages:
         _sum_gradients(stage)

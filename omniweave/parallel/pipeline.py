@@ -16,7 +16,20 @@ A micro-batch is one packed row. What crosses a stage boundary is the hidden sta
 ``[1, capacity, D]``, and ``torch.distributed.pipelining`` fixes its receive buffers from the first
 micro-batch: a later row of another length would abort the process inside the communication
 backend (pytorch#159942). So every row of a run must have the run's length (pad short rows with
-``pad_rows``), and ``Pipeline.step`` checks that before anything is sent, raising ValueError.
+``pad_rows``; a trainer's rows: parallel/pipeline_rows.py), and ``Pipeline.step`` checks that
+before anything is sent, raising ValueError.
+
+With TP and CP (parallel/dims.py: ``pp`` is the outermost mesh dim, so every (dp, cp, tp)
+coordinate has its own pipeline of pp ranks): the model is cut after it was tensor-parallelised
+and its attention swapped for CP's, so the stages hold the sharded parts and the CP attention. A
+row reaches a pipeline as its CP shard, and what crosses a boundary is the tp rank's sequence
+shard ``[1, length / tp, D]`` (a plain tensor: the decoder layers' output between TP regions);
+the per-row metadata below are the CP shard's, whole over tp (the TP layers gather the
+sequence). Stage 0 takes each row through TP's sequence-parallel batch (``row_fn``), as the
+model's forward pre-hook would. The CP and TP collectives in a stage's forward and backward run
+between the ranks holding that stage, which run the same schedule in the same order. The last
+stage's loss is TP's vocab-parallel one (replicated over tp); each CP rank's pipeline reports its
+shard's (the trainer sums them over dp x cp, parallel/dims.py's fsdp mesh).
 
 Per-row metadata does not cross a boundary: the schedule hands every stage its micro-batch's
 slice of the step's keyword tensors (checked in torch 2.13: ``step(**kwargs)`` is chunked on dim
@@ -34,6 +47,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -108,7 +122,9 @@ def slice_model(model: nn.Module, layers, first: bool, last: bool, share: bool =
     """A copy of ``model`` holding only decoder ``layers``, and the encoders, projectors and
     embedding when ``first``, the final norm and LM head when ``last``; the other parts are None
     (parameter names unchanged). ``share``: the kept parts are ``model``'s own modules (not copies).
-    Every part of the model must be one of these, so that a new part cannot be dropped silently."""
+    Every part of the model must be one of these, so that a new part cannot be dropped silently.
+    The parallel hooks (CP attention, media splits, TP's loss) are copied but keep their process
+    groups; a copy without the encoders has no media splits."""
     foundation = model.foundation
     first_parts = [foundation.embed_tokens, *(getattr(model, s) for m in model.modalities for s in (m.encoder, m.projector))]
     last_parts = [foundation.norm, foundation.lm_head]
@@ -121,6 +137,12 @@ def slice_model(model: nn.Module, layers, first: bool, last: bool, share: bool =
     if unknown:
         raise TypeError(f"pipeline stages do not know where these parts of the model go: {unknown}")
     memo = {i: None for i, kept in keep.items() if not kept}  # deepcopy maps each of them to None
+    # the parallel hooks on the model (CP attention, media splits, TP's loss) are copied with it but keep
+    # their process groups, which cannot be copied; without the encoders a stage needs no media split
+    # (whose hooks hold the encoders' methods)
+    memo.update({id(group): group for group in dist.distributed_c10d._world.pg_map} if dist.is_initialized() else {})
+    if not first and hasattr(model, "media_splits"):
+        memo[id(model.media_splits)] = {}
     if share:
         memo.update({id(m): m for m in (*first_parts, *last_parts, *foundation.layers) if m is not None and keep[id(m)]})
     return copy.deepcopy(model, memo=memo)
@@ -133,14 +155,16 @@ class StageModule(nn.Module):
     (int64) on stage 0, else the hidden state ``[1, L, D]``; the last stage returns the row's
     token-loss sum ``[1]`` (fp32), the others the hidden state ``[1, L, D]``."""
 
-    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
-        """``model``: this rank's part of the model (``slice_model``), whose modules the stage shares."""
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool, row_fn=None):
+        """``model``: this rank's part of the model (``slice_model``), whose modules the stage shares;
+        ``row_fn(model, row)``: the row as stage 0's model takes it (a tp foundation's
+        ``tp.sequence_parallel_batch``: the model's forward pre-hook, which no stage calls)."""
         super().__init__()
         part = slice_model(model, layers, first, last, share=True)
         for name, child in part.named_children():
             self.add_module(name, child)
         self._model = (part,)  # not a submodule: its children are registered above
-        self.layer_ids, self.is_first, self.is_last = layers, first, last
+        self.layer_ids, self.is_first, self.is_last, self.row_fn = layers, first, last, row_fn
         self.rows: list[dict] = []  # the step's rows (stage 0 reads their media)
 
     def forward(self, x, position_ids, cu_seqlens, labels, token_valid):
@@ -148,7 +172,8 @@ class StageModule(nn.Module):
         cu = cu_seqlens[0][cu_seqlens[0] >= 0]
         deepstack = None
         if self.is_first:
-            inputs = model.foundation_inputs(self.rows[int(x)])
+            row = self.rows[int(x)]
+            inputs = model.foundation_inputs(row if self.row_fn is None else self.row_fn(model, row))
             h, deepstack = inputs["inputs_embeds"], inputs.get("deepstack")
         else:
             h = x[0]
@@ -206,10 +231,12 @@ class Pipeline:
     """This rank's stages of ``model`` and the schedule that runs them (see the module doc).
 
     ``sizes``: layers per stage (``split_layers``); ``group``: the pipeline's process group (its
-    ranks hold stages r, r + pp, …); ``n_microbatches``: rows per step."""
+    ranks hold stages r, r + pp, …); ``n_microbatches``: rows per step; ``prepare_rows(rows)``: the
+    step's rows as ``step`` takes them (``static_rows``; default: unchanged); ``row_fn``: see
+    ``StageModule``."""
 
     def __init__(self, model: nn.Module, sizes: list[int], group, device, schedule: str = "1f1b",
-                 n_microbatches: int = 1):
+                 n_microbatches: int = 1, prepare_rows=None, row_fn=None):
         from torch.distributed import pipelining as pl
 
         pp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -224,9 +251,10 @@ class Pipeline:
         mine = [i for s in ids for i in ranges[s]]
         # this rank's part of the model: what the optimizer and checkpoints see; the stages share its modules
         self.local = slice_model(model, mine, 0 in ids, len(sizes) - 1 in ids)
-        self.modules = [StageModule(self.local, ranges[s], s == 0, s == len(sizes) - 1) for s in ids]
+        self.modules = [StageModule(self.local, ranges[s], s == 0, s == len(sizes) - 1, row_fn) for s in ids]
         self.stages = [pl.PipelineStage(m, s, len(sizes), device, group=group) for m, s in zip(self.modules, ids)]
         self.n_microbatches, self.group, self.device = n_microbatches, group, device
+        self.prepare_rows = prepare_rows or (lambda rows: rows)
         self.capacity: int | None = None  # the row length fixed by the first step
         self._normaliser = 1.0
         cls = {"1f1b": pl.Schedule1F1B, "gpipe": pl.ScheduleGPipe, "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
@@ -333,24 +361,41 @@ def build_pipeline(model: nn.Module, cfg, dims, meshes, device) -> Pipeline:
     ``parallel.pp_virtual``; one micro-batch per row of the rank's ``train.global_batch / dp``."""
     from omniweave.config import to_dict
 
+    from omniweave.parallel.pipeline_rows import static_row_length, static_rows
+    from omniweave.parallel.tp import sequence_parallel_batch
+
     par, model_cfg = cfg.parallel, to_dict(cfg.model)
     pp_layers = par.get("pp_layers")
     cost = None if pp_layers is not None else encoder_cost_in_layers(model_cfg, _patches_per_token(cfg.data.path, model_cfg))
     sizes = split_layers(model.foundation.config.num_layers, dims.pp, int(par.get("pp_virtual", 1) or 1),
                          None if pp_layers is None else list(pp_layers), first_stage_cost=cost)
+    max_len = int(cfg.data.max_len)
+    length = static_row_length(max_len, dims.cp, dims.tp, _max_docs(cfg.data.path) if dims.cp > 1 else None)
+    prepare = partial(static_rows, max_len=max_len, length=length, cp=dims.cp, cp_rank=meshes.cp_rank, tp=dims.tp)
     return Pipeline(model, sizes, meshes.pp.get_group(), device, str(par.get("pp_schedule", "1f1b")),
-                    n_microbatches=int(cfg.train.global_batch) // dims.dp)
+                    n_microbatches=int(cfg.train.global_batch) // dims.dp, prepare_rows=prepare,
+                    row_fn=partial(sequence_parallel_batch, meshes.tp) if dims.tp > 1 else None)
+
+
+def _stats(packed: str) -> dict:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(packed) / "stats.json").read_text())
+
+
+def _max_docs(packed: str) -> int | None:
+    """The most documents in one pack of the packed data (stats.json; None if it does not say)."""
+    most = (_stats(packed).get("docs_per_pack") or {}).get("max")
+    return None if most is None else int(most)
 
 
 def _patches_per_token(packed: str, model_cfg: dict) -> float:
     """Encoder patches per decoder token of the packed data (stats.json: vision tokens, each
     merge² patches, over the packs' capacity tokens); 0 for a model without an image encoder."""
-    import json
-    from pathlib import Path
-
     vit = model_cfg.get("image_encoder")
     if vit is None:
         return 0.0
-    stats = json.loads((Path(packed) / "stats.json").read_text())
+    stats = _stats(packed)
     merge = int((model_cfg.get("projector") or {}).get("merge_size") or vit.get("spatial_merge_size", 2))
     return stats["vision_tokens"] * merge**2 / max(stats["capacity_tokens"], 1)

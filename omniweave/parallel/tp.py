@@ -218,12 +218,18 @@ def _features_into_tp(mesh, previous, encode, inputs, grid) -> torch.Tensor:
     return placed.to_local(grad_placements=[Partial()])
 
 
-def _sequence_parallel_hook(mesh, model, args):
-    batch = sequence_parallel_row(args[0], mesh.get_local_rank(), mesh.size())
+def sequence_parallel_batch(mesh, model, batch: dict) -> dict:
+    """``batch`` as this rank of the foundation's tp ``mesh`` feeds it to ``model`` (what the
+    model's forward pre-hook does; a pipeline's first stage, which calls no forward, calls it)."""
+    batch = sequence_parallel_row(batch, mesh.get_local_rank(), mesh.size())
     for m in getattr(model, "modalities", ()):  # the model's own span checks (its forward sees only this rank's rows)
         if m.rows in batch and batch.get(m.spans) is not None:
             model.check_media_spans(batch[m.spans], batch[m.grid], batch["input_ids"].shape[0], m.name)
-    return (batch, *args[1:])
+    return batch
+
+
+def _sequence_parallel_hook(mesh, model, args):
+    return (sequence_parallel_batch(mesh, model, args[0]), *args[1:])
 
 
 def _mesh_or_none(mesh, what: str):

@@ -77,13 +77,25 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"{p}: no complete checkpoint (expected .metadata + trainer_state.json)")
 
 
-def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, flat_optim: bool = True) -> dict[str, Any]:
+    """The model's (and optimizer's) DCP state. ``flat_optim``: the optimizer's hyperparameters
+    per parameter name (``param_groups.<name>.lr``), not as lists of groups naming their
+    parameters: pipeline ranks hold different parameters, and a group's parameter list saved by
+    one of them would not name the parameters another layout's ranks hold."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat_optim))
     return {"model": msd, "optim": osd}
+
+
+def _flat_optim(path: Path) -> bool:
+    """Whether the checkpoint's optimizer hyperparameters are per parameter (older checkpoints
+    saved lists of groups)."""
+    import torch.distributed.checkpoint as dcp
+
+    return "optim.param_groups.0.params" not in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 def check_shapes(path: str | os.PathLike, model_state: dict[str, Any]) -> None:
@@ -148,16 +160,18 @@ def save(ckpt_root: str | os.PathLike, step: int, model: nn.Module, optimizer, t
 def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
     """Collective: restores model (+ optimizer) and this rank's RNG; returns trainer_state."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     path = Path(path)
-    state = _dcp_state(model, optimizer)
+    flat = _flat_optim(path)
+    state = _dcp_state(model, optimizer, flat)
     check_shapes(path, state["model"])
     dcp.load(state, checkpoint_id=str(path))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=flat))
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.exists():  # absent when resuming with more ranks than saved: keep the seeded state
         torch.set_rng_state(torch.load(rng, weights_only=True))

@@ -255,10 +255,12 @@ class Engine:
         if why:
             raise ValueError(why)
         self.pipeline = build_pipeline(self.model, cfg, self.dims, self.meshes, self.device)
-        if self.fsdp:  # pp x dp: the ranks holding the same stages shard them
+        if self.fsdp:  # the ranks holding the same stages (dp x cp; x tp_rep for a smaller-tp encoder) shard them
             from omniweave.parallel.fsdp import apply_fsdp_to_stage_parts
 
-            apply_fsdp_to_stage_parts(self.pipeline.local, self.pipeline.modules, self.meshes.fsdp, self.precision)
+            apply_fsdp_to_stage_parts(self.pipeline.local, self.pipeline.modules, self.meshes.fsdp, self.precision,
+                                      encoder_mesh=self.meshes.encoder_fsdp if self.dims.tp_encoder < self.dims.tp
+                                      else None)
         return self.pipeline.local
 
     # ------------------------------------------------------------------ resume and logs
@@ -339,17 +341,16 @@ class Engine:
         return self._apply_update(loss_sum, stats, normaliser, compute_s, count_step)
 
     def _pipeline_step(self, micro_batches: list[dict], normaliser: float, count_step: bool) -> dict[str, Any]:
-        """``optimizer_step`` through the pipeline schedule: the rows, padded to ``data.max_len``,
-        are its micro-batches; each one's loss sum is divided by ``normaliser`` inside it."""
-        from omniweave.parallel.pipeline import pad_rows
-
-        rows = [to_device(mb, self.device) for mb in pad_rows(micro_batches, int(self.cfg.data.max_len))]
+        """``optimizer_step`` through the pipeline schedule: the rows, CP-sharded at the run's
+        static length (parallel/pipeline_rows.py), are its micro-batches; each one's loss sum is
+        divided by ``normaliser`` inside it."""
+        rows = [to_device(mb, self.device) for mb in self.pipeline.prepare_rows(micro_batches)]
         t0 = time.perf_counter()
         with autocast(self.device, self.precision, self.fsdp):
             loss = self.pipeline.step(rows, normaliser=max(normaliser, 1))
         compute_s = time.perf_counter() - t0
         loss_sum = torch.tensor(loss * max(normaliser, 1), dtype=torch.float64, device=self.device)
-        if self.dims.dp > 1:  # each pipeline has its data-parallel share of the rows
+        if self.meshes.fsdp.size() > 1:  # each pipeline has its dp share of the rows, its CP share of their tokens
             dist.all_reduce(loss_sum, group=self.meshes.fsdp.get_group())
         return self._apply_update(loss_sum, {}, normaliser, compute_s, count_step, reduce=False)
 
