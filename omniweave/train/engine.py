@@ -452,8 +452,11 @@ class Engine:
         from omniweave.config import to_dict
         from omniweave.models.hf.export import export_hf
 
+        from omniweave.models.lora import merge_adapters
+
         plain = full_model_on_rank0(self.model, self.cfg)
         if plain is not None:
+            merge_adapters(plain)  # LoRA: the merged model (hf export --adapter writes a PEFT adapter)
             export_hf(plain, to_dict(self.cfg.model), out, data_cfg=to_dict(self.cfg.data))
             print(f"exported the final model to {out}", flush=True)
         dist.barrier()
