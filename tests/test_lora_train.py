@@ -31,11 +31,12 @@ def base_hf(tmp_path_factory):
     from omniweave.models.hf.export import export_hf
     from omniweave.models.registry import build_model
 
-    model_cfg = to_dict(load_recipe("demo", []).model)
+    recipe = load_recipe("demo", [])
+    model_cfg = to_dict(recipe.model)
     torch.manual_seed(5)
     model = build_model(model_cfg)
     model.init_weights()
-    return export_hf(model, model_cfg, tmp_path_factory.mktemp("base") / "hf")
+    return export_hf(model, model_cfg, tmp_path_factory.mktemp("base") / "hf", data_cfg=to_dict(recipe.data))
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +81,20 @@ def test_resumed_lora_run_matches_the_uninterrupted_one(lora_run, demo_packed, b
     train_in_process(demo_packed, run, resume="auto", steps=4, train__save_interval=2, train__keep_last=0, train__init_from=base_hf, **LORA)
     assert losses(run) == pytest.approx(losses(lora_run), rel=1e-6)
     assert max_abs_diff(final_state(run), final_state(lora_run)) <= 1e-6
+
+
+def test_trained_adapter_exports_over_its_init_from_base(lora_run, base_hf, tmp_path, capsys):
+    """``hf export RUN --adapter`` of the run above: no base/ (the run started from ``base_hf``), the
+    trained projector rides as PEFT modules_to_save, and ``hf verify BASE --adapter`` (peft's
+    PeftModel over the base vs omniweave) passes."""
+    pytest.importorskip("peft")
+    from omniweave.cli import main as cli
+
+    assert cli(["hf", "export", str(lora_run), "--output", str(tmp_path / "out"), "--adapter"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["adapter"]
+    config = json.loads((tmp_path / "out/adapter/adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["model.visual.merger"] and config["r"] == 4
+    assert config["base_model_name_or_path"] == str(base_hf.resolve())
+    capsys.readouterr()
+    assert cli(["hf", "verify", str(base_hf), "--adapter", str(tmp_path / "out/adapter")]) == 0
+    print(capsys.readouterr().out)
