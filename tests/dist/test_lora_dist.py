@@ -6,7 +6,8 @@ Adapters on every Linear of the foundation and of the vision tower (the ViT's fu
 layers), the projector trained in full: dp 2 (FSDP), foundation + encoder tp 2, cp 2. Every
 rank's model takes the reference's weights (adapters with non-zero B, so A gets gradients too);
 the loss and every trainable parameter's gradient equal 1 rank within 1e-5 relative, and the
-frozen base weights get none."""
+frozen base weights get none. Built on the meta device (each rank materialising its shards), the
+adapters start as PEFT's (B zero, A drawn): the loss is the base model's."""
 
 from __future__ import annotations
 
@@ -87,7 +88,29 @@ def _body(rank: int, world: int, packed: str, names: list[str]) -> list[dict]:
                                                         if k.startswith(("foundation.", "image_encoder."))),
                         "adapter_A_grads": min(float(ref_grads[k].abs().max()) for k in adapters if ".lora_A." in k),
                         "n_adapters": len(adapters)})
+    results.append(_meta_init(world, rows[0]))
     return results
+
+
+def _meta_init(world: int, row: dict) -> dict:
+    """The meta-device path (``meta_init_params=0``: each rank materialises only its shards): every
+    adapter's B is zero and its A drawn, so the loss equals the same model's with the adapters off."""
+    from omniweave.models.lora import adapted_linears, adapters_disabled
+    from omniweave.parallel.dims import ParallelDims
+    from omniweave.train.engine import build
+
+    cfg = _lora_cfg(LAYOUTS["dp2"])
+    dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
+    model = build(cfg, torch.device("cpu"), dims, dims.build_meshes("cpu"), meta_init_params=0)
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    linears = [m for _, m in adapted_linears(model)]
+    with torch.no_grad():
+        loss = model(row).loss_sum
+        with adapters_disabled(model):
+            base = model(row).loss_sum
+    return {"layout": "meta-init", "b_zero": all(float(full(m.lora_B.weight.detach()).abs().max()) == 0 for m in linears),
+            "a_drawn": all(float(full(m.lora_A.weight.detach()).abs().min()) > 0 for m in linears),
+            "loss_equals_base": bool(torch.equal(loss, base)), "n_adapters": len(linears)}
 
 
 def test_lora_layouts_match_single_process(demo_packed):
@@ -98,6 +121,8 @@ def test_lora_layouts_match_single_process(demo_packed):
     for r in results[0]:
         print(r)
     for rank_results in results:
+        meta = rank_results.pop()
+        assert meta["b_zero"] and meta["a_drawn"] and meta["loss_equals_base"] and meta["n_adapters"] == 2 * 7 + 3 * 5, meta
         for r in rank_results:
             assert r["loss_rel"] <= LOSS_RTOL, r
             assert r["grad_rel"] <= GRAD_RTOL, r
