@@ -13,6 +13,8 @@ import torch
 
 from tests.train_factory import final_state, losses, max_abs_diff, read_metrics, train_in_process
 
+pytestmark = [pytest.mark.slow]  # end to end: training runs
+
 LORA = {"+model.foundation.lora": "{r: 4, alpha: 8, targets: all-linear}", "model.image_encoder.freeze": "true"}
 
 
