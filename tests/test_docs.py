@@ -59,6 +59,10 @@ def model_keys() -> set[str]:
     keys = set()
     for f in (REPO / "configs/models").glob("*/*.yaml"):
         keys |= {f"model.{f.parent.name}.{k}" for k in (yaml.safe_load(f.read_text()) or {})}
+    from omniweave.models.lora import LORA_KEYS
+
+    for kind in registry.MODEL_SECTIONS:  # keys every component takes (lora: models/lora.py)
+        keys |= {f"model.{kind}.{k}" for k in registry.COMMON_KEYS} | {f"model.{kind}.lora.{k}" for k in LORA_KEYS}
     for kind in ("foundation", "image_encoder", "projector"):
         for name in registry.names(kind):
             config_cls = registry.lookup(kind, name)[1]

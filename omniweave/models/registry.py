@@ -12,8 +12,8 @@ name), ``hf`` (Hugging Face family adapters keyed by the HF ``model_type``; ``co
 None), and ``reward`` (functions ``fn(response, reference, **params) -> float``, registered
 through ``omniweave.rl.rewards.reward``).
 
-A component's YAML holds ``name:`` (the registered name), optional ``freeze: bool`` and ``tp:``
-(read by the trainer), and the fields of its config dataclass; any other key is an error that
+A component's YAML holds ``name:`` (the registered name), optional ``freeze: bool``, ``tp:``
+(read by the trainer) and ``lora:`` (adapters, models/lora.py), and the fields of its config dataclass; any other key is an error that
 names it. Modules that register components are listed in :data:`COMPONENT_MODULES` and
 imported on first lookup.
 """
@@ -60,7 +60,7 @@ MODEL_SECTIONS = ("foundation", *(s for m in MODALITIES for s in (m.encoder, m.p
 
 KINDS = (*MODEL_SECTIONS, "hf", "reward")
 # Keys every component config may carry that are not fields of its dataclass.
-COMMON_KEYS = ("name", "freeze", "tp")
+COMMON_KEYS = ("name", "freeze", "tp", "lora")
 # Modules whose import registers components (add yours here).
 COMPONENT_MODULES = [
     "omniweave.models.components.decoder",
@@ -163,12 +163,13 @@ def build_component(kind: str, cfg: Any) -> nn.Module:
     return module
 
 
-def build_model(model_cfg: Any) -> nn.Module:
+def build_model(model_cfg: Any, adapters: bool = True) -> nn.Module:
     """The recipe's ``model:`` section -> a model implementing the trainer's model contract.
 
     With any encoder (:data:`MODALITIES`) it is ``OmniModel(foundation, **encoders and their
     projectors)`` (``omniweave.models.omni``); otherwise a text-only
-    :class:`~omniweave.models.text.CausalLM`.
+    :class:`~omniweave.models.text.CausalLM`. ``adapters``: add the components' ``lora:`` adapters
+    (models/lora.py); the trainer passes False and adds them after tensor parallelism.
     """
     cfg = _as_dict(model_cfg)
     unknown = sorted(set(cfg) - set(MODEL_SECTIONS))
@@ -190,7 +191,13 @@ def build_model(model_cfg: Any) -> nn.Module:
     if parts:
         from omniweave.models.omni import OmniModel
 
-        return OmniModel(foundation=foundation, **parts)
-    from omniweave.models.text import CausalLM
+        model = OmniModel(foundation=foundation, **parts)
+    else:
+        from omniweave.models.text import CausalLM
 
-    return CausalLM(foundation)
+        model = CausalLM(foundation)
+    if adapters:
+        from omniweave.models.lora import apply_lora
+
+        apply_lora(model, cfg)
+    return model

@@ -349,7 +349,9 @@ def unsupported_with_pp(cfg) -> str | None:
              "train.eval_interval with eval.path": bool(tc.get("eval_interval")) and bool(ev.get("path")),
              "a MoE foundation (model.foundation.num_experts)": bool(moe_layer_indices(to_dict(cfg.model.foundation))),
              f"train.ac={tc.get('ac')}": str(tc.get("ac", "none") or "none") != "none",
-             f"train.offload={tc.get('offload')}": str(tc.get("offload", "none") or "none") != "none"}
+             f"train.offload={tc.get('offload')}": str(tc.get("offload", "none") or "none") != "none",
+             "LoRA adapters (model.<component>.lora)": any(isinstance(c, dict) and c.get("lora")
+                                                            for c in to_dict(cfg.model).values())}
     named = [k for k, v in found.items() if v]
     pp = int(cfg.parallel.get("pp", 1) or 1)
     return f"parallel.pp={pp} does not support {', '.join(named)} yet" if named else None

@@ -179,14 +179,23 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
 
 
 def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
-    """Collective: only the model weights of a checkpoint into ``model`` (any parallel layout)."""
+    """Collective: only the model weights of a checkpoint into ``model`` (any parallel layout); LoRA
+    adapters the checkpoint does not hold keep their values."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from omniweave.models.lora import is_adapter_name
+
     state = _dcp_state(model, None)
     check_shapes(path, state["model"])
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    fresh = [n for n in state["model"] if is_adapter_name(n) and f"model.{n}" not in saved]
+    for n in fresh:  # LoRA on a run trained without it: its adapters keep their fresh initialisation
+        del state["model"][n]
     dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not fresh))
 
 
 def load_model(path: str | os.PathLike, model_cfg=None) -> tuple[nn.Module, dict]:

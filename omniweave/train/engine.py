@@ -63,14 +63,15 @@ def with_process_group(fn: Callable[[], Any]) -> Any:
 
 
 def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_INIT_PARAMS) -> nn.Module:
-    """The model, parallelised from outside in DESIGN's order: (vision split) -> TP -> CP -> EP -> AC
-    -> FSDP2 (foundation over dp x cp, a smaller-tp encoder over dp x cp x tp_rep, MoE experts split
+    """The model, parallelised from outside in DESIGN's order: (vision split) -> TP -> LoRA adapters
+    -> CP -> EP -> AC -> FSDP2 (foundation over dp x cp, a smaller-tp encoder over dp x cp x tp_rep, MoE experts split
     over the EP group and sharded over the ranks holding the same ones; see parallel/dims.py and
     parallel/expert.py).
     A model of more than ``meta_init_params`` parameters on more than one rank is built on the
     meta device and each rank materialises and initialises only its shards (``omniweave check``
     passes 0 to take that path with a tiny model)."""
     from omniweave.config import to_dict
+    from omniweave.models.lora import apply_lora, reset_adapters
     from omniweave.models.registry import build_model
     from omniweave.parallel.context import apply_cp, apply_vision_split
     from omniweave.parallel.expert import apply_ep, expert_modules, set_router_groups
@@ -80,12 +81,12 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
     model_cfg = to_dict(cfg.model)
     check_attn_backends(model_cfg)
     with torch.device("meta"):
-        model = build_model(model_cfg)
+        model = build_model(model_cfg, adapters=False)
     n_params = sum(p.numel() for p in model.parameters())
     meta_init = n_params > meta_init_params and dims.world_size > 1
     if not meta_init:  # identical weights on every rank from the seed: sharding then keeps each rank's slice
         torch.manual_seed(int(cfg.train.seed))
-        model = build_model(model_cfg)
+        model = build_model(model_cfg, adapters=False)
         if hasattr(model, "init_weights"):
             model.init_weights()
         model.to(device)
@@ -93,6 +94,7 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
     if dims.tp > 1:  # features' gradient partials: over the encoder's tp group, the split sums the rest
         apply_tp(model, meshes.tp, meshes.tp_encoder, features_mesh=meshes.tp_encoder if dims.tp_encoder < dims.tp
                  else meshes.tp)
+    apply_lora(model, model_cfg)  # after TP: each adapter is placed after its base weight (models/lora.py)
     apply_cp(model, dims, meshes, head_groups=int(cfg.get("parallel", {}).get("cp_head_groups", 1) or 1))
     if dims.ep > 1:
         apply_ep(model, meshes.ep)
@@ -107,6 +109,7 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
         model.to_empty(device=device)
         seed_sharded_init(int(cfg.train.seed), device)
         model.init_weights()
+        reset_adapters(model)  # init_weights drew the adapters' Linears like any other
     if cfg.train.get("init_from"):
         init_weights_from(model, str(cfg.train.init_from))
     return model
@@ -146,7 +149,8 @@ def check_attn_backends(model_cfg: dict) -> None:
 def init_weights_from(model: nn.Module, path: str) -> None:
     """``train.init_from``: a HF model directory (each rank reads only its own slices of the
     safetensors) or an omniweave training checkpoint (a run, checkpoints/ or step dir: its model
-    weights through DCP, resharded to this layout; its optimizer and schedule are not taken)."""
+    weights through DCP, resharded to this layout; its optimizer and schedule are not taken).
+    LoRA adapters the source lacks (a HF base, a run without them) keep their fresh initialisation."""
     if (Path(path) / "config.json").is_file():
         from omniweave.models.hf.loading import load_hf_into
 
@@ -449,8 +453,11 @@ class Engine:
         from omniweave.config import to_dict
         from omniweave.models.hf.export import export_hf
 
+        from omniweave.models.lora import merge_adapters
+
         plain = full_model_on_rank0(self.model, self.cfg)
         if plain is not None:
+            merge_adapters(plain)  # LoRA: the merged model (hf export --adapter writes a PEFT adapter)
             export_hf(plain, to_dict(self.cfg.model), out, data_cfg=to_dict(self.cfg.data))
             print(f"exported the final model to {out}", flush=True)
         dist.barrier()

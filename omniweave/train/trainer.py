@@ -59,9 +59,11 @@ def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
     from omniweave.data.loader import check_kind
     from omniweave.data.packed import MANIFEST
     from omniweave.errors import UserError
+    from omniweave.models.lora import check_lora
 
     require(cfg, "data.path", "train.steps", "train.global_batch", "train.lr")
     check_attn_backends(to_dict(cfg.model))
+    check_lora(to_dict(cfg.model))
     pp = int((cfg.get("parallel") or {}).get("pp", 1) or 1)
     if pp > 1:
         from omniweave.parallel.pipeline import unsupported_with_pp

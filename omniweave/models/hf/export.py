@@ -2,11 +2,12 @@
 and, from the recipe the checkpoint was trained with, its tokenizer, chat template and (VL models)
 image / video processor configs, so ``AutoProcessor`` loads it too (processor_files.py).
 
-CLI: ``omniweave hf export CKPT --output HF_DIR`` where CKPT is a training checkpoint (a DCP
+CLI: ``omniweave hf export CKPT --output HF_DIR [--adapter]`` where CKPT is a training checkpoint (a DCP
 ``step_N`` directory, a run's ``checkpoints/latest``, or the run directory itself: its latest
 complete checkpoint), or a plain directory holding ``model.safetensors`` (our state-dict names, as
 written by :func:`save_checkpoint_dir`) and ``config.yaml`` (a recipe with a ``model:`` section,
-or the model section itself).
+or the model section itself). A LoRA run's adapters are merged into the weights, or with
+``--adapter`` written as a PEFT adapter next to its base (peft_adapter.py).
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dty
     ``data.vision`` (see processor_files.py). Without, only config + weights are written."""
     from safetensors.torch import save_file
 
+    from omniweave.models.lora import adapted_linears
+
+    if any(True for _ in adapted_linears(model)):  # callers merge (lora.merge_adapters) or export them (peft_adapter.py)
+        raise ValueError("export_hf: the model still has LoRA adapters; merge them or export them with --adapter")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     adapter = adapter_for(hf_model_type(model))
@@ -146,19 +151,25 @@ def load_checkpoint_dir(ckpt_dir: str | Path) -> tuple[nn.Module, dict]:
     return model, model_cfg
 
 
-def recipe_data_cfg(ckpt_dir: str | Path) -> dict | None:
-    """The ``data:`` section of the recipe saved with a checkpoint (None for a plain dir)."""
+def recipe_data_cfg(ckpt_dir: str | Path, section: str = "data") -> dict | None:
+    """The ``data:`` (or another) section of the recipe saved with a checkpoint (None for a plain dir)."""
     import yaml
 
     for cand in (Path(ckpt_dir), Path(ckpt_dir).resolve()):
         if (cand / "config.yaml").exists():
-            return yaml.safe_load((cand / "config.yaml").read_text()).get("data")
+            return yaml.safe_load((cand / "config.yaml").read_text()).get(section)
     try:
         from omniweave.train.checkpoint import resolve_checkpoint
 
-        return yaml.safe_load((resolve_checkpoint(ckpt_dir) / "config.yaml").read_text()).get("data")
+        return yaml.safe_load((resolve_checkpoint(ckpt_dir) / "config.yaml").read_text()).get(section)
     except (FileNotFoundError, OSError):
         return None
+
+
+def hf_init_dir(ckpt_dir: str | Path) -> str | None:
+    """The HF directory the checkpoint's run started from (``train.init_from``), if it was one."""
+    init = (recipe_data_cfg(ckpt_dir, "train") or {}).get("init_from")
+    return str(init) if init and (Path(str(init)) / "config.json").is_file() else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,14 +178,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="HF directory to write")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="cast floating tensors (default: keep)")  # fmt: skip
+    parser.add_argument("--adapter", action="store_true",
+                        help="LoRA runs: write OUTPUT/adapter (a PEFT adapter) and OUTPUT/base (the base model; "
+                             "skipped when the run started from a HF directory, train.init_from), instead of "
+                             "merging the adapters into the weights")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
+    from omniweave.models.lora import merge_adapters
+
     model, model_cfg = load_checkpoint_dir(args.checkpoint)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     data_cfg = recipe_data_cfg(args.checkpoint)
-    out = export_hf(model, model_cfg, args.output, dtype, data_cfg=data_cfg)
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    if args.adapter:
+        from omniweave.models.hf.peft_adapter import export_adapter
+
+        base = hf_init_dir(args.checkpoint)
+        out = export_adapter(model, model_cfg, args.output, base_dir=base, data_cfg=data_cfg, dtype=dtype)
+        print(f"exported the LoRA adapter of a {hf_model_type(model)} model to {out / 'adapter'} (PEFT), base: "
+              + (f"{base} (train.init_from)" if base else str(out / "base")))
+        return 0
+    merged = merge_adapters(model)
+    out = export_hf(model, model_cfg, args.output, dtype, data_cfg=data_cfg)
+    if merged:
+        print(f"merged {merged} LoRA adapters into the weights (--adapter exports them as a PEFT adapter instead)")
     print(f"exported {hf_model_type(model)} model ({n / 1e6:.1f}M parameters) to {out}: "
           + ", ".join(sorted(p.name for p in out.iterdir())))  # fmt: skip
     if not data_cfg:

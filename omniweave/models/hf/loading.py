@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from omniweave.models.lora import is_adapter_name
 from omniweave.models.registry import build_model, lookup
 
 
@@ -139,7 +140,8 @@ def load_hf_into(model: nn.Module, hf_dir: str | Path) -> int:
 
     Parameters sharded by FSDP2 (DTensors) read only their own slice of each tensor from the
     safetensors files (``get_slice``), so every rank reads just what it owns and nobody holds
-    the full model. Shapes are checked against the model; errors name the tensor."""
+    the full model. Shapes are checked against the model; errors name the tensor. LoRA adapters
+    (models/lora.py) are not in a HF model directory: they are left as they are."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -148,7 +150,7 @@ def load_hf_into(model: nn.Module, hf_dir: str | Path) -> int:
     adapter = adapter_for(read_hf_config(hf_dir).get("model_type", "?"))
     where = _weight_files(hf_dir)
     skip = adapter.skip_on_export(model) if hasattr(adapter, "skip_on_export") else set()
-    tensors = dict(model.named_parameters())
+    tensors = {n: p for n, p in model.named_parameters() if not is_adapter_name(n)}  # LoRA: a HF dir is the base
     persistent = model.state_dict(keep_vars=True)  # checkpointed buffers (DeepSeek-V3's e_score_correction_bias)
     tensors.update({n: b for n, b in model.named_buffers() if n in persistent})
     missing = []

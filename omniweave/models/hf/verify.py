@@ -1,4 +1,4 @@
-"""``omniweave hf verify HF_DIR [--image P …] [--video P …] [--audio P …] [--atol A]``
+"""``omniweave hf verify HF_DIR [--image P …] [--video P …] [--audio P …] [--atol A] [--adapter ADAPTER_DIR]``
 
 Builds the model twice from one Hugging Face directory — in transformers and in omniweave — and
 runs the same conversation through both, printing max|Δ| for every stage:
@@ -20,6 +20,10 @@ Audio-language models (an ``audio_config`` and no ``vision_config``: Qwen2-Audio
 ``verify_audio.py`` (audio token counts, mel features, logits), the Qwen2.5-Omni thinker by
 ``verify_omni.py`` (also ``--use-audio-in-video``: the videos' own sound tracks as audio inputs;
 any other model type refuses that flag, exit 2).
+
+``--adapter ADAPTER_DIR`` (a PEFT LoRA adapter of HF_DIR, e.g. from ``hf export --adapter``): the
+transformers side is peft's ``PeftModel`` over HF_DIR, ours the same base with the adapter loaded
+(hf/peft_adapter.py); an adapter of another base model is refused, naming the tensors.
 
 It exits 1 when any difference exceeds ``--atol`` (ids and grids must be equal), 0 otherwise.
 
@@ -65,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="Describe what you see.", help="user text after the media")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random media")
     parser.add_argument("--template", default="chatml", help="our chat template (default chatml)")
+    parser.add_argument("--adapter", default=None, metavar="ADAPTER_DIR",
+                        help="a PEFT LoRA adapter of HF_DIR (hf export --adapter): transformers + peft's "
+                             "PeftModel against omniweave with the adapter loaded (text and vision-language models)")
 
 
 def random_media(seed: int) -> tuple[bytes, bytes]:
@@ -229,10 +236,29 @@ def _hf_replacements(hf_cfg: dict, proc, raw, sample, counts: list[int]) -> list
 TEXT_DOCS = (7, 23, 12)  # documents of the packed row a text-only model is checked on
 
 
+def load_pair(args, hf_dir: Path, hf_cfg: dict):
+    """(transformers model, omniweave model) of ``hf_dir`` in fp32 eval mode; with ``--adapter``
+    both carry the PEFT adapter: peft's ``PeftModel`` and omniweave's LoRA (hf/peft_adapter.py)."""
+    import transformers
+
+    hf_model = getattr(transformers, hf_cfg["architectures"][0]).from_pretrained(
+        str(hf_dir), dtype=torch.float32, attn_implementation="eager").eval()  # fmt: skip
+    ours, _ = load_hf(hf_dir)
+    if args.adapter:
+        from omniweave.models.hf.peft_adapter import load_adapter
+
+        load_adapter(ours, args.adapter)  # first: an adapter of another base fails here, with names
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise SystemExit("error: --adapter needs peft (pip install peft: the dev extra)") from None
+        hf_model = PeftModel.from_pretrained(hf_model, str(args.adapter)).eval()
+    return hf_model, ours.eval()
+
+
 def verify_text(args, hf_dir: Path, hf_cfg: dict) -> int:
     """A text-only family (no ``vision_config``): random token documents (``--seed``) packed into
     one row through omniweave vs each document alone through transformers."""
-    import transformers
 
     if args.image or args.video:
         print(f"error: {hf_dir} is a text-only model ({hf_cfg['model_type']}); --image / --video need a "
@@ -240,10 +266,7 @@ def verify_text(args, hf_dir: Path, hf_cfg: dict) -> int:
         return 2
     g = torch.Generator().manual_seed(args.seed)
     docs = [torch.randint(0, int(hf_cfg["vocab_size"]), (n,), generator=g) for n in TEXT_DOCS]
-    hf_model = getattr(transformers, hf_cfg["architectures"][0]).from_pretrained(
-        str(hf_dir), dtype=torch.float32, attn_implementation="eager").eval()  # fmt: skip
-    ours, _ = load_hf(hf_dir)
-    ours.eval()
+    hf_model, ours = load_pair(args, hf_dir, hf_cfg)
     batch = {"input_ids": torch.cat(docs), "position_ids": torch.cat([torch.arange(n) for n in TEXT_DOCS])[None],
              "cu_seqlens": torch.tensor([0, *np.cumsum(TEXT_DOCS)], dtype=torch.int32)}  # fmt: skip
     with torch.no_grad():
@@ -256,13 +279,16 @@ def verify_text(args, hf_dir: Path, hf_cfg: dict) -> int:
 
 
 def verify(args) -> int:
-    import transformers
 
     hf_dir = Path(args.hf_dir)
     hf_cfg = read_hf_config(hf_dir)
     omni = hf_cfg.get("model_type") in ("qwen2_5_omni_thinker", "qwen2_5_omni")
     if args.use_audio_in_video and not omni:
         print(f"error: --use-audio-in-video is Qwen2.5-Omni's; {hf_dir} is {hf_cfg.get('model_type')}", file=sys.stderr)
+        return 2
+    if args.adapter and (omni or ("audio_config" in hf_cfg and "vision_config" not in hf_cfg)):
+        print(f"error: --adapter is supported for text and vision-language models; {hf_dir} is "
+              f"{hf_cfg.get('model_type')}", file=sys.stderr)
         return 2
     if omni:
         from omniweave.models.hf.verify_omni import verify_omni
@@ -340,13 +366,11 @@ def verify(args) -> int:
     if not same_ids:
         return _report(rows, args.atol)
 
-    hf_model = getattr(transformers, hf_cfg["architectures"][0]).from_pretrained(
-        str(hf_dir), dtype=torch.float32, attn_implementation="eager").eval()  # fmt: skip
-    ours, _ = load_hf(hf_dir)
-    ours.eval()
+    hf_model, ours = load_pair(args, hf_dir, hf_cfg)
     pos_ours = torch.from_numpy(sample.position_ids.astype(np.int64))
     rope_kw = {k: hf_kw[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in hf_kw}
-    pos_hf, _ = hf_model.model.get_rope_index(hf_ids, mm_token_type_ids=tt, **rope_kw)
+    base = hf_model.get_base_model() if hasattr(hf_model, "get_base_model") else hf_model  # PeftModel: its base
+    pos_hf, _ = base.model.get_rope_index(hf_ids, mm_token_type_ids=tt, **rope_kw)
     rows.append(("position_ids", (pos_hf[:, 0] - pos_ours).abs().max().item(), "M-RoPE [3, L]"))
     batch = {"input_ids": ids, "position_ids": pos_ours, "grid_thw": ours_grid,
              "pixel_values": torch.cat(ours_pv),  # span order
