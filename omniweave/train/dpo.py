@@ -164,3 +164,21 @@ class DPOObjective:
         chosen, rejected = out["reward_chosen"] / n, out["reward_rejected"] / n
         return {"pairs": int(out["pairs"]), "reward_chosen": chosen, "reward_rejected": rejected,
                 "reward_margin": chosen - rejected, "reward_accuracy": out["reward_accuracy"] / n}
+
+
+@torch.no_grad()
+def preference_accuracy(model, packed_path) -> dict:
+    """Held-out pairs (a packed pairs dataset): how often the model gives the chosen answer a higher
+    log-prob than the rejected one (``accuracy``), and the mean log-prob margin, over ``n`` pairs."""
+    from omniweave.data.loader import collate_pack
+    from omniweave.data.packed import PackedDataset
+
+    ds = PackedDataset(packed_path)
+    wins, margin, n = 0, 0.0, 0
+    for i in range(len(ds)):
+        mb = collate_pack(ds[i], ds.manifest["data_cfg"])
+        seq = sequence_logps(model(mb, token_logprobs=True).token_logp, mb["token_data"]["pair_slot"], mb["num_pairs"])
+        wins += int((seq[:, 0] > seq[:, 1]).sum())
+        margin += float((seq[:, 0] - seq[:, 1]).sum())
+        n += seq.shape[0]
+    return {"accuracy": wins / max(n, 1), "margin": margin / max(n, 1), "n": n}
