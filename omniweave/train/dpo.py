@@ -9,9 +9,12 @@ log-probs (``sequence_logps``), under context parallelism summed over the cp ran
 Per pair, with π the policy's and r the reference's sequence log-probs (Rafailov et al. 2023; the
 same formulas as TRL's ``DPOTrainer.dpo_loss``, which tests/test_dpo.py runs on the same numbers):
 
-    logits   = (π_chosen − π_rejected) − (r_chosen − r_rejected)
-    sigmoid  loss = −(1 − ε)·log σ(β·logits) − ε·log σ(−β·logits)     (ε: label_smoothing, cDPO)
-    ipo      loss = (logits − 1 / (2β))²                              (Azar et al. 2023)
+    logits   = (π_chosen − r_chosen) − (π_rejected − r_rejected)
+    sigmoid  loss = −(1 − ε)·log σ(β·logits) − ε·log σ(−β·logits)     (ε: label_smoothing, cDPO:
+             TRL ≤ 0.x's sigmoid; TRL 1.x keeps this form in its ``aot`` loss, which equals it pair by pair)
+    ipo      loss = (ipo_logits − 1 / (2β))²                          (Azar et al. 2023)
+             ipo_logits: each side's log-ratio divided by its answer's token count first (TRL's
+             length normalisation, confirmed by the IPO authors; β then does not depend on length)
     rewards  β·(π_chosen − r_chosen), β·(π_rejected − r_rejected)
 
 The training step's loss is the mean over the global batch's pairs: each micro-batch returns its
@@ -77,23 +80,27 @@ def check_layout(cfg) -> None:
                         "the SFT loss); use dp / cp / tp")
 
 
-def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor,
-             cfg: DPOConfig) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss per pair [P], chosen reward [P], rejected reward [P]), fp32; rewards are detached."""
-    pc, pr = policy_chosen.float(), policy_rejected.float()
-    rc, rr = ref_chosen.detach().float(), ref_rejected.detach().float()
-    logits = (pc - pr) - (rc - rr)
+def dpo_loss(policy: Tensor, ref: Tensor, cfg: DPOConfig, lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss per pair [P], chosen reward [P], rejected reward [P]), fp32; rewards are detached.
+    ``policy`` / ``ref``: [P, 2] (chosen, rejected) sequence log-probs; ``lengths`` [P, 2]: the
+    answers' token counts (``ipo`` only)."""
+    ratios = policy.float() - ref.detach().float()  # [P, 2] log π/r of each side
     if cfg.loss == "sigmoid":
-        eps = cfg.label_smoothing
+        logits, eps = ratios[:, 0] - ratios[:, 1], cfg.label_smoothing
         losses = -F.logsigmoid(cfg.beta * logits) * (1 - eps) - F.logsigmoid(-cfg.beta * logits) * eps
     else:
-        losses = (logits - 1 / (2 * cfg.beta)) ** 2
-    return losses, cfg.beta * (pc - rc).detach(), cfg.beta * (pr - rr).detach()
+        if lengths is None:
+            raise ValueError("the ipo loss needs the answers' token counts")
+        per_token = ratios / lengths.float().clamp_min(1)
+        losses = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * cfg.beta)) ** 2
+    rewards = cfg.beta * ratios.detach()
+    return losses, rewards[:, 0], rewards[:, 1]
 
 
 def sequence_logps(token_logp: Tensor, pair_slot: Tensor, num_pairs: int) -> Tensor:
-    """[P, 2] (chosen, rejected) sums of the token log-probs in each slot (1 + 2p + side; 0: none)."""
-    sums = token_logp.new_zeros(2 * num_pairs + 1).index_add(0, pair_slot.to(torch.long), token_logp.float())
+    """[P, 2] (chosen, rejected) sums of the token values in each slot (1 + 2p + side; 0: none)."""
+    sums = token_logp.new_zeros(2 * num_pairs + 1, dtype=torch.float32)
+    sums = sums.index_add(0, pair_slot.to(torch.long), token_logp.float())
     return sums[1:].view(num_pairs, 2)
 
 
@@ -146,12 +153,17 @@ class DPOObjective:
         policy = sequence_logps(model(mb, token_logprobs=True).token_logp, slots, pairs)
         ref_tokens = self.reference_token_logps(model, mb)
         ref = torch.zeros_like(policy) if ref_tokens is None else sequence_logps(ref_tokens, slots, pairs)
+        lengths = sequence_logps(torch.ones_like(slots, dtype=torch.float32), slots, pairs)
         if cp > 1:  # each cp rank holds a share of every answer's tokens: whole sums before the loss
+            import torch.distributed as dist
             from torch.distributed.nn.functional import all_reduce
 
             group = self.engine.meshes.cp.get_group()
-            policy, ref = all_reduce(policy, group=group), all_reduce(ref.detach(), group=group)
-        losses, chosen, rejected = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], self.settings)
+            policy = all_reduce(policy, group=group)  # autograd: the gradient reaches every rank's share
+            ref, lengths = ref.detach().clone(), lengths.clone()
+            dist.all_reduce(ref, group=group)
+            dist.all_reduce(lengths, group=group)
+        losses, chosen, rejected = dpo_loss(policy, ref, self.settings, lengths)
         # every cp rank now holds the same pairs' values: 1/cp each, so sums over ranks count them once
         stats = {"pairs": torch.tensor(float(pairs)), "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(),
                  "reward_accuracy": (chosen > rejected).sum().float()}
