@@ -115,6 +115,28 @@ def pair_slots(labels: Tensor, cu_seqlens: Tensor, sides: list[str]) -> Tensor:
     return torch.where(labels != -100, 1 + doc, 0)
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over a process group whose gradient is the all-reduced gradient: every rank
+    computes the loss from the same sums, so each share's gradient is the sum of theirs."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def reference_model(cfg, engine):
     """The frozen reference: the policy's initial weights (seed or ``train.init_from``), built and
     parallelised exactly like it (the same builder as GRPO's reference)."""
@@ -155,14 +177,9 @@ class DPOObjective:
         ref = torch.zeros_like(policy) if ref_tokens is None else sequence_logps(ref_tokens, slots, pairs)
         lengths = sequence_logps(torch.ones_like(slots, dtype=torch.float32), slots, pairs)
         if cp > 1:  # each cp rank holds a share of every answer's tokens: whole sums before the loss
-            import torch.distributed as dist
-            from torch.distributed.nn.functional import all_reduce
-
             group = self.engine.meshes.cp.get_group()
-            policy = all_reduce(policy, group=group)  # autograd: the gradient reaches every rank's share
-            ref, lengths = ref.detach().clone(), lengths.clone()
-            dist.all_reduce(ref, group=group)
-            dist.all_reduce(lengths, group=group)
+            policy = _SumOverGroup.apply(policy, group)
+            ref, lengths = (_SumOverGroup.apply(t.detach(), group) for t in (ref, lengths))
         losses, chosen, rejected = dpo_loss(policy, ref, self.settings, lengths)
         # every cp rank now holds the same pairs' values: 1/cp each, so sums over ranks count them once
         stats = {"pairs": torch.tensor(float(pairs)), "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(),
