@@ -360,7 +360,8 @@ def run(args) -> int:
                 print(f"packed {s['samples_packed']}/{s['samples']} RL prompts (one per pack, at most "
                       f"{s['capacity']} tokens), dropped {s['dropped'] or 0} -> {out} ({time.time() - t0:.1f}s)")
             else:
-                print(f"packed {s['samples_packed']}/{s['samples']} samples into {s['packs']} packs of {s['capacity']} "
+                what = "preference pairs (2 documents each, kept together)" if kind == "pairs" else "samples"
+                print(f"packed {s['samples_packed']}/{s['samples']} {what} into {s['packs']} packs of {s['capacity']} "
                       f"tokens, efficiency {s['efficiency']:.2%}, dropped {s['dropped'] or 0} -> {out} "
                       f"({time.time() - t0:.1f}s)")
             return 0
