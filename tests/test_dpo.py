@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -249,3 +250,20 @@ def test_dpo_raises_the_rate_at_which_the_preferred_answer_wins(pairs, tmp_path)
     assert before["n"] == after["n"] == 48
     assert 0.3 <= before["accuracy"] <= 0.7  # the seeded initial model: chance
     assert after["accuracy"] >= before["accuracy"] + 0.2 and after["margin"] > before["margin"] + 1.0
+
+
+@pytest.mark.slow
+def test_a_resumed_dpo_run_equals_an_uninterrupted_one(pairs, tmp_path):
+    """The reference is rebuilt from the initial weights, the loader position comes back."""
+    from omniweave.config import load_recipe
+    from omniweave.train.trainer import train
+    from tests.train_factory import read_metrics
+
+    def run(out, resume=None):
+        train(load_recipe("demo_dpo", dpo_overrides(pairs, out, steps=4, train__save_interval=2)), resume=resume)
+        return [(m["loss"], m["reward_margin"]) for m in read_metrics(out)]
+
+    whole = run(tmp_path / "whole")
+    step2 = "checkpoints/step_000002"  # the run as it was at step 2
+    shutil.copytree(tmp_path / "whole" / step2, tmp_path / "cut" / step2)
+    assert run(tmp_path / "cut", resume="auto") == whole[2:]

@@ -134,14 +134,14 @@ def _train(cfg, resume, fault_hook) -> dict:
                           kind=phase_kind(cfg))
     refit_steps = int(cfg.data.get("balance_refit", 0) or 0) if balance == "cost" else 0
     refitter = Refitter(loader.cost_model, warmup=refit_steps) if refit_steps > 0 else None
-    torch.manual_seed(seed + engine.rank)
     phase = str(tc.get("phase", "sft"))
-    vision_pads = _vision_pad_ids(data_cfg)
     objective = None
     if phase == "dpo":  # preference pairs: its own loss and normaliser (pairs), the rest of the loop as is
         from omniweave.train.dpo import DPO_LINE, DPOObjective
 
-        objective = DPOObjective(cfg, engine)
+        objective = DPOObjective(cfg, engine)  # builds the reference from the seed: before the per-rank seed
+    torch.manual_seed(seed + engine.rank)
+    vision_pads = _vision_pad_ids(data_cfg)
 
     state = engine.resume(resume)
     if state is not None:
