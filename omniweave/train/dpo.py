@@ -154,6 +154,7 @@ class DPOObjective:
     def __init__(self, cfg, engine):
         self.settings = DPOConfig.from_recipe(cfg)
         self.engine = engine
+        # LoRA (models/lora.py): no frozen copy; the base model is the reference (reference_token_logps)
         self.reference = reference_model(cfg, engine) if self.settings.ref == "model" else None
 
     def normaliser(self, packs: list[dict]) -> float:
@@ -163,9 +164,9 @@ class DPOObjective:
     @torch.no_grad()
     def reference_token_logps(self, model, mb: dict) -> Tensor | None:
         """The reference's per-token log-probs of the micro-batch, None when reference-free.
-        THE one place the reference forward is chosen. With LoRA the reference is the base model:
-        ``with adapters_disabled(model): return model(mb, token_logprobs=True).token_logp``
-        (models/lora.py) instead of the frozen copy, which is then not built."""
+        THE one place the reference forward is chosen. LoRA (to wire after models/lora.py lands):
+        the reference is the base model, ``with adapters_disabled(model): return model(mb,
+        token_logprobs=True).token_logp``, and ``__init__`` builds no frozen copy."""
         if self.reference is None:
             return None
         return self.reference(mb, token_logprobs=True).token_logp
