@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install demo demo-moe demo-omni demo-rl test bench clean
+.PHONY: install demo demo-moe demo-omni demo-rl demo-dpo test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo-omni: install
 
 demo-rl: install
 	$(VENV)/bin/omniweave demo --rl --out runs/demo_rl
+
+# DPO from scratch on the demo's preference pairs: held-out preferred-answer rate before / after (docs/dpo.md)
+demo-dpo: install
+	$(VENV)/bin/omniweave demo --dpo --out runs/demo_dpo
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

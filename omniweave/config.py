@@ -81,6 +81,14 @@ class DataSchema:
 
 
 @dataclass
+class DPOSchema:  # train.phase=dpo (docs/dpo.md)
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    ref: str = "model"
+
+
+@dataclass
 class TrainSchema:
     phase: str = "sft"
     steps: int = MISSING
@@ -105,6 +113,7 @@ class TrainSchema:
     max_bad_steps: int = 5
     eval_interval: int = 0
     save_hf: bool = False
+    dpo: DPOSchema = field(default_factory=DPOSchema)
 
 
 @dataclass

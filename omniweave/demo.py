@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", default=RECIPE, help="a recipe that trains on the demo's packs, e.g. demo_moe (default: demo)")
     p.add_argument("--out", default=None, help="output folder (default: runs/<recipe>, with --rl runs/demo_rl)")
     p.add_argument("--rl", action="store_true", help="the GRPO demo instead (omniweave/demo_rl.py)")
+    p.add_argument("--dpo", action="store_true", help="the DPO demo instead (omniweave/demo_dpo.py)")
     p.add_argument("--samples", type=int, default=None, help="training samples to generate (default: the recipe's demo.samples)")
     p.add_argument("--eval-samples", type=int, default=None, help="held-out eval samples (default: the recipe's demo.eval_samples)")
     p.add_argument("--steps", type=int, default=None, help="training (with --rl: GRPO) steps (default: the recipe's)")
@@ -36,9 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2, help="worker processes for convert and pack")
     p.add_argument("--no-control", action="store_true", help="skip the blanked-media control run")
     p.add_argument("overrides", nargs="*", help="recipe overrides key=value, applied to both runs (--rl: the GRPO run)")
+    from omniweave.demo_dpo import add_arguments as dpo_arguments
     from omniweave.demo_rl import add_arguments as rl_arguments
 
     rl_arguments(p)
+    dpo_arguments(p)
 
 
 # ----------------------------------------------------------------------------- blank media
@@ -192,6 +195,11 @@ def run(args: argparse.Namespace) -> int:
     from omniweave.config import load_recipe, recipe_path
     from omniweave.data.demo import generate
 
+    if args.dpo:
+        from omniweave import demo_dpo
+
+        args.out = args.out or "runs/demo_dpo"
+        return demo_dpo.run(args)
     if args.rl:
         from omniweave import demo_rl
 

@@ -22,5 +22,5 @@ def test_sft_keeps_pack_labels_and_pretrain_recounts_loss_tokens():
 
 
 def test_unknown_phase_is_rejected_by_name():
-    with pytest.raises(ValueError, match="train.phase='dpo'"):
-        apply_phase([], "dpo", ())
+    with pytest.raises(ValueError, match="train.phase='ppo'"):  # dpo is a phase now (train/dpo.py)
+        apply_phase([], "ppo", ())

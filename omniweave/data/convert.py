@@ -35,6 +35,8 @@ from omniweave.data import shards as sh
 from omniweave.data.formats import FormatError, parse_row
 from omniweave.data.mapping import COLUMN_FIELDS, TAG_FIELDS, Mapping, detect_format, mapping_from_yaml
 from omniweave.data.media_files import load_media, media_extension, source_name
+from omniweave.data.preference import REJECT_REASONS as PREFERENCE_REJECTS
+from omniweave.data.preference import is_preference_row, split_preference_row
 
 # the fixed reasons; parameterised ones are "unsupported_modality:<kind>", "unknown_content_part:<type>",
 # "unknown_media_column:<column>" (docs/data.md, "Reject reasons")
@@ -44,6 +46,7 @@ REJECT_REASONS = (
     "media_path_escapes", "absolute_path_outside", "bad_data_url",
     # audio whose header does not read (audio.probe_audio's MediaError reasons)
     "not_audio", "no_audio_stream", "empty_audio", "audio_truncated", "bad_audio",
+    *PREFERENCE_REJECTS,  # preference pairs: a missing side, identical sides (data/preference.py)
 )
 KILL_ENV = "OMNIWEAVE_TEST_KILL_AFTER_ROWS"  # tests: a worker os._exit()s after this many rows
 
@@ -156,7 +159,12 @@ def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: b
         except json.JSONDecodeError as e:
             raise FormatError("malformed_json", str(e)) from e
     stem = Path(row.file).stem
+    rejected = None
+    if is_preference_row(raw, mapping):  # a DPO pair: prompt + chosen answer, the rejected answer in meta
+        raw, rejected = split_preference_row(raw, mapping)
     conv = parse_row(raw, mapping, row_id=f"{stem}-{row.index}", auto_placeholders=auto_placeholders)
+    if rejected is not None:
+        conv.meta["rejected"] = rejected
     media: dict[str, bytes] = {}
     names = {"image": [], "video": [], "audio": []}
     sources = (("image", conv.images, "img"), ("video", conv.videos, "vid"), ("audio", conv.audios, "aud"))

@@ -4,6 +4,9 @@
     OUT/eval.jsonl    held-out rows: the user turn only, plus ``answer`` and ``task``
     OUT/rl.jsonl      RL prompts of the visual tasks (user question + the answer as the assistant
                       turn): convert, pack with an RL recipe, reward by exact match
+    OUT/dpo.jsonl     preference pairs (docs/dpo.md) in the OpenAI layout: the question, the correct
+                      answer as the last assistant turn, a wrong answer of the same task as ``rejected``
+    OUT/dpo_eval.jsonl  held-out pairs in the ShareGPT layout (``conversations`` + ``chosen`` / ``rejected``)
     OUT/media/        small PNG images, 4-frame MPEG-4 videos (and with ``--audio`` 16 kHz wav clips);
                       rows name them relative to it
     OUT/demo.json     what was generated (seed, counts per task, answer classes)
@@ -66,6 +69,7 @@ CLASSES = {
 TRAIN_TASKS = ("color", "shape", "position", "count", "motion", "which_red", "two_turns", "add", "copy")
 EVAL_TASKS = ("color", "shape", "position", "count", "motion", "which_red", "add")
 RL_TASKS = ("color", "shape", "position", "count", "motion", "which_red")  # only solvable by looking
+DPO_TASKS = (*RL_TASKS, "add")
 AUDIO_CLASSES = {"pitch": tuple(PITCHES), "beeps": BEEPS}
 AUDIO_TASKS = tuple(AUDIO_CLASSES)  # with --audio, in train and eval
 
@@ -259,17 +263,32 @@ def _balanced(tasks: tuple[str, ...], n: int, rng: np.random.Generator) -> list[
     return [pairs[i] for i in order]
 
 
+def preference_row(row: dict, task: str, answer: str, rng: np.random.Generator, layout: str) -> dict:
+    """A demo row as a preference pair: its answer chosen, another answer of the task rejected."""
+    wrong = str(rng.choice([c for c in CLASSES[task] if c != answer]))
+    messages = row["messages"]
+    if layout == "openai":
+        return {**row, "rejected": {"role": "assistant", "content": wrong}}
+    turns = [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in messages[:-1]]
+    return {"id": row["id"], "conversations": turns, "chosen": {"from": "gpt", "value": answer},
+            "rejected": {"from": "gpt", "value": wrong}, "images": row["images"], "videos": row["videos"]}
+
+
 def generate(out_dir: str | Path, samples: int = 1000, eval_samples: int = 200, seed: int = 0, size: int = 56,
-             rl_samples: int = 0, audio: bool = False) -> dict:
+             rl_samples: int = 0, audio: bool = False, dpo_samples: int = 0) -> dict:
     """Write the demo dataset to ``out_dir``; returns a summary (also saved as ``demo.json``).
-    ``audio``: add the listening tasks (``AUDIO_TASKS``) to train and eval."""
+    ``audio``: add the listening tasks (``AUDIO_TASKS``) to train and eval. ``dpo_samples``:
+    preference pairs (``dpo.jsonl``, and ``eval_samples`` held-out ones in ``dpo_eval.jsonl``)."""
     out = Path(out_dir)
     summary = {"seed": seed, "size": size, "train": samples, "eval": eval_samples, "rl": rl_samples,
-               "classes": {**CLASSES, **(AUDIO_CLASSES if audio else {})}, **({"audio": True} if audio else {})}
+               "classes": {**CLASSES, **(AUDIO_CLASSES if audio else {})}, **({"audio": True} if audio else {}),
+               **({"dpo": dpo_samples} if dpo_samples else {})}
     extra = AUDIO_TASKS if audio else ()
     splits = [("train", samples, TRAIN_TASKS + extra, 0), ("eval", eval_samples, EVAL_TASKS + extra, 1)]
     if rl_samples:
         splits.append(("rl", rl_samples, RL_TASKS, 2))
+    if dpo_samples:
+        splits += [("dpo", dpo_samples, DPO_TASKS, 3), ("dpo_eval", eval_samples, DPO_TASKS, 4)]
     for split, n, tasks, sub_seed in splits:
         rng = np.random.default_rng([seed, sub_seed])
         (out / "media" / split).mkdir(parents=True, exist_ok=True)
@@ -282,6 +301,8 @@ def generate(out_dir: str | Path, samples: int = 1000, eval_samples: int = 200, 
                        **({"audios": audios} if audios else {})}
                 if split == "eval":
                     row = {**row, "messages": messages[:-1], "answer": answer, "task": task}
+                elif split.startswith("dpo"):
+                    row = preference_row(row, task, answer, rng, "openai" if split == "dpo" else "sharegpt")
                 f.write(json.dumps(row) + "\n")
                 counts[task] = counts.get(task, 0) + 1
         summary[f"{split}_tasks"] = counts
@@ -294,6 +315,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=1000, help="training rows")
     p.add_argument("--eval-samples", type=int, default=200, help="held-out rows (with answer and task)")
     p.add_argument("--rl-samples", type=int, default=1000, help="RL prompt rows (rl.jsonl; 0: none)")
+    p.add_argument("--dpo-samples", type=int, default=1000,
+                   help="preference pairs (dpo.jsonl, plus --eval-samples held-out ones in dpo_eval.jsonl; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", type=int, default=56, help="image / video side in pixels")
     p.add_argument("--audio", action="store_true",
@@ -304,9 +327,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     t0 = time.perf_counter()
     s = generate(args.out, samples=args.samples, eval_samples=args.eval_samples, seed=args.seed, size=args.size,
-                 rl_samples=args.rl_samples, audio=args.audio)
+                 rl_samples=args.rl_samples, audio=args.audio, dpo_samples=args.dpo_samples)
     print(
-        f"demo: {s['train']} train + {s['eval']} eval + {s['rl']} RL rows, {len(s['train_tasks'])} tasks, "
+        f"demo: {s['train']} train + {s['eval']} eval + {s['rl']} RL rows + {s.get('dpo', 0)} preference pairs, {len(s['train_tasks'])} tasks, "
         f"{args.size}px media{' + wav clips' if args.audio else ''} in {time.perf_counter() - t0:.1f}s -> {args.out}"
     )
     return 0

@@ -153,7 +153,7 @@ def _looks_like_media(value: Any) -> bool:
 
 
 def known_columns(m: Mapping) -> set[str]:
-    return {c for c in (m.messages, m.images, m.videos, m.audios, m.system, m.id, m.solution) if c}
+    return {c for c in (m.messages, m.images, m.videos, m.audios, m.system, m.id, m.solution, m.chosen, m.rejected) if c}
 
 
 def _check_unmapped_media(row: dict, m: Mapping) -> None:

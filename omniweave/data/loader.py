@@ -122,14 +122,48 @@ def collate_pack(pack: dict, data_cfg: dict) -> dict:
     if pack["docs"] and "answer" in pack["docs"][0]:  # an RL prompt (data/prompts.py): who it is, what it expects
         extra["prompt"] = {"uid": int(pack["docs"][0]["index"]), "id": pack["docs"][0]["id"],
                            "answer": pack["docs"][0]["answer"]}
+    labels = torch.from_numpy(pack["labels"].astype(np.int64))  # [L] shifted
+    cu_seqlens = torch.from_numpy(pack["cu_seqlens"].astype(np.int32))  # [D+1]
+    if pack["docs"] and "side" in pack["docs"][0]:  # preference pairs (data/pairs.py, train/dpo.py)
+        from omniweave.train.dpo import pair_slots
+
+        extra["token_data"] = {"pair_slot": pair_slots(labels, cu_seqlens, [d["side"] for d in pack["docs"]])}
+        extra["num_pairs"] = len(pack["docs"]) // 2
+    encoded = [m for m in pack["media"] if "same_as" not in m]  # shared items: bytes and features once
+    media = media_batch(proc, [(span_from_record(m), m["bytes"]) for m in encoded])
+    if len(encoded) < len(pack["media"]):
+        media.update(shared_feature_rows(pack["media"], int(labels.shape[0])))
     return {**extra,
         "input_ids": torch.from_numpy(pack["input_ids"].astype(np.int64)),  # [L]
-        "labels": torch.from_numpy(pack["labels"].astype(np.int64)),  # [L] shifted
+        "labels": labels,
         "position_ids": torch.from_numpy(pack["position_ids"].astype(np.int64)),  # [3 or 1, L]
-        "cu_seqlens": torch.from_numpy(pack["cu_seqlens"].astype(np.int32)),  # [D+1]
-        **media_batch(proc, [(span_from_record(m), m["bytes"]) for m in pack["media"]]),
+        "cu_seqlens": cu_seqlens,
+        **media,
         "num_loss_tokens": int(pack["num_loss_tokens"]),
     }
+
+
+def shared_feature_rows(media: list[dict], length: int) -> dict:
+    """Per modality, ``feature_rows`` [L] of a row whose descriptors reuse earlier ones (``same_as``):
+    every item's placeholder runs take its features, a reusing item's runs the features of the item
+    it names (encoded once, in ``media_batch``'s order of the other items)."""
+    from omniweave.models.registry import MODALITIES
+
+    rows = {m.name: torch.full((length,), -1, dtype=torch.int64) for m in MODALITIES}
+    counts = dict.fromkeys(rows, 0)
+    first: dict[int, int] = {}  # descriptor index -> its first feature
+    for i, m in enumerate(media):
+        modality = "audio" if m["kind"] == "audio" else "vision"
+        runs = span_from_record(m).ranges()
+        if "same_as" in m:
+            offset = first[m["same_as"]]
+        else:
+            offset = first[i] = counts[modality]
+            counts[modality] += sum(n for _, n in runs)
+        for start, n in runs:
+            rows[modality][start : start + n] = torch.arange(offset, offset + n)
+            offset += n
+    return {m.rows: rows[m.name] for m in MODALITIES if counts[m.name]}
 
 
 class _PackMap(torch.utils.data.Dataset):
@@ -152,10 +186,12 @@ def _as_list(batch: list) -> list:
 
 
 def check_kind(manifest: dict, kind: str, where: str) -> None:
-    """SFT packs and RL prompts (``data/prompts.py``) are not interchangeable."""
+    """SFT packs, RL prompts (``data/prompts.py``) and preference pairs (``data/pairs.py``) are not
+    interchangeable."""
     have = manifest.get("kind", "sft")
     if have != kind:
-        what = {"sft": "training packs (train.phase sft / pretrain)", "prompts": "RL prompts (train.phase grpo)"}
+        what = {"sft": "training packs (train.phase sft / pretrain)", "prompts": "RL prompts (train.phase grpo)",
+                "pairs": "preference pairs (train.phase dpo)"}
         raise UserError(f"data.path={where} holds {what.get(have, have)}, but this run needs {what.get(kind, kind)}; "
                         "pack the data with the recipe of this run (`omniweave data pack … --recipe R`)")
 

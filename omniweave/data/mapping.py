@@ -15,7 +15,7 @@ from typing import Any
 
 FORMATS = ("openai", "sharegpt")
 # Mapping fields settable from flags / YAML (``--messages-key``, ``--role-tag`` ...)
-COLUMN_FIELDS = ("messages", "images", "videos", "audios", "system", "id", "solution")
+COLUMN_FIELDS = ("messages", "images", "videos", "audios", "system", "id", "solution", "chosen", "rejected")
 TAG_FIELDS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "system_tag", "observation_tag", "function_tag")
 
 
@@ -31,6 +31,8 @@ class Mapping:
     system: str | None = None  # optional column holding a system prompt
     id: str = "id"
     solution: str = "solution"  # RL: the reference answer (then the row may end with the user's turn)
+    chosen: str = "chosen"  # DPO: the preferred answer (data/preference.py)
+    rejected: str = "rejected"  # DPO: the dispreferred answer
     role_tag: str | None = None
     content_tag: str | None = None
     user_tag: str | None = None

@@ -126,9 +126,11 @@ def _init_worker(raw_root: str, data_cfg: dict, kind: str, media_kinds: list[str
             _W["plan"] = {k: z[k] for k in z.files}
 
 
-def _tokenize(raw) -> tuple:
-    """(tokenized sample, extra doc info): an SFT sample, or an RL prompt with its answer."""
-    from omniweave.data.prompts import KIND_PROMPTS, tokenize_rl_prompt
+def _tokenize(raw) -> list[tuple]:
+    """[(tokenized document, extra doc info)]: an SFT sample, an RL prompt with its answer, or the
+    two documents of a preference pair (packed as one item, so they stay together)."""
+    from omniweave.data.pairs import tokenize_pair
+    from omniweave.data.prompts import KIND_PAIRS, KIND_PROMPTS, tokenize_rl_prompt
     from omniweave.data.tokenize import SampleRejected
 
     conv, allowed = raw.conversation, _W["media_kinds"]
@@ -138,8 +140,10 @@ def _tokenize(raw) -> tuple:
             raise SampleRejected(DROP_REASONS[kind], f"{len(items)} {kind} item(s); the model has no encoder for them")
     if _W["kind"] == KIND_PROMPTS:
         sample, answer = tokenize_rl_prompt(_W["proc"], raw)
-        return sample, {"answer": answer}
-    return _W["proc"].tokenize(raw), {}
+        return [(sample, {"answer": answer})]
+    if _W["kind"] == KIND_PAIRS:
+        return tokenize_pair(_W["proc"], raw)
+    return [(_W["proc"].tokenize(raw), {})]
 
 
 def _scan_range(bounds: tuple[int, int]) -> tuple[dict, dict]:
@@ -150,19 +154,22 @@ def _scan_range(bounds: tuple[int, int]) -> tuple[dict, dict]:
     for i in range(*bounds):
         try:
             raw = ds[i]
-            s, _ = _tokenize(raw)
+            docs = _tokenize(raw)
         except SampleRejected as e:
             rejects.setdefault(e.reason, []).append(i)
             continue
         except Exception as e:  # noqa: BLE001  (a broken sample is counted, never fatal)
             rejects.setdefault(f"unreadable:{type(e).__name__}", []).append(i)
             continue
-        audio = [m for m in s.media if m.kind == "audio"]
-        rows.append((i, len(s), len(s.media), sum(m.length for m in s.media if m.kind != "audio"),
-                     sum(m.kind == "image" for m in s.media), sum(m.kind == "video" for m in s.media), len(audio),
-                     sum(m.length for m in audio), sum(m.num_samples for m in audio),
+        encoded = [m for s, info in docs if "same_media_as" not in info for m in s.media]  # a pair's media once
+        audio = [m for m in encoded if m.kind == "audio"]
+        rows.append((i, sum(len(s) for s, _ in docs), len(encoded),
+                     sum(m.length for s, _ in docs for m in s.media if m.kind != "audio"),
+                     sum(m.kind == "image" for m in encoded), sum(m.kind == "video" for m in encoded), len(audio),
+                     sum(m.length for s, _ in docs for m in s.media if m.kind == "audio"),
+                     sum(m.num_samples for m in audio),
                      sum(len(raw.media[m.part]) for m in audio if m.part not in raw.conversation.videos),  # a video's sound: its bytes are the video's
-                     int(s.truncated), int((s.labels != -100).sum())))
+                     int(any(s.truncated for s, _ in docs)), sum(int((s.labels != -100).sum()) for s, _ in docs)))
     arr = np.asarray(rows, dtype=np.int64).reshape(-1, len(SCAN_FIELDS))
     return {f: arr[:, k] for k, f in enumerate(SCAN_FIELDS)}, rejects
 
@@ -176,10 +183,11 @@ def _write_shard(shard: int) -> dict:
         docs = []
         for i in plan["items"][plan["offsets"][k] : plan["offsets"][k + 1]].tolist():
             raw = ds[i]
-            sample, extra = _tokenize(raw)
-            if len(sample) != plan["length_of"][i]:
-                raise RuntimeError(f"sample {i} tokenized to {len(sample)} tokens, scanned as {plan['length_of'][i]}")
-            docs.append((sample, raw.media, {"index": i, "key": raw.key, **extra}))
+            item = _tokenize(raw)
+            if sum(len(s) for s, _ in item) != plan["length_of"][i]:
+                raise RuntimeError(f"sample {i} tokenized to {sum(len(s) for s, _ in item)} tokens, scanned as "
+                                   f"{plan['length_of'][i]}")
+            docs += [(sample, raw.media, {"index": i, "key": raw.key, **extra}) for sample, extra in item]
         writer.add(docs)
     return writer.close()
 
@@ -352,7 +360,8 @@ def run(args) -> int:
                 print(f"packed {s['samples_packed']}/{s['samples']} RL prompts (one per pack, at most "
                       f"{s['capacity']} tokens), dropped {s['dropped'] or 0} -> {out} ({time.time() - t0:.1f}s)")
             else:
-                print(f"packed {s['samples_packed']}/{s['samples']} samples into {s['packs']} packs of {s['capacity']} "
+                what = "preference pairs (2 documents each, kept together)" if kind == "pairs" else "samples"
+                print(f"packed {s['samples_packed']}/{s['samples']} {what} into {s['packs']} packs of {s['capacity']} "
                       f"tokens, efficiency {s['efficiency']:.2%}, dropped {s['dropped'] or 0} -> {out} "
                       f"({time.time() - t0:.1f}s)")
             return 0

@@ -11,7 +11,10 @@
                                            (every item: kind, part, doc, sample, start, length,
                                            offset, size, [pieces]; images / videos: grid_thw,
                                            resized_hw, frame_indices, second_per_grid; audio:
-                                           num_samples at 16 kHz, one piece per encoder item)
+                                           num_samples at 16 kHz, one piece per encoder item;
+                                           ``same_as``: the index of an earlier descriptor of
+                                           the pack whose bytes and features this one reuses,
+                                           no bytes of its own: a preference pair's 2nd side)
 
 Labels are stored shifted: ``labels[i]`` is the target of position i, -100 on the last token of
 every document (it predicts nothing) and wherever the unshifted label was -100.
@@ -72,6 +75,19 @@ def _kind_fields(span) -> dict:
             "frame_indices": span.frame_indices, "second_per_grid": span.second_per_grid}
 
 
+def _shared_media(docs: list, of_doc: list[list[int]], d: int, same_as: int | None) -> list[int] | None:
+    """Descriptor indices of the earlier document whose media doc ``d`` reuses (``same_media_as``:
+    a relative doc offset, e.g. -1 for a preference pair's rejected side), or None. The two docs'
+    media must be the same items in the same order (a pair's prompt is the same)."""
+    if same_as is None:
+        return None
+    src = d + int(same_as)
+    mine, theirs = docs[d][0].media, docs[src][0].media if 0 <= src < d else None
+    if theirs is None or [(m.kind, m.part, m.length) for m in mine] != [(m.kind, m.part, m.length) for m in theirs]:
+        raise ValueError(f"document {d} shares the media of document {src}, but their media items differ")
+    return of_doc[src]
+
+
 class PackedShardWriter:
     """Appends packs to ``packs-NNNNNN.bin.tmp``; ``close()`` publishes .bin then .json atomically."""
 
@@ -89,15 +105,19 @@ class PackedShardWriter:
         offset = self._file.tell()
         for name in ("input_ids", "labels", "position_ids"):
             self._file.write(np.ascontiguousarray(arrays[name], dtype="<i4").tobytes())
-        media = []
+        media, of_doc = [], []  # descriptors; each doc's descriptor indices
         for d, ((sample, media_bytes, info), doc_start) in enumerate(zip(docs, arrays["cu_seqlens"][:-1].tolist())):
-            for span in sample.media:
-                data = media_bytes[span.part]
+            shared = _shared_media(docs, of_doc, d, info.get("same_media_as"))
+            of_doc.append([])
+            for k, span in enumerate(sample.media):
+                data = b"" if shared else media_bytes[span.part]
+                of_doc[-1].append(len(media))
                 media.append({
                     "kind": span.kind, "part": span.part, "doc": d, "sample": info["index"],
                     **_kind_fields(span), "start": doc_start + span.start,
                     "length": span.length, "offset": self._file.tell(), "size": len(data),
                     **({"pieces": [[doc_start + a, n] for a, n in span.pieces]} if span.pieces else {}),
+                    **({"same_as": shared[k]} if shared else {}),
                 })
                 self._file.write(data)
         record = {

@@ -15,12 +15,14 @@ from omniweave.data.sample import RawSample, TokenizedSample
 from omniweave.data.tokenize import SampleProcessor, SampleRejected
 
 RL_PHASES = ("grpo",)
-KIND_SFT, KIND_PROMPTS = "sft", "prompts"
+PREFERENCE_PHASES = ("dpo",)
+KIND_SFT, KIND_PROMPTS, KIND_PAIRS = "sft", "prompts", "pairs"
 
 
 def dataset_kind(phase: str | None) -> str:
-    """What ``data pack`` writes for a recipe's ``train.phase``: training packs or RL prompts."""
-    return KIND_PROMPTS if phase in RL_PHASES else KIND_SFT
+    """What ``data pack`` writes for a recipe's ``train.phase``: training packs, RL prompts or
+    preference pairs (data/pairs.py)."""
+    return KIND_PROMPTS if phase in RL_PHASES else KIND_PAIRS if phase in PREFERENCE_PHASES else KIND_SFT
 
 
 def reference_answer(raw: RawSample) -> str:

@@ -41,9 +41,10 @@ def pack_features(record: dict) -> np.ndarray:
     """A packed-dataset record (``PackedDataset.record``: ``docs`` with ``length``, ``media`` with
     ``grid_thw`` [t, h, w] in patches, or ``kind: audio`` with a run of audio tokens per encoder
     item in ``pieces`` / ``length``) -> float64 [F]: (Σ len², Σ len, docs, Σ t·(h·w)², Σ t·h·w,
-    Σ n_a², Σ n_a), n_a = 2 · an audio item's tokens (its frames after the stride-2 conv stem)."""
+    Σ n_a², Σ n_a), n_a = 2 · an audio item's tokens (its frames after the stride-2 conv stem).
+    An item reusing another's features (``same_as``: a preference pair's 2nd side) costs no encoding."""
     lengths = np.array([d["length"] for d in record["docs"]], dtype=np.float64)
-    media = record.get("media", [])
+    media = [m for m in record.get("media", []) if "same_as" not in m]
     grid = np.array([m["grid_thw"] for m in media if m.get("kind") != "audio"], dtype=np.float64).reshape(-1, 3)
     frame = grid[:, 1] * grid[:, 2]  # patches per frame [M]
     audio = 2 * np.array([n for m in media if m.get("kind") == "audio"

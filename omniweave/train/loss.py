@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-PHASES = ("sft", "pretrain")
+PHASES = ("sft", "pretrain", "dpo")  # dpo: the packs' answer labels, its own loss (train/dpo.py)
 
 
 def pretrain_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, ignore_ids: tuple[int, ...] = ()) -> torch.Tensor:
@@ -29,7 +29,7 @@ def apply_phase(packs: list[dict], phase: str, ignore_ids: tuple[int, ...]) -> l
     """The micro-batches with the labels (and loss-token counts) of ``phase``."""
     if phase not in PHASES:
         raise ValueError(f"train.phase={phase!r}; choose one of {PHASES}")
-    if phase == "sft":
+    if phase in ("sft", "dpo"):
         return packs
     out = []
     for p in packs:

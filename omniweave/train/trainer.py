@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from omniweave.config import load_recipe
 
     cfg = load_recipe(args.recipe, args.overrides)  # user mistakes surface here, before any rank starts
-    check_ready(cfg, args.resume)
+    check_ready(cfg, args.resume, kind=phase_kind(cfg))
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return launch(args)
     result = train(cfg, resume=args.resume)
@@ -48,6 +48,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"trained {result['steps']} steps in {result['seconds']:.1f} s, final loss {result['loss']:.4f}; "
               f"run dir {result['run_dir']}")
     return 0
+
+
+def phase_kind(cfg) -> str:
+    """The packed data a ``train.phase`` trains on (SFT packs or preference pairs); its settings
+    checked (``train.dpo.*``, layouts DPO cannot run yet) before any rank starts."""
+    from omniweave.data.prompts import dataset_kind
+
+    phase = str(cfg.train.get("phase", "sft"))
+    if phase not in PHASES:
+        from omniweave.errors import UserError
+
+        raise UserError(f"train.phase={phase!r}; `omniweave train` runs one of {PHASES} (grpo: `omniweave rl`)")
+    if phase == "dpo":
+        from omniweave.train.dpo import check_layout
+
+        check_layout(cfg)
+    return dataset_kind(phase)
 
 
 def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
@@ -115,13 +132,17 @@ def _train(cfg, resume, fault_hook) -> dict:
     balance = cfg.data.get("balance")
     loader = PackedLoader(cfg.data.path, gb, dp_rank=engine.meshes.dp_rank, dp_size=dims.dp, seed=seed,
                           data_cfg=data_cfg, num_workers=int(cfg.data.get("num_workers", 0)), balance=balance,
-                          model_cfg=OmegaConf.to_container(cfg.model, resolve=True) if balance == "cost" else None)
+                          model_cfg=OmegaConf.to_container(cfg.model, resolve=True) if balance == "cost" else None,
+                          kind=phase_kind(cfg))
     refit_steps = int(cfg.data.get("balance_refit", 0) or 0) if balance == "cost" else 0
     refitter = Refitter(loader.cost_model, warmup=refit_steps) if refit_steps > 0 else None
-    torch.manual_seed(seed + engine.rank)
     phase = str(tc.get("phase", "sft"))
-    if phase not in PHASES:
-        raise ValueError(f"train.phase={phase!r}; choose one of {PHASES}")
+    objective = None
+    if phase == "dpo":  # preference pairs: its own loss and normaliser (pairs), the rest of the loop as is
+        from omniweave.train.dpo import DPO_LINE, DPOObjective
+
+        objective = DPOObjective(cfg, engine)  # builds the reference from the seed: before the per-rank seed
+    torch.manual_seed(seed + engine.rank)
     vision_pads = _vision_pad_ids(data_cfg)
 
     state = engine.resume(resume)
@@ -129,7 +150,7 @@ def _train(cfg, resume, fault_hook) -> dict:
         loader.load_state_dict(state["loader"])
         if state.get("balance_refitted"):  # the refitted cost model came back with the loader state
             refitter = None
-    engine.start_logging()
+    engine.start_logging(*((DPO_LINE,) if objective else ()))
     if engine.rank == 0:
         print(f"{engine.describe()}, {loader.num_packs} packs, {loader.steps_per_epoch} steps/epoch, "
               f"training steps {engine.step}..{engine.total}", flush=True)
@@ -157,7 +178,10 @@ def _train(cfg, resume, fault_hook) -> dict:
             sum(p["input_ids"].numel() for p in packs),
             sum(int((p["cu_seqlens"][1:] - p["cu_seqlens"][:-1]).pow(2).sum()) for p in packs),
         ]))
-        out = engine.optimizer_step(packs, loss_fn, normaliser=loss_tokens)
+        if objective is None:
+            out = engine.optimizer_step(packs, loss_fn, normaliser=loss_tokens)
+        else:
+            out = engine.optimizer_step(packs, objective.loss_fn, normaliser=objective.normaliser(packs))
         if refitter is not None and not refitter.done:
             _refit(refitter, loader, packs, out["compute_s"], engine.meshes.dp_rank, dims.dp, engine.rank)
         dt = time.perf_counter() - t0
@@ -166,7 +190,8 @@ def _train(cfg, resume, fault_hook) -> dict:
                 "mfu": step_flops(engine.flop_counts, tokens, sum_len2) / dt / engine.peak_flops,
                 "memory_gb": peak_memory_bytes(engine.info) / 2**30, "skipped": out["skipped"],
                 "skipped_total": out["skipped_total"], **balance_log,
-                **{k: v for k, v in out.items() if k.startswith("moe_")}}
+                **{k: v for k, v in out.items() if k.startswith("moe_")},
+                **(objective.metrics(out) if objective else {})}
         engine.finish_step(last, loop_state)
     seconds = engine.finish()
     return {"rank": engine.rank, "steps": engine.step, "seconds": seconds, "loss": last["loss"],

@@ -1,0 +1,214 @@
+"""DPO (``train.phase=dpo``): the loss of preference pairs, and the objective the training loop runs.
+
+A packed row holds whole pairs (data/pairs.py): documents 2p and 2p+1 are ``prompt ‖ chosen`` and
+``prompt ‖ rejected`` of its p-th pair, with labels on the answers only. ``collate_pack`` gives
+each loss token its slot in ``token_data["pair_slot"]`` (1 + 2p for the chosen answer, 2 + 2p for
+the rejected one, 0 elsewhere), so a pair's sequence log-prob is the sum of its answer's token
+log-probs (``sequence_logps``), under context parallelism summed over the cp ranks first.
+
+Per pair, with π the policy's and r the reference's sequence log-probs (Rafailov et al. 2023; the
+same formulas as TRL's ``DPOTrainer.dpo_loss``, which tests/test_dpo.py runs on the same numbers):
+
+    logits   = (π_chosen − r_chosen) − (π_rejected − r_rejected)
+    sigmoid  loss = −(1 − ε)·log σ(β·logits) − ε·log σ(−β·logits)     (ε: label_smoothing, cDPO:
+             TRL ≤ 0.x's sigmoid; TRL 1.x keeps this form in its ``aot`` loss, which equals it pair by pair)
+    ipo      loss = (ipo_logits − 1 / (2β))²                          (Azar et al. 2023)
+             ipo_logits: each side's log-ratio divided by its answer's token count first (TRL's
+             length normalisation, confirmed by the IPO authors; β then does not depend on length)
+    rewards  β·(π_chosen − r_chosen), β·(π_rejected − r_rejected)
+
+The training step's loss is the mean over the global batch's pairs: each micro-batch returns its
+pairs' loss SUM and the engine divides by the number of pairs over all ranks (the global-count
+rule of docs/design.md), so every data-parallel layout gives the same update.
+
+``train.dpo.ref``: ``model``, a frozen copy of the initial policy built and sharded like it
+(train/engine.build), run on the same micro-batch inside the loss; ``none``, reference-free
+(r = 0, TRL's ``reference_free``). Precomputed offline reference log-probs are not supported yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from omniweave.errors import UserError
+
+LOSSES = ("sigmoid", "ipo")
+REFS = ("model", "none")
+DPO_LINE = (("loss", "loss", ".4f"), ("margin", "reward_margin", ".3f"), ("acc", "reward_accuracy", ".3f"),
+            ("lr", "lr", ".3e"), ("grad_norm", "grad_norm", ".3f"), ("tokens/s", "tokens_per_s", ".0f"),
+            ("mem", "memory_gb", "GB"))
+STAT_KEYS = ("pairs", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    ref: str = "model"
+
+    @classmethod
+    def from_recipe(cls, cfg) -> "DPOConfig":
+        d = cfg.train.get("dpo") or {}
+        out = cls(float(d.get("beta", 0.1)), str(d.get("loss", "sigmoid")), float(d.get("label_smoothing", 0.0) or 0.0),
+                  str(d.get("ref", "model")))
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        if not self.beta > 0:
+            raise UserError(f"train.dpo.beta must be > 0, got {self.beta}")
+        if self.loss not in LOSSES:
+            raise UserError(f"train.dpo.loss={self.loss!r}; choose one of {LOSSES}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise UserError(f"train.dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise UserError("train.dpo.label_smoothing applies to train.dpo.loss=sigmoid only")
+        if self.ref not in REFS:
+            raise UserError(f"train.dpo.ref={self.ref!r}; choose one of {REFS}")
+
+
+def check_layout(cfg) -> None:
+    """``train.dpo.*`` valid and a layout DPO runs (before any rank starts)."""
+    DPOConfig.from_recipe(cfg)
+    if int((cfg.get("parallel") or {}).get("pp", 1) or 1) > 1:
+        raise UserError("train.phase=dpo does not run under parallel.pp > 1 yet (the pipeline schedule computes "
+                        "the SFT loss); use dp / cp / tp")
+
+
+def dpo_loss(policy: Tensor, ref: Tensor, cfg: DPOConfig, lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss per pair [P], chosen reward [P], rejected reward [P]), fp32; rewards are detached.
+    ``policy`` / ``ref``: [P, 2] (chosen, rejected) sequence log-probs; ``lengths`` [P, 2]: the
+    answers' token counts (``ipo`` only)."""
+    ratios = policy.float() - ref.detach().float()  # [P, 2] log π/r of each side
+    if cfg.loss == "sigmoid":
+        logits, eps = ratios[:, 0] - ratios[:, 1], cfg.label_smoothing
+        losses = -F.logsigmoid(cfg.beta * logits) * (1 - eps) - F.logsigmoid(-cfg.beta * logits) * eps
+    else:
+        if lengths is None:
+            raise ValueError("the ipo loss needs the answers' token counts")
+        per_token = ratios / lengths.float().clamp_min(1)
+        losses = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * cfg.beta)) ** 2
+    rewards = cfg.beta * ratios.detach()
+    return losses, rewards[:, 0], rewards[:, 1]
+
+
+def sequence_logps(token_logp: Tensor, pair_slot: Tensor, num_pairs: int) -> Tensor:
+    """[P, 2] (chosen, rejected) sums of the token values in each slot (1 + 2p + side; 0: none)."""
+    sums = token_logp.new_zeros(2 * num_pairs + 1, dtype=torch.float32)
+    sums = sums.index_add(0, pair_slot.to(torch.long), token_logp.float())
+    return sums[1:].view(num_pairs, 2)
+
+
+def pair_slots(labels: Tensor, cu_seqlens: Tensor, sides: list[str]) -> Tensor:
+    """int64 [L] slots of a packed row of pairs (``sides``: each document's ``chosen`` / ``rejected``,
+    which must alternate starting with ``chosen``): 1 + 2p + side on loss tokens, 0 elsewhere."""
+    expected = ["chosen", "rejected"] * (len(sides) // 2)
+    if sides != expected:
+        raise ValueError(f"a pair row's documents must alternate chosen, rejected; got {sides}")
+    bounds = cu_seqlens.to(torch.long)
+    doc = torch.searchsorted(bounds[1:], torch.arange(labels.shape[0]), right=True)
+    return torch.where(labels != -100, 1 + doc, 0)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over a process group whose gradient is the all-reduced gradient: every rank
+    computes the loss from the same sums, so each share's gradient is the sum of theirs."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def reference_model(cfg, engine):
+    """The frozen reference: the policy's initial weights (seed or ``train.init_from``), built and
+    parallelised exactly like it (the same builder as GRPO's reference)."""
+    from omniweave.train.engine import build
+
+    model = build(cfg, engine.device, engine.dims, engine.meshes)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+class DPOObjective:
+    """What ``train.phase=dpo`` hands the engine's optimizer step: ``loss_fn`` (a micro-batch's
+    pairs' loss sum and reward sums), ``normaliser`` (the global pair count) and ``metrics``."""
+
+    def __init__(self, cfg, engine):
+        self.settings = DPOConfig.from_recipe(cfg)
+        self.engine = engine
+        # LoRA (models/lora.py): no frozen copy; the base model is the reference (reference_token_logps)
+        self.reference = reference_model(cfg, engine) if self.settings.ref == "model" else None
+
+    def normaliser(self, packs: list[dict]) -> float:
+        (pairs,) = self.engine.global_sum([sum(int(p["num_pairs"]) for p in packs)])
+        return pairs
+
+    @torch.no_grad()
+    def reference_token_logps(self, model, mb: dict) -> Tensor | None:
+        """The reference's per-token log-probs of the micro-batch, None when reference-free.
+        THE one place the reference forward is chosen. LoRA (to wire after models/lora.py lands):
+        the reference is the base model, ``with adapters_disabled(model): return model(mb,
+        token_logprobs=True).token_logp``, and ``__init__`` builds no frozen copy."""
+        if self.reference is None:
+            return None
+        return self.reference(mb, token_logprobs=True).token_logp
+
+    def loss_fn(self, model, mb: dict) -> tuple[Tensor, dict[str, Tensor]]:
+        slots, pairs, cp = mb["token_data"]["pair_slot"], int(mb["num_pairs"]), self.engine.dims.cp
+        policy = sequence_logps(model(mb, token_logprobs=True).token_logp, slots, pairs)
+        ref_tokens = self.reference_token_logps(model, mb)
+        ref = torch.zeros_like(policy) if ref_tokens is None else sequence_logps(ref_tokens, slots, pairs)
+        lengths = sequence_logps(torch.ones_like(slots, dtype=torch.float32), slots, pairs)
+        if cp > 1:  # each cp rank holds a share of every answer's tokens: whole sums before the loss
+            group = self.engine.meshes.cp.get_group()
+            policy = _SumOverGroup.apply(policy, group)
+            ref, lengths = (_SumOverGroup.apply(t.detach(), group) for t in (ref, lengths))
+        losses, chosen, rejected = dpo_loss(policy, ref, self.settings, lengths)
+        # every cp rank now holds the same pairs' values: 1/cp each, so sums over ranks count them once
+        stats = {"pairs": torch.tensor(float(pairs)), "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(),
+                 "reward_accuracy": (chosen > rejected).sum().float()}
+        return losses.sum() / cp, {k: v.double() / cp for k, v in stats.items()}
+
+    @staticmethod
+    def metrics(out: dict) -> dict:
+        """The step's mean rewards over its pairs (``out``: the engine step's summed stats)."""
+        n = max(out["pairs"], 1.0)
+        chosen, rejected = out["reward_chosen"] / n, out["reward_rejected"] / n
+        return {"pairs": int(out["pairs"]), "reward_chosen": chosen, "reward_rejected": rejected,
+                "reward_margin": chosen - rejected, "reward_accuracy": out["reward_accuracy"] / n}
+
+
+@torch.no_grad()
+def preference_accuracy(model, packed_path) -> dict:
+    """Held-out pairs (a packed pairs dataset): how often the model gives the chosen answer a higher
+    log-prob than the rejected one (``accuracy``), and the mean log-prob margin, over ``n`` pairs."""
+    from omniweave.data.loader import collate_pack
+    from omniweave.data.packed import PackedDataset
+
+    ds = PackedDataset(packed_path)
+    wins, margin, n = 0, 0.0, 0
+    for i in range(len(ds)):
+        mb = collate_pack(ds[i], ds.manifest["data_cfg"])
+        seq = sequence_logps(model(mb, token_logprobs=True).token_logp, mb["token_data"]["pair_slot"], mb["num_pairs"])
+        wins += int((seq[:, 0] > seq[:, 1]).sum())
+        margin += float((seq[:, 0] - seq[:, 1]).sum())
+        n += seq.shape[0]
+    return {"accuracy": wins / max(n, 1), "margin": margin / max(n, 1), "n": n}
