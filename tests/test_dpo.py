@@ -267,3 +267,28 @@ def test_a_resumed_dpo_run_equals_an_uninterrupted_one(pairs, tmp_path):
     step2 = "checkpoints/step_000002"  # the run as it was at step 2
     shutil.copytree(tmp_path / "whole" / step2, tmp_path / "cut" / step2)
     assert run(tmp_path / "cut", resume="auto") == whole[2:]
+
+
+@pytest.mark.slow
+def test_with_lora_the_reference_is_the_policy_with_its_adapters_off(pairs, tmp_path, monkeypatch):
+    """No frozen copy is built (models/lora.py's adapters_disabled gives the base); the first step
+    starts at log 2 (fresh adapters: policy = base) and the run moves off it."""
+    from omniweave.config import load_recipe
+    from omniweave.train import dpo
+    from omniweave.train.trainer import train
+    from tests.train_factory import read_metrics
+
+    def no_copy(*a, **k):
+        raise AssertionError("a frozen reference copy was built for a LoRA-only run")
+
+    monkeypatch.setattr(dpo, "reference_model", no_copy)
+    lora = ["+model.foundation.lora={r: 4, alpha: 8, targets: all-linear}", "model.image_encoder.freeze=true",
+            "model.projector.freeze=true"]
+    train(load_recipe("demo_dpo", dpo_overrides(pairs, tmp_path / "run", steps=3, train__lr=1e-3) + lora))
+    m = read_metrics(tmp_path / "run")
+    assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and m[0]["reward_margin"] == 0.0
+    assert m[-1]["loss"] != pytest.approx(math.log(2), abs=1e-4)
+
+    # a component trained in full beside the adapters: the adapters-off model moves too, so a copy is the reference
+    with pytest.raises(AssertionError, match="frozen reference copy"):
+        train(load_recipe("demo_dpo", dpo_overrides(pairs, tmp_path / "mixed", steps=1) + lora[:1]))

@@ -22,7 +22,8 @@ pairs' loss SUM and the engine divides by the number of pairs over all ranks (th
 rule of docs/design.md), so every data-parallel layout gives the same update.
 
 ``train.dpo.ref``: ``model``, a frozen copy of the initial policy built and sharded like it
-(train/engine.build), run on the same micro-batch inside the loss; ``none``, reference-free
+(train/engine.build), run on the same micro-batch inside the loss; with LoRA adapters as the only
+trainable weights (models/lora.py) the policy itself with its adapters disabled (no copy); ``none``, reference-free
 (r = 0, TRL's ``reference_free``). Precomputed offline reference log-probs are not supported yet.
 """
 
@@ -147,6 +148,15 @@ def reference_model(cfg, engine):
     return model.eval()
 
 
+def only_adapters_train(model) -> bool:
+    """The model has LoRA adapters and every trainable parameter is one of theirs (a component
+    trained in full would move the adapters-off model away from the initial policy)."""
+    from omniweave.models.lora import is_adapter_name
+
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    return bool(trainable) and all(is_adapter_name(n) for n in trainable)
+
+
 class DPOObjective:
     """What ``train.phase=dpo`` hands the engine's optimizer step: ``loss_fn`` (a micro-batch's
     pairs' loss sum and reward sums), ``normaliser`` (the global pair count) and ``metrics``."""
@@ -154,8 +164,11 @@ class DPOObjective:
     def __init__(self, cfg, engine):
         self.settings = DPOConfig.from_recipe(cfg)
         self.engine = engine
-        # LoRA (models/lora.py): no frozen copy; the base model is the reference (reference_token_logps)
-        self.reference = reference_model(cfg, engine) if self.settings.ref == "model" else None
+        # LoRA that trains nothing but adapters: the policy with its adapters off IS the initial
+        # policy, so it is the reference (no second copy); else a frozen copy
+        self.base_is_reference = self.settings.ref == "model" and only_adapters_train(engine.model)
+        self.reference = (reference_model(cfg, engine) if self.settings.ref == "model" and not self.base_is_reference
+                          else None)
 
     def normaliser(self, packs: list[dict]) -> float:
         (pairs,) = self.engine.global_sum([sum(int(p["num_pairs"]) for p in packs)])
@@ -163,10 +176,13 @@ class DPOObjective:
 
     @torch.no_grad()
     def reference_token_logps(self, model, mb: dict) -> Tensor | None:
-        """The reference's per-token log-probs of the micro-batch, None when reference-free.
-        THE one place the reference forward is chosen. LoRA (to wire after models/lora.py lands):
-        the reference is the base model, ``with adapters_disabled(model): return model(mb,
-        token_logprobs=True).token_logp``, and ``__init__`` builds no frozen copy."""
+        """The reference's per-token log-probs of the micro-batch, None when reference-free: the
+        policy with its LoRA adapters off (``base_is_reference``) or the frozen copy."""
+        from omniweave.models.lora import adapters_disabled
+
+        if self.base_is_reference:
+            with adapters_disabled(model):
+                return model(mb, token_logprobs=True).token_logp
         if self.reference is None:
             return None
         return self.reference(mb, token_logprobs=True).token_logp
