@@ -14,7 +14,9 @@ A mode's loop owns its data (packs, rollouts) and its loss; the engine owns the 
                                                tokens, response tokens or sequences over all ranks
                                                and micro-batches) and backpropagated; FSDP sums
                                                gradients, so every layout gives the same update;
-                                               clip, non-finite skip, step, schedule
+                                               (parallel.seq_chunks: each row in chunks,
+                                               parallel/seq_chunks.py); clip, non-finite skip,
+                                               step, schedule
     engine.finish_step(record, state_fn)       log, stop after too many bad steps, checkpoint at
                                                the interval (DCP, atomic), evaluate at the interval
     engine.finish()                            close the logs, HF export (train.save_hf)
