@@ -179,6 +179,8 @@ def _build(case: str):
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunked_loss_and_every_gradient_equal_the_unchunked_row(case):
     model, batch = _build(case)
+    if "media_spans" in batch:  # the layout DOCS promises: A spans a 7-chunk boundary, B and C inside chunks
+        assert batch["media_spans"].tolist() == [[13, 6], [61, 6], [70, 4]]
     scale = 1.0 / batch["num_loss_tokens"]
     ref_loss = model(batch).loss_sum
     (ref_loss * scale).backward()
@@ -210,6 +212,14 @@ def test_hooks_are_restored_after_the_row():
     chunked_forward_backward(model, batch, _loss_fn, 3, 1.0)
     assert all(layer.self_attn.attn_fn is None for layer in model.foundation.layers)
     assert model.media_splits == {}
+
+
+def test_an_attention_already_swapped_is_refused():
+    """Context parallelism installs its own attn_fn: chunking on top of it is an error naming the key."""
+    model, batch = _build("mla_text")
+    model.foundation.layers[1].self_attn.attn_fn = lambda q, k, v, cu, window: q
+    with pytest.raises(ValueError, match="parallel.cp = 1"):
+        chunked_forward_backward(model, batch, _loss_fn, 2, 1.0)
 
 
 def test_moe_model_is_refused_by_key():
