@@ -21,7 +21,7 @@ accumulator, printed per point with its share of the chunked peak. The unchunked
 shared with other jobs).
 
     python bench/long_context.py [--lengths 8192 16384 32768 65536 131072] [--chunk-len 8192]
-                                 [--max-unchunked 32768] [--device cpu] [--threads 1]
+                                 [--max-unchunked 32768] [--doc-lens 2048 4096] [--device cpu] [--threads 1]
                                  [--out bench/out] [--quick]
 
 ``--quick`` (bench/quick.py): rows of 1K-4K tokens, chunks of 1K; not meaningful figures.
@@ -62,9 +62,10 @@ def kv_bytes(length: int) -> int:
     return 2 * MODEL["num_layers"] * kv_dim * length * (4 + 4)
 
 
-def make_row(length: int, seed: int = 0, doc_lens=DOC_LENS) -> dict:
-    """One packed text row: documents of doc_lens[0]..doc_lens[1] tokens (the last one cut to fit),
-    next-token labels inside each document."""
+def make_row(length: int, seed: int = 0, doc_lens: tuple[int, int] | None = None) -> dict:
+    """One packed text row: documents of doc_lens[0]..doc_lens[1] tokens (default DOC_LENS; the
+    last one cut to fit), next-token labels inside each document."""
+    doc_lens = DOC_LENS if doc_lens is None else doc_lens
     g = torch.Generator().manual_seed(seed)
     bounds = [0]
     while bounds[-1] < length:
@@ -82,7 +83,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def run_point(length: int, chunks: int, device: str, threads: int) -> dict:
+def run_point(length: int, chunks: int, device: str, threads: int, doc_lens: tuple[int, int] = DOC_LENS) -> dict:
     """One forward + backward of a row of ``length`` tokens in ``chunks`` chunks (0: unchunked)."""
     from omniweave.models.registry import build_model
     from omniweave.parallel.seq_chunks import chunked_forward_backward
@@ -90,7 +91,7 @@ def run_point(length: int, chunks: int, device: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = build_model({"foundation": MODEL}).to(device)
-    row = {k: v.to(device) if torch.is_tensor(v) else v for k, v in make_row(length).items()}
+    row = {k: v.to(device) if torch.is_tensor(v) else v for k, v in make_row(length, doc_lens=doc_lens).items()}
     scale = 1.0 / row["num_loss_tokens"]
 
     def step(batch, n):
@@ -124,7 +125,7 @@ def run_point(length: int, chunks: int, device: str, threads: int) -> dict:
 def point(length: int, chunks: int, args) -> dict:
     """``run_point`` in a fresh process (its peak memory is this point's alone)."""
     cmd = [sys.executable, __file__, "--point", str(length), str(chunks), "--device", args.device,
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--doc-lens", *map(str, args.doc_lens)]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **POINT_ENV})
     if r.returncode != 0:
         raise RuntimeError(f"point L={length} chunks={chunks} failed:\n{r.stderr[-3000:]}")
@@ -172,6 +173,8 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     p.add_argument("--chunk-len", type=int, default=8192, help="tokens per chunk (seq_chunks = length / chunk-len)")
     p.add_argument("--max-unchunked", type=int, default=32768, help="longest row run unchunked")
+    p.add_argument("--doc-lens", type=int, nargs=2, default=list(DOC_LENS),
+                   help="documents of the rows: lengths drawn uniformly in [MIN, MAX]")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (CPU)")
     p.add_argument("--out", type=Path, default=Path("bench/out"), help="every result file goes here (and only here)")
@@ -179,7 +182,7 @@ def main() -> None:
     p.add_argument("--point", type=int, nargs=2, help=argparse.SUPPRESS)  # internal: one point, JSON on stdout
     args = p.parse_args()
     if args.point:
-        print(json.dumps(run_point(*args.point, args.device, args.threads)))
+        print(json.dumps(run_point(*args.point, args.device, args.threads, tuple(args.doc_lens))))
         return
     if args.quick:
         note("rows of 1K-4K tokens, chunks of 1K, documents of 2K-4K tokens")
@@ -193,6 +196,7 @@ def main() -> None:
         print(f"  L={length}: done ({time.perf_counter() - t0:.0f} s)", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "long_context.json").write_text(json.dumps({"model": MODEL, "chunk_len": args.chunk_len,
+                                                            "doc_lens": args.doc_lens,
                                                             "device": args.device, "rows": rows}, indent=1))
     plot(rows, args.chunk_len, args.out / "long_context.png")
     print(f"model {MODEL}; K/V store + gradient = 2 x {MODEL['num_layers']} layers x kv_dim "
