@@ -138,6 +138,7 @@ class ParallelSchema:
     pp_layers: Optional[List[int]] = None
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
+    seq_chunks: int = 1
 
 
 @dataclass

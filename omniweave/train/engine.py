@@ -14,7 +14,9 @@ A mode's loop owns its data (packs, rollouts) and its loss; the engine owns the 
                                                tokens, response tokens or sequences over all ranks
                                                and micro-batches) and backpropagated; FSDP sums
                                                gradients, so every layout gives the same update;
-                                               clip, non-finite skip, step, schedule
+                                               (parallel.seq_chunks: each row in chunks,
+                                               parallel/seq_chunks.py); clip, non-finite skip,
+                                               step, schedule
     engine.finish_step(record, state_fn)       log, stop after too many bad steps, checkpoint at
                                                the interval (DCP, atomic), evaluate at the interval
     engine.finish()                            close the logs, HF export (train.save_hf)
@@ -222,6 +224,7 @@ class Engine:
         if self.info.module is not None and hasattr(self.info.module, "set_device"):
             self.info.module.set_device(self.device)
         self.dims = ParallelDims.from_config(cfg.get("parallel"), self.world, model=cfg.model)
+        self.seq_chunks = self._seq_chunks(cfg)
         self.meshes = self.dims.build_meshes(self.device.type)
         if self.device.type == "cpu" and tc_threads(cfg):
             torch.set_num_threads(tc_threads(cfg))
@@ -249,6 +252,17 @@ class Engine:
         self.save_interval, self.keep_last = int(tc.get("save_interval", 0) or 0), int(tc.get("keep_last", 0) or 0)
         self.eval_interval = int(tc.get("eval_interval", 0) or 0)
         self.log: MetricsLogger | None = None
+
+    @staticmethod
+    def _seq_chunks(cfg) -> int:
+        """``parallel.seq_chunks``: each row's forward/backward in that many chunks
+        (parallel/seq_chunks.py); what it cannot do yet fails here, naming the keys."""
+        from omniweave.parallel.seq_chunks import seq_chunks_of, unsupported_with_seq_chunks
+
+        why = unsupported_with_seq_chunks(cfg)  # the CLI says so before any rank starts (trainer.check_ready)
+        if why:
+            raise ValueError(why)
+        return seq_chunks_of(cfg)
 
     def _pipeline(self, cfg) -> nn.Module:
         """``parallel.pp``: the pipeline over the built model (parallel/pipeline.py); returns this
@@ -333,16 +347,31 @@ class Engine:
         t0 = time.perf_counter()
         for i, mb in enumerate(micro_batches):
             mb = to_device(shard_micro_batch(mb, self.dims.cp, self.meshes.cp_rank, self.dims.tp), self.device)
+            last = i == len(micro_batches) - 1
             if self.fsdp:
-                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            with autocast(self.device, self.precision, self.fsdp):
-                loss, extra = loss_fn(self.model, mb)
-            (loss.float() * scale).backward()
+                self.model.set_requires_gradient_sync(last)
+            if self.seq_chunks > 1:
+                loss, extra = self._chunked(mb, loss_fn, scale, last)
+            else:
+                with autocast(self.device, self.precision, self.fsdp):
+                    loss, extra = loss_fn(self.model, mb)
+                (loss.float() * scale).backward()
             loss_sum += loss.detach().double()
             for k, v in extra.items():
                 stats[k] = stats.get(k, 0.0) + v.detach().double()
         compute_s = time.perf_counter() - t0
         return self._apply_update(loss_sum, stats, normaliser, compute_s, count_step)
+
+    def _chunked(self, mb: dict, loss_fn: LossFn, scale: float, last: bool):
+        """One row's forward + backward in ``parallel.seq_chunks`` chunks (parallel/seq_chunks.py):
+        (loss_sum, stats); under FSDP the gradients sync on the last backward of the step only."""
+        from functools import partial
+
+        from omniweave.parallel.seq_chunks import chunked_forward_backward
+
+        sync = (lambda on: self.model.set_requires_gradient_sync(on and last)) if self.fsdp else None
+        return chunked_forward_backward(self.model, mb, loss_fn, self.seq_chunks, scale,
+                                        partial(autocast, self.device, self.precision, self.fsdp), sync)
 
     def _pipeline_step(self, micro_batches: list[dict], normaliser: float, count_step: bool) -> dict[str, Any]:
         """``optimizer_step`` through the pipeline schedule: the rows, CP-sharded at the run's

@@ -88,6 +88,14 @@ def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
         why = unsupported_with_pp(cfg)
         if why:
             raise UserError(why)
+    from omniweave.parallel.seq_chunks import unsupported_with_seq_chunks
+
+    try:
+        why = unsupported_with_seq_chunks(cfg)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if why:
+        raise UserError(why)
     manifest = Path(cfg.data.path) / MANIFEST
     if not manifest.is_file():
         raise UserError(f"data.path={cfg.data.path}: no packed dataset there (no {MANIFEST}); build it with "
