@@ -37,7 +37,7 @@ layer). MLA layers (components/mla.py) store the expanded per-head k and the pad
 
 What it cannot do yet (:func:`unsupported_with_seq_chunks`, one line naming the keys): context,
 tensor or pipeline parallelism, MoE foundations (the router statistics would count the
-forward sweep and the recompute), GRPO.
+forward sweep and the recompute), GRPO and DPO (a pair's loss is not a sum over its tokens).
 """
 
 from __future__ import annotations
@@ -380,6 +380,7 @@ def unsupported_with_seq_chunks(cfg) -> str | None:
              f"model.foundation.tp={(model.get('foundation') or {}).get('tp')}":
                  int((model.get("foundation") or {}).get("tp", 1) or 1) > 1,
              "train.phase=grpo": cfg.train.get("phase") == "grpo",
+             "train.phase=dpo": cfg.train.get("phase") == "dpo",  # its loss is not a sum over tokens
              "a MoE foundation (model.foundation.num_experts)": bool(moe_layer_indices(model.get("foundation") or {}))}
     named = [k for k, v in found.items() if v]
     return f"parallel.seq_chunks={n} does not support {', '.join(named)} yet" if named else None
