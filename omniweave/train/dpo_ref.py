@@ -14,7 +14,8 @@ The ``.npz`` (no pickle) holds, for N packs of P pairs in all:
     logps       float32 [P, 2]   (chosen, rejected) reference sequence log-probs, pack by pack
     offsets     int64 [N + 1]    pack i's pairs are rows offsets[i]:offsets[i+1]
     pair_index  int64 [P]        each pair's source sample index (the pack records' docs)
-    identity    JSON string      the reference: ``model`` (the recipe's model section), ``init``
+    identity    JSON string      the reference: ``model`` (the recipe's model section but the
+                                 keys that do not change it: NOT_REFERENCE_KEYS), ``init``
                                  ({"init_from": absolute path} or {"seed": s}), ``precision``
 
 A training run checks the file against its data (pack count, pairs per pack, their samples) and
@@ -35,6 +36,9 @@ from omniweave.errors import UserError
 
 DEFAULT_NAME = "ref_logps.npz"
 FORMAT = "omniweave-dpo-ref/1"
+# a component's keys that leave the initial policy's log-probs as they are: what trains (freeze,
+# LoRA adapters, which start as a no-op), the layout (tp) and the attention kernel
+NOT_REFERENCE_KEYS = ("freeze", "lora", "tp", "attn_backend")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,11 +71,14 @@ def ref_path(cfg) -> Path:
 
 
 def identity(cfg) -> dict:
-    """What the stored values depend on besides the data: the model and how it is initialised."""
+    """What the stored values depend on besides the data: the model (its components' keys but
+    ``NOT_REFERENCE_KEYS``) and how it is initialised."""
     from omniweave.config import to_dict
 
     init = cfg.train.get("init_from")
-    return {"model": to_dict(cfg.model),
+    model = {name: {k: v for k, v in c.items() if k not in NOT_REFERENCE_KEYS} if isinstance(c, dict) else c
+             for name, c in to_dict(cfg.model).items()}
+    return {"model": model,
             "init": {"init_from": str(Path(init).resolve())} if init else {"seed": int(cfg.train.seed)},
             "precision": str(cfg.train.get("precision", "fp32"))}
 
@@ -84,15 +91,15 @@ def pair_layout(records: list[dict]) -> tuple[np.ndarray, np.ndarray]:
 
 
 @torch.no_grad()
-def precompute(cfg, path: Path, progress: bool = True, fault_after: int | None = None) -> int:
+def precompute(cfg, path: Path, progress: bool = True) -> int:
     """Write the reference log-probs of every pair of ``data.path`` to ``path``; returns the pair
-    count. ``fault_after``: raise after that many packs (tests: the write is atomic)."""
+    count."""
     from omniweave.train.engine import with_process_group
 
-    return with_process_group(lambda: _precompute(cfg, Path(path), progress, fault_after))
+    return with_process_group(lambda: _precompute(cfg, Path(path), progress))
 
 
-def _precompute(cfg, path: Path, progress: bool, fault_after: int | None) -> int:
+def _precompute(cfg, path: Path, progress: bool) -> int:
     from omegaconf import OmegaConf
     from tqdm import tqdm
 
@@ -118,8 +125,6 @@ def _precompute(cfg, path: Path, progress: bool, fault_after: int | None) -> int
     logps = np.zeros((int(offsets[-1]), 2), np.float32)
     precision = str(cfg.train.get("precision", "fp32"))
     for i in tqdm(range(len(ds)), desc="reference log-probs", unit="pack", disable=not progress):
-        if fault_after is not None and i == fault_after:
-            raise RuntimeError(f"injected failure after {i} packs")
         mb = to_device(collate_pack(ds[i], data_cfg), device)
         with autocast(device, precision, False):
             tokens = model(mb, token_logprobs=True).token_logp
