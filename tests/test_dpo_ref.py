@@ -113,7 +113,8 @@ def test_precompute_writes_atomically_and_where_asked(pairs, tmp_path, monkeypat
         dpo_ref.precompute(cfg, out, progress=False)
     assert list(out.parent.iterdir()) == []  # no partial file, no temporary left behind
     monkeypatch.setattr(np, "savez", savez)
-    assert cli(["dpo", "precompute-ref", "demo_dpo", *dpo_overrides(pairs, tmp_path), "--output", str(out),
+    layout = ["model.foundation.tp=2", "parallel.cp=2"]  # the training run's layout: one process here all the same
+    assert cli(["dpo", "precompute-ref", "demo_dpo", *dpo_overrides(pairs, tmp_path), *layout, "--output", str(out),
                 "--no-progress"]) == 0
     before = out.read_bytes()
     monkeypatch.setattr(np, "savez", disk_full)

@@ -115,9 +115,11 @@ def _precompute(cfg, path: Path, progress: bool) -> int:
     if world > 1:
         raise UserError("`omniweave dpo precompute-ref` runs on one process (no --nproc / torchrun)")
     device = info.device(local_rank)
+    if info.module is not None and hasattr(info.module, "set_device"):
+        info.module.set_device(device)
     if device.type == "cpu" and tc_threads(cfg):
         torch.set_num_threads(tc_threads(cfg))
-    dims = ParallelDims.from_config(None, 1, model=cfg.model)
+    dims = ParallelDims.from_config(None, 1)  # one process: the layout keys (parallel.*, model.*.tp) do not apply
     model = build(cfg, device, dims, dims.build_meshes(device.type)).eval()  # the policy's initial weights
     data_cfg = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in LOADER_ONLY_KEYS}
     ds = PackedDataset(cfg.data.path)
