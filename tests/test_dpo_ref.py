@@ -54,6 +54,17 @@ def test_a_precomputed_reference_gives_the_losses_and_rewards_of_the_reference_m
     for a, b in zip(stored, with_model):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-9)
 
+    # LoRA adapters on the same model: the stored file of the full model is their reference too
+    lora = ["+model.foundation.lora={r: 4, alpha: 8, targets: all-linear}", "model.image_encoder.freeze=true",
+            "model.projector.freeze=true"]
+    monkeypatch.undo()
+    train(_cfg(pairs, tmp_path / "lora_base", *lora, steps=3, train__lr=1e-2))  # the adapters-off reference
+    train(_cfg(pairs, tmp_path / "lora_stored", *lora, steps=3, train__lr=1e-2, train__dpo__ref="precomputed"))
+    base, stored = (read_metrics(tmp_path / d) for d in ("lora_base", "lora_stored"))
+    assert base[-1]["reward_chosen"] != 0.0
+    for a, b in zip(stored, base):
+        assert [a[k] for k in keys] == pytest.approx([b[k] for k in keys], rel=1e-6, abs=1e-9)
+
 
 def test_the_stored_file_holds_every_pair_with_its_reference(pairs):
     from omniweave.data.packed import PackedDataset
