@@ -86,6 +86,7 @@ class DPOSchema:  # train.phase=dpo (docs/dpo.md)
     loss: str = "sigmoid"
     label_smoothing: float = 0.0
     ref: str = "model"
+    ref_path: Optional[str] = None
 
 
 @dataclass

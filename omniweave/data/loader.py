@@ -129,6 +129,7 @@ def collate_pack(pack: dict, data_cfg: dict) -> dict:
 
         extra["token_data"] = {"pair_slot": pair_slots(labels, cu_seqlens, [d["side"] for d in pack["docs"]])}
         extra["num_pairs"] = len(pack["docs"]) // 2
+        extra["pack_id"] = int(pack["index"])  # where train.dpo.ref=precomputed finds its pairs' values
     encoded = [m for m in pack["media"] if "same_as" not in m]  # shared items: bytes and features once
     media = media_batch(proc, [(span_from_record(m), m["bytes"]) for m in encoded])
     if len(encoded) < len(pack["media"]):

@@ -24,7 +24,8 @@ rule of docs/design.md), so every data-parallel layout gives the same update.
 ``train.dpo.ref``: ``model``, a frozen copy of the initial policy built and sharded like it
 (train/engine.build), run on the same micro-batch inside the loss; with LoRA adapters as the only
 trainable weights (models/lora.py) the policy itself with its adapters disabled (no copy); ``none``, reference-free
-(r = 0, TRL's ``reference_free``). Precomputed offline reference log-probs are not supported yet.
+(r = 0, TRL's ``reference_free``); ``precomputed``, each pair's values read from the file that
+``omniweave dpo precompute-ref`` wrote (train/dpo_ref.py), found by the micro-batch's ``pack_id``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch import Tensor
 from omniweave.errors import UserError
 
 LOSSES = ("sigmoid", "ipo")
-REFS = ("model", "none")
+REFS = ("model", "none", "precomputed")
 DPO_LINE = (("loss", "loss", ".4f"), ("margin", "reward_margin", ".3f"), ("acc", "reward_accuracy", ".3f"),
             ("lr", "lr", ".3e"), ("grad_norm", "grad_norm", ".3f"), ("tokens/s", "tokens_per_s", ".0f"),
             ("mem", "memory_gb", "GB"))
@@ -51,12 +52,13 @@ class DPOConfig:
     loss: str = "sigmoid"
     label_smoothing: float = 0.0
     ref: str = "model"
+    ref_path: str | None = None
 
     @classmethod
     def from_recipe(cls, cfg) -> "DPOConfig":
         d = cfg.train.get("dpo") or {}
         out = cls(float(d.get("beta", 0.1)), str(d.get("loss", "sigmoid")), float(d.get("label_smoothing", 0.0) or 0.0),
-                  str(d.get("ref", "model")))
+                  str(d.get("ref", "model")), d.get("ref_path") or None)
         out.validate()
         return out
 
@@ -71,11 +73,17 @@ class DPOConfig:
             raise UserError("train.dpo.label_smoothing applies to train.dpo.loss=sigmoid only")
         if self.ref not in REFS:
             raise UserError(f"train.dpo.ref={self.ref!r}; choose one of {REFS}")
+        if self.ref_path and self.ref != "precomputed":
+            raise UserError(f"train.dpo.ref_path applies to train.dpo.ref=precomputed only (train.dpo.ref={self.ref})")
 
 
 def check_layout(cfg) -> None:
-    """``train.dpo.*`` valid and a layout DPO runs (before any rank starts)."""
-    DPOConfig.from_recipe(cfg)
+    """``train.dpo.*`` valid, stored reference log-probs that fit the run, and a layout DPO runs
+    (before any rank starts)."""
+    if DPOConfig.from_recipe(cfg).ref == "precomputed":
+        from omniweave.train.dpo_ref import StoredReference
+
+        StoredReference(cfg)
     if int((cfg.get("parallel") or {}).get("pp", 1) or 1) > 1:
         raise UserError("train.phase=dpo does not run under parallel.pp > 1 yet (the pipeline schedule computes "
                         "the SFT loss); use dp / cp / tp")
@@ -169,6 +177,11 @@ class DPOObjective:
         self.base_is_reference = self.settings.ref == "model" and only_adapters_train(engine.model)
         self.reference = (reference_model(cfg, engine) if self.settings.ref == "model" and not self.base_is_reference
                           else None)
+        self.stored = None
+        if self.settings.ref == "precomputed":
+            from omniweave.train.dpo_ref import StoredReference
+
+            self.stored = StoredReference(cfg)
 
     def normaliser(self, packs: list[dict]) -> float:
         (pairs,) = self.engine.global_sum([sum(int(p["num_pairs"]) for p in packs)])
@@ -187,16 +200,26 @@ class DPOObjective:
             return None
         return self.reference(mb, token_logprobs=True).token_logp
 
+    def reference_logps(self, model, mb: dict) -> Tensor:
+        """[P, 2] the reference's sequence log-probs of the micro-batch's pairs: the stored whole
+        values (``precomputed``), else the sums over this rank's share of the answers' tokens."""
+        slots, pairs = mb["token_data"]["pair_slot"], int(mb["num_pairs"])
+        if self.stored is not None:
+            return self.stored.pack(int(mb["pack_id"])).to(slots.device)
+        tokens = self.reference_token_logps(model, mb)
+        return (torch.zeros(pairs, 2, device=slots.device) if tokens is None
+                else sequence_logps(tokens, slots, pairs))
+
     def loss_fn(self, model, mb: dict) -> tuple[Tensor, dict[str, Tensor]]:
         slots, pairs, cp = mb["token_data"]["pair_slot"], int(mb["num_pairs"]), self.engine.dims.cp
         policy = sequence_logps(model(mb, token_logprobs=True).token_logp, slots, pairs)
-        ref_tokens = self.reference_token_logps(model, mb)
-        ref = torch.zeros_like(policy) if ref_tokens is None else sequence_logps(ref_tokens, slots, pairs)
+        ref = self.reference_logps(model, mb)
         lengths = sequence_logps(torch.ones_like(slots, dtype=torch.float32), slots, pairs)
         if cp > 1:  # each cp rank holds a share of every answer's tokens: whole sums before the loss
             group = self.engine.meshes.cp.get_group()
             policy = _SumOverGroup.apply(policy, group)
-            ref, lengths = (_SumOverGroup.apply(t.detach(), group) for t in (ref, lengths))
+            lengths = _SumOverGroup.apply(lengths, group)
+            ref = ref if self.stored is not None else _SumOverGroup.apply(ref.detach(), group)
         losses, chosen, rejected = dpo_loss(policy, ref, self.settings, lengths)
         # every cp rank now holds the same pairs' values: 1/cp each, so sums over ranks count them once
         stats = {"pairs": torch.tensor(float(pairs)), "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(),

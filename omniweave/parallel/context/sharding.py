@@ -38,7 +38,7 @@ from omniweave.models.registry import MODALITIES
 # keys of a micro-batch (loader.collate_pack) that shard_batch rewrites / passes through
 _REWRITTEN_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_data", "token_valid",
                    *(k for m in MODALITIES for k in (m.spans, m.rows)))
-_WHOLE_ROW_KEYS = ("num_loss_tokens", "num_pairs", *(k for m in MODALITIES for k in (m.inputs, m.grid)))  # passed through unchanged
+_WHOLE_ROW_KEYS = ("num_loss_tokens", "num_pairs", "pack_id", *(k for m in MODALITIES for k in (m.inputs, m.grid)))  # passed through unchanged
 
 
 @dataclass(frozen=True)
