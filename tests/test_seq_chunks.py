@@ -243,7 +243,9 @@ def test_unsupported_settings_are_named():
     assert unsupported_with_seq_chunks(_recipe(seq_chunks=4, cp=2)) == \
         "parallel.seq_chunks=4 does not support parallel.cp=2 yet"
     assert unsupported_with_seq_chunks(_recipe(seq_chunks=4, pp=2, cp=2)) == \
-        "parallel.seq_chunks=4 does not support parallel.cp=2, parallel.pp=2 yet"
+        "parallel.seq_chunks=4 does not support parallel.cp=2, parallel.pp=2 with parallel.pp_schedule=1f1b and " \
+        "parallel.pp_virtual=1 (chunks under a pipeline need pp_schedule=gpipe, pp_virtual=1) yet"
+    assert unsupported_with_seq_chunks(_recipe(seq_chunks=4, pp=2, pp_schedule="gpipe")) is None  # pipeline_chunks.py
 
 
 def test_grpo_and_moe_recipes_are_refused():
@@ -277,3 +279,21 @@ def test_trainer_with_seq_chunks_logs_the_unchunked_losses(demo_packed, tmp_path
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["loss"], y["loss"])
         assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"], (x["grad_norm"], y["grad_norm"])
+
+
+def test_every_row_runs_the_encoder_as_often_with_or_without_media():
+    """A text-only row encodes the encoder's dummy input (``run_encoder_always``) through the same
+    per-row hook as a row's media, so data-parallel ranks whose rows differ in media still run the
+    encoder's FSDP collectives in step: one forward per sweep, whatever the chunks."""
+    from omniweave.parallel.seq_chunks import chunked_forward_backward
+
+    spec, in_dim = CASES["qwen2_5_vl"]
+    model = _model(**spec)
+    calls = []
+    model.image_encoder.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    counts = []
+    for row in (_row(in_dim), _row(None)):
+        calls.clear()
+        chunked_forward_backward(model, row, _loss_fn, 5, 1.0)
+        counts.append(list(calls))
+    assert counts[0] == counts[1] == [False, True]  # the forward sweep's once (no grad), chunk 0's recompute

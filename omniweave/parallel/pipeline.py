@@ -166,8 +166,13 @@ class StageModule(nn.Module):
         self._model = (part,)  # not a submodule: its children are registered above
         self.layer_ids, self.is_first, self.is_last, self.row_fn = layers, first, last, row_fn
         self.rows: list[dict] = []  # the step's rows (stage 0 reads their media)
+        self.chunks = None  # parallel.seq_chunks: the step's per-row chunk state (pipeline_chunks.StageChunks)
 
-    def forward(self, x, position_ids, cu_seqlens, labels, token_valid):
+    def forward(self, x, position_ids, cu_seqlens, labels, token_valid, chunk=None):
+        if chunk is not None:  # parallel.seq_chunks: x is a chunk of a row (parallel/pipeline_chunks.py)
+            from omniweave.parallel.pipeline_chunks import forward_chunk
+
+            return forward_chunk(self, x, position_ids, cu_seqlens, labels, token_valid, chunk)
         model, foundation = self._model[0], self.foundation
         cu = cu_seqlens[0][cu_seqlens[0] >= 0]
         deepstack = None
@@ -236,15 +241,19 @@ class Pipeline:
     ``StageModule``."""
 
     def __init__(self, model: nn.Module, sizes: list[int], group, device, schedule: str = "1f1b",
-                 n_microbatches: int = 1, prepare_rows=None, row_fn=None):
+                 n_microbatches: int = 1, prepare_rows=None, row_fn=None, seq_chunks: int = 1):
         from torch.distributed import pipelining as pl
+
+        from omniweave.parallel import pipeline_chunks
 
         pp, rank = dist.get_world_size(group), dist.get_rank(group)
         if len(sizes) % pp:
             raise ValueError(f"{len(sizes)} stages do not spread over parallel.pp={pp} ranks")
         virtual = len(sizes) // pp
         check_schedule(schedule, virtual)
-        check_microbatches(n_microbatches, pp, schedule)
+        if seq_chunks > 1:
+            pipeline_chunks.check_chunked_pipeline(seq_chunks, schedule, virtual)
+        check_microbatches(n_microbatches * seq_chunks, pp, schedule)
         check_model(model, sizes)
         ranges = stage_ranges(sizes)
         ids = [rank + v * pp for v in range(virtual)]
@@ -260,7 +269,13 @@ class Pipeline:
         cls = {"1f1b": pl.Schedule1F1B, "gpipe": pl.ScheduleGPipe, "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
                "zero_bubble": pl.ScheduleInterleavedZeroBubble}[schedule]
         stages = self.stages if schedule in LOOPED else self.stages[0]
-        self.schedule = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.seq_chunks = seq_chunks
+        if seq_chunks > 1:  # micro-batches are the rows' chunks, backwards in reverse
+            self.schedule = pipeline_chunks.chunked_schedule(self.stages, n_microbatches * seq_chunks, self._loss)
+            for m in self.modules:
+                m.chunks = pipeline_chunks.StageChunks(seq_chunks)
+        else:
+            self.schedule = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
         self.last_rank = dist.get_global_rank(group, (len(sizes) - 1) % pp)
 
     def _loss(self, loss_sum: torch.Tensor, _labels: torch.Tensor) -> torch.Tensor:
@@ -276,6 +291,9 @@ class Pipeline:
             raise ValueError(f"a pipeline step takes {self.n_microbatches} rows (micro-batches), got {len(rows)}")
         lengths = [int(r["input_ids"].shape[0]) for r in rows]
         capacity = lengths[0] if self.capacity is None else self.capacity
+        if self.seq_chunks > 1 and capacity % self.seq_chunks:
+            raise ValueError(f"parallel.seq_chunks={self.seq_chunks}: the pipeline's rows of {capacity} tokens do not "
+                             "split into equal chunks (what crosses the stages has one shape); pad them to a multiple")
         if any(n != capacity for n in lengths):
             raise ValueError(f"pipeline rows must all have the run's length {capacity} (the hidden state crossing "
                              f"the stages has a fixed shape); got lengths {lengths}: pad them with pad_rows")
@@ -287,8 +305,16 @@ class Pipeline:
         self.capacity = int(rows[0]["input_ids"].shape[0])
         self._normaliser = float(normaliser)
         inputs = _stack_rows(rows, self.device)
+        if self.seq_chunks > 1:
+            from omniweave.parallel.pipeline_chunks import chunk_kwargs
+
+            window = self.local.foundation.config.sliding_window
+            inputs = _Inputs(torch.arange(len(rows) * self.seq_chunks), chunk_kwargs(rows, self.seq_chunks, window,
+                                                                                     self.device))
         for m in self.modules:
             m.rows = rows
+            if m.chunks is not None:
+                m.chunks.begin_step(m, rows)
         args = (inputs.row_index.to(self.device),) if any(m.is_first for m in self.modules) else ()
         has_last = any(m.is_last for m in self.modules)
         losses: list[torch.Tensor] = []
@@ -296,6 +322,8 @@ class Pipeline:
                            losses=losses if has_last else None, **inputs.kwargs)
         for m in self.modules:
             m.rows = []
+            if m.chunks is not None:
+                m.chunks.end_step(m)
         total = torch.stack(losses).sum().detach().double() if has_last else torch.zeros((), dtype=torch.float64)
         total = total.to(self.device)
         dist.broadcast(total, src=self.last_rank, group=self.group)
@@ -360,7 +388,8 @@ def unsupported_with_pp(cfg) -> str | None:
 def build_pipeline(model: nn.Module, cfg, dims, meshes, device) -> Pipeline:
     """The trainer's pipeline from the recipe: ``parallel.pp_layers`` or the cost-model split
     (the encoders' share from the packed data's vision tokens per row), ``parallel.pp_schedule``,
-    ``parallel.pp_virtual``; one micro-batch per row of the rank's ``train.global_batch / dp``."""
+    ``parallel.pp_virtual``; one micro-batch per row of the rank's ``train.global_batch / dp``, or
+    ``parallel.seq_chunks`` per row (parallel/pipeline_chunks.py)."""
     from omniweave.config import to_dict
 
     from omniweave.parallel.pipeline_rows import static_row_length, static_rows
@@ -371,12 +400,15 @@ def build_pipeline(model: nn.Module, cfg, dims, meshes, device) -> Pipeline:
     cost = None if pp_layers is not None else encoder_cost_in_layers(model_cfg, _patches_per_token(cfg.data.path, model_cfg))
     sizes = split_layers(model.foundation.config.num_layers, dims.pp, int(par.get("pp_virtual", 1) or 1),
                          None if pp_layers is None else list(pp_layers), first_stage_cost=cost)
-    max_len = int(cfg.data.max_len)
+    from omniweave.parallel.seq_chunks import seq_chunks_of
+
+    max_len, chunks = int(cfg.data.max_len), seq_chunks_of(cfg)
     length = static_row_length(max_len, dims.cp, dims.tp, _max_docs(cfg.data.path) if dims.cp > 1 else None)
+    length = -(-length // chunks) * chunks  # parallel.seq_chunks (cp = tp = 1): equal chunks cross the stages
     prepare = partial(static_rows, max_len=max_len, length=length, cp=dims.cp, cp_rank=meshes.cp_rank, tp=dims.tp)
     return Pipeline(model, sizes, meshes.pp.get_group(), device, str(par.get("pp_schedule", "1f1b")),
                     n_microbatches=int(cfg.train.global_batch) // dims.dp, prepare_rows=prepare,
-                    row_fn=partial(sequence_parallel_batch, meshes.tp) if dims.tp > 1 else None)
+                    row_fn=partial(sequence_parallel_batch, meshes.tp) if dims.tp > 1 else None, seq_chunks=chunks)
 
 
 def _stats(packed: str) -> dict:

@@ -35,8 +35,10 @@ Memory, per row of L tokens: the activations of one chunk, plus per layer the K/
 plus, while a chunk runs, the earlier keys and values its documents see (at most 2·L·kv_dim per
 layer). MLA layers (components/mla.py) store the expanded per-head k and the padded v.
 
-What it cannot do yet (:func:`unsupported_with_seq_chunks`, one line naming the keys): context,
-tensor or pipeline parallelism, MoE foundations (the router statistics would count the
+Under pipeline parallelism the chunks are the pipeline's micro-batches (parallel/pipeline_chunks.py:
+``ChunkKV``'s ``pipelined`` mode, ``LateGrad``, ``RowFeatures``' ``pipelined`` mode). What it cannot
+do yet (:func:`unsupported_with_seq_chunks`, one line naming the keys): context or tensor
+parallelism, a pipeline schedule other than gpipe, MoE foundations (the router statistics would count the
 forward sweep and the recompute), GRPO and DPO (a pair's loss is not a sum over its tokens).
 """
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -123,8 +126,11 @@ class ChunkKV:
         self.plan: ChunkPlan | None = None
         self.grad = False
 
-    def begin(self, plan: ChunkPlan, grad: bool) -> None:
-        self.plan, self.grad = plan, grad
+    def begin(self, plan: ChunkPlan, grad: bool, pipelined: bool = False) -> None:
+        """``pipelined`` (with ``grad``): the chunk runs once, with grad, inside a pipeline stage
+        (parallel/pipeline_chunks.py): its K/V are written to the store for the later chunks, and
+        its own k, v take the gradient those sent them when its backward runs (after theirs)."""
+        self.plan, self.grad, self.pipelined = plan, grad, pipelined
         self.own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._cu: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -147,6 +153,10 @@ class ChunkKV:
             keys, values = self.k[layer][p.key_start:p.end], self.v[layer][p.key_start:p.end]
         else:
             self.own.setdefault(layer, (k, v))  # a recompute (activation checkpointing) keeps the first
+            if self.pipelined:
+                self.k[layer][p.start:p.end] = kc.detach()
+                self.v[layer][p.start:p.end] = vc.detach()
+                kc, vc = (LateGrad.apply(t, partial(self._sent, layer, i, p.start, p.end)) for i, t in enumerate((kc, vc)))
             keys, values = kc, vc
             if p.key_start < p.start:
                 if layer not in self.leaves:
@@ -163,6 +173,10 @@ class ChunkKV:
             if layer not in acc:
                 acc[layer] = torch.zeros(store[layer].shape, dtype=torch.float32, device=store[layer].device)
         return self.gk[layer], self.gv[layer]
+
+    def _sent(self, layer: int, which: int, start: int, end: int) -> torch.Tensor:
+        """What later chunks' queries sent to rows [start, end) of ``layer``'s keys (0) / values (1)."""
+        return self.grads(layer)[which][start:end]
 
     def backward_roots(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The chunk's own k, v of every layer and the gradients later chunks sent them."""
@@ -193,6 +207,21 @@ class ChunkKV:
         return self._cu
 
 
+class LateGrad(torch.autograd.Function):
+    """Identity whose backward adds ``extra()``, read when the backward runs: the gradient that
+    later chunks sent to a chunk's keys / values (or features) by then."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, extra) -> torch.Tensor:
+        ctx.extra = extra
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        more = ctx.extra()
+        return (grad if more is None else grad + more.to(grad.dtype)), None
+
+
 @dataclass
 class ChunkAttention:
     """A decoder layer's ``attn_fn`` (``fn(q, k, v, cu_seqlens, window) -> out``) over a :class:`ChunkKV`."""
@@ -208,7 +237,9 @@ class ChunkAttention:
 class RowFeatures:
     """One modality's ``media_splits`` hook for one row (see the module docstring, step 3).
     ``mode``: ``forward`` (encode once, no grad, reuse), ``leaf`` (the features as a leaf that
-    gathers the chunks' gradients) or ``live`` (encode with grad)."""
+    gathers the chunks' gradients) or ``live`` (encode with grad); ``pipelined`` (a pipeline
+    stage, chunks in order, backwards in reverse): the first chunk encodes with grad and its
+    backward, the last one, carries what the later chunks' leaf gathered."""
 
     def __init__(self, inner=None):
         self.inner = inner  # the hook this one wraps (None: the model's own encode)
@@ -222,6 +253,12 @@ class RowFeatures:
             if self.value is None:
                 self.value = self._encode(encode, inputs, grid)
             return self.value
+        if self.mode == "pipelined":
+            if self.live is None:
+                self.live = self._encode(encode, inputs, grid)
+                self.leaf = self.live.detach().requires_grad_()
+                return LateGrad.apply(self.live, lambda: self.leaf.grad)
+            return self.leaf
         if self.mode == "leaf":
             if self.leaf is None:
                 self.leaf = self.value.detach().requires_grad_()
@@ -237,6 +274,18 @@ class RowFeatures:
 
 
 # ---------------------------------------------------------------------------- the row
+
+
+def row_features(model: nn.Module, mode: str = "forward") -> dict[str, RowFeatures]:
+    """A ``RowFeatures`` hook per modality of the model, items in the row or not: a row without
+    items encodes the encoder's dummy input (``OmniModel.run_encoder_always``) through the same
+    hook, so every row runs each encoder the same number of times and data-parallel ranks' FSDP
+    collectives stay matched whatever media their rows hold."""
+    splits = getattr(model, "media_splits", {})
+    out = {m.name: RowFeatures(splits.get(m.name)) for m in getattr(model, "modalities", ())}
+    for f in out.values():
+        f.mode = mode
+    return out
 
 
 def media_rows(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
@@ -325,7 +374,7 @@ def chunked_forward_backward(model: nn.Module, batch: dict, loss_fn, n_chunks: i
     if plans and plans[-1].end != length:
         raise ValueError(f"cu_seqlens end at {plans[-1].end}, the row has {length} tokens")
     rows = media_rows(model, batch)
-    store, features = ChunkKV(length), {name: RowFeatures(getattr(model, "media_splits", {}).get(name)) for name in rows}
+    store, features = ChunkKV(length), row_features(model)
     loss_sum, stats = torch.zeros((), dtype=torch.float64, device=batch["input_ids"].device), {}
     with installed(model, store, features):
         with torch.no_grad():
@@ -376,7 +425,11 @@ def unsupported_with_seq_chunks(cfg) -> str | None:
         return None
     par, model = cfg.get("parallel") or {}, to_dict(cfg.model)
     found = {f"parallel.cp={par.get('cp')}": int(par.get("cp", 1) or 1) > 1,
-             f"parallel.pp={par.get('pp')}": int(par.get("pp", 1) or 1) > 1,
+             # under a pipeline the chunks need its fill-drain schedule (parallel/pipeline_chunks.py)
+             f"parallel.pp={par.get('pp')} with parallel.pp_schedule={par.get('pp_schedule', '1f1b')} and "
+             f"parallel.pp_virtual={par.get('pp_virtual', 1)} (chunks under a pipeline need pp_schedule=gpipe, "
+             "pp_virtual=1)": int(par.get("pp", 1) or 1) > 1 and (str(par.get("pp_schedule", "1f1b")) != "gpipe"
+                                                               or int(par.get("pp_virtual", 1) or 1) != 1),
              f"model.foundation.tp={(model.get('foundation') or {}).get('tp')}":
                  int((model.get("foundation") or {}).get("tp", 1) or 1) > 1,
              "train.phase=grpo": cfg.train.get("phase") == "grpo",

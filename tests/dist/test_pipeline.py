@@ -14,10 +14,14 @@ hold each parameter of the model exactly once) equal the reference within 1e-5 r
 - pp 2 x virtual 2, interleaved 1f1b (stages 0, 2 on rank 0 and 1, 3 on rank 1);
 - pp 2 x virtual 2, interleaved zero bubble (input and weight gradients split);
 - Qwen3-VL (DeepStack levels after layers 0 and 1, so stage 0 holds 2 of 3 layers), 1f1b;
-- pp 4 on 4 ranks (one layer each), 1f1b.
+- pp 4 on 4 ranks (one layer each), 1f1b;
+- chunked rows (``parallel.seq_chunks``, parallel/pipeline_chunks.py): pp 2, each row in 4 chunks
+  (the demo) and 3 (Qwen3-VL), the rows at their own length so that chunk boundaries cut documents
+  and media: the chunks are the micro-batches, backwards in reverse.
 
 Rows of another length than the run's, within a step or in a later one, raise ValueError on
-every rank before anything is sent (torch's pipelining would abort inside gloo).
+every rank before anything is sent (torch's pipelining would abort inside gloo), as do rows
+that do not split into equal chunks.
 
 Composed with TP and CP on 4 ranks (``LAYOUTS``: the pipeline the trainer's Engine builds, its
 stage parts FSDP-sharded; the rows as the trainer feeds them, ``Pipeline.prepare_rows``), the
@@ -30,7 +34,7 @@ same 4 rows, loss and every gradient against the same reference:
 - pp 2 x cp 2, Ulysses, every CP rank encoding all media, gpipe.
 
 Measured: loss rel. error <= 6.9e-8, gradient rel. error <= 1.7e-7 (one step each, 49 s for the file
-on 2 busy cores); with TP / CP: loss <= 1.8e-8, gradients <= 8.0e-7 (one 4-rank run, ~20 s).
+on 2 busy cores; chunked: <= 6.6e-7, the Qwen3-VL encoder); with TP / CP: loss <= 1.8e-8, gradients <= 8.0e-7 (one 4-rank run, ~20 s).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ CASES = [  # (recipe, layers, schedule, virtual, pp_layers)
     ("demo", 4, "interleaved_1f1b", 2, None),
     ("demo", 4, "zero_bubble", 2, None),
     ("tiny_qwen3_vl", 3, "1f1b", 1, [2, 1]),
+    ("demo", 4, "gpipe", 1, None, 4),  # parallel.seq_chunks: each row in 4 chunks (parallel/pipeline_chunks.py)
+    ("tiny_qwen3_vl", 3, "gpipe", 1, [2, 1], 3),
 ]
 
 
@@ -87,18 +93,21 @@ def _body(rank: int, world: int, packed: str, cases: list) -> list[dict]:
     from omniweave.parallel.pipeline import Pipeline, pad_rows, split_layers
 
     results = []
-    for recipe, layers, schedule, virtual, pp_layers in cases:
+    for recipe, layers, schedule, virtual, pp_layers, *chunks in cases:
+        chunks = chunks[0] if chunks else 1
         base = _model(recipe, layers)
         rows = _rows(packed, 4) if recipe == "demo" else _qwen3_vl_rows()
-        capacity = max(CAPACITY, *(r["input_ids"].shape[0] for r in rows))
+        longest = max(r["input_ids"].shape[0] for r in rows)
+        # chunked: the rows' own length (rounded to the chunks), so that chunk boundaries cut documents and media
+        capacity = max(CAPACITY, longest) if chunks == 1 else -(-longest // chunks) * chunks
         ref_loss, ref_grads = _reference(copy.deepcopy(base), rows)
         sizes = split_layers(layers, world, virtual, pp_layers)
-        pipe = Pipeline(base, sizes, dist.group.WORLD, torch.device("cpu"), schedule, len(rows))
+        pipe = Pipeline(base, sizes, dist.group.WORLD, torch.device("cpu"), schedule, len(rows), seq_chunks=chunks)
         loss = pipe.step(pad_rows(rows, capacity), normaliser=sum(r["num_loss_tokens"] for r in rows))
         grads = {k: p.grad for k, p in pipe.named_parameters()}
         rel = {k: float((g - ref_grads[k]).abs().max() / ref_grads[k].abs().max().clamp_min(1e-12))
                for k, g in grads.items()}
-        results.append({"case": (recipe, schedule, sizes), "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
+        results.append({"case": (recipe, schedule, sizes, chunks), "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
                         "grad_rel": max(rel.values()), "names": sorted(grads), "all_names": sorted(ref_grads),
                         "encoder_grad": max(float(g.abs().max()) for k, g in grads.items()
                                             if k.startswith("image_encoder.")) if rank == 0 else None})
@@ -117,6 +126,11 @@ def _shape_change(rank: int, world: int, packed: str) -> list[str]:
     pipe.step(pad_rows(rows, CAPACITY), normaliser=1)
     with pytest.raises(ValueError) as err:  # the next step's rows shorter than the first step's
         pipe.step(pad_rows(rows, CAPACITY - 12), normaliser=1)
+    errors.append(str(err.value))
+    chunked = Pipeline(_model("demo", 2), split_layers(2, world), dist.group.WORLD, torch.device("cpu"), "gpipe", 2,
+                       seq_chunks=3)
+    with pytest.raises(ValueError) as err:  # rows that do not split into equal chunks
+        chunked.step(pad_rows(rows, CAPACITY), normaliser=1)
     errors.append(str(err.value))
     dist.barrier()  # both ranks are still alive and in step
     return errors
@@ -159,6 +173,7 @@ def test_row_length_change_is_a_python_error(ranks):
     for _, errors in ranks:
         assert f"lengths [{CAPACITY}, {CAPACITY - 4}]" in errors[0] and "pad_rows" in errors[0]
         assert f"length {CAPACITY}" in errors[1] and str(CAPACITY - 12) in errors[1]
+        assert f"parallel.seq_chunks=3: the pipeline's rows of {CAPACITY} tokens do not split" in errors[2]
 
 
 # ---------------------------------------------------------------------------- with TP and CP

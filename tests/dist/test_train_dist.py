@@ -127,7 +127,10 @@ def test_parallel_layouts_train_like_single_process(demo_packed, tmp_path_factor
          "train__global_batch": 8}),
     (4, {"parallel__pp": 2, "model__foundation__tp": 2}),
     (4, {"parallel__pp": 2, "parallel__cp": 2, "weight_atol": PP_CP_WEIGHT_ATOL}),
-], ids=["pp2-1f1b", "pp2xv2-interleaved", "pp2xdp2", "pp2xv2xdp2-interleaved", "pp2xtp2", "pp2xcp2-ring"])
+    (2, {"parallel__pp": 2, "parallel__pp_schedule": "gpipe", "parallel__seq_chunks": 4}),
+    (4, {"parallel__pp": 2, "parallel__pp_schedule": "gpipe", "parallel__seq_chunks": 4}),
+], ids=["pp2-1f1b", "pp2xv2-interleaved", "pp2xdp2", "pp2xv2xdp2-interleaved", "pp2xtp2", "pp2xcp2-ring",
+        "pp2-seq_chunks4", "pp2xdp2-seq_chunks4"])
 def test_pipeline_trains_like_single_process(demo_packed, tmp_path_factory, nproc, parallel):
     """`omniweave train --nproc N parallel.pp=2` (the demo foundation at 4 layers; 4 rows per step
     = 4 micro-batches per pipeline, 2 each under dp 2, padded to data.max_len; under dp 2 each

@@ -1,0 +1,133 @@
+"""Chunked rows through a pipeline (``parallel.seq_chunks`` with ``parallel.pp``): each packed row
+is cut into ``n`` chunks along the sequence and the chunks are the pipeline's micro-batches.
+
+    pipe = Pipeline(model, sizes, group, device, schedule="gpipe", n_microbatches=rows, seq_chunks=4)
+    pipe.step(rows, normaliser)        # rows * 4 micro-batches: row 0's chunks, then row 1's, ...
+
+What crosses a stage boundary is a chunk's hidden state ``[1, length / n, D]`` (every row padded
+to one length divisible by ``n``: parallel/pipeline_rows.py), so the receive buffers are the
+chunk's, whatever the row length. Inside a stage the chunks meet only in attention, through the
+row's K/V store of parallel/seq_chunks.py (:class:`ChunkKV`, per stage and row): a chunk attends to
+its documents' keys in the earlier chunks, and sends them gradient.
+
+The order makes that exact: the schedule (torch's ``ScheduleLoopedBFS`` with one stage per rank:
+fill-drain, the backwards in reverse micro-batch order) runs every chunk's forward in order,
+then the backwards from the last chunk to the first. A chunk's forward writes its K/V into the
+store and passes its own k, v through ``LateGrad``; the earlier K/V enter as leaves whose
+gradients add into the store's accumulators. When a chunk's backward runs, every later chunk's
+has, so ``LateGrad`` adds the complete gradient those sent to its keys and values. Media: stage 0
+encodes a row's items in its first chunk, with grad; the later chunks read the features as a
+leaf, whose gathered gradient the first chunk's backward (the row's last) carries into the
+encoders (``RowFeatures``' ``pipelined`` mode).
+
+Memory: the decoder layers of a stage run under activation checkpointing per chunk, so a stage
+keeps each chunk's input hidden state (what the schedule keeps anyway) and the K/V store with its
+fp32 accumulators (2·L·kv_dim values + 2·L·kv_dim·4 bytes per layer and row), and the
+activations of one chunk at a time; its backward recomputes the chunk's forward (as at pp = 1).
+The rows of a step all stay in flight until the drain, so their stores add up.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from omniweave.parallel.seq_chunks import ChunkKV, chunk_batch, media_rows, plan_chunks, row_features
+
+
+def check_chunked_pipeline(seq_chunks: int, schedule: str, virtual: int) -> None:
+    """What chunked rows need of the pipeline's recipe keys (errors name them)."""
+    if schedule != "gpipe" or virtual != 1:
+        raise ValueError(f"parallel.seq_chunks={seq_chunks} under parallel.pp runs fill-drain with the backwards in "
+                         "reverse chunk order (a chunk's keys get their gradient from the later chunks): set "
+                         f"parallel.pp_schedule=gpipe and parallel.pp_virtual=1 (got {schedule}, {virtual})")
+
+
+def chunked_schedule(stages: list, n_microbatches: int, loss_fn):
+    """Fill-drain with the backwards in reverse micro-batch order (see the module doc)."""
+    from torch.distributed import pipelining as pl
+
+    return pl.ScheduleLoopedBFS(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class StageChunks:
+    """One stage's chunk state for a step: per row its chunk plans, K/V store and media features."""
+
+    def __init__(self, n_chunks: int):
+        self.n = n_chunks
+        self.plans, self.stores, self.media, self.features = [], [], [], []
+
+    def begin_step(self, stage, rows: list[dict]) -> None:
+        model = stage._model[0]
+        window = model.foundation.config.sliding_window
+        self.plans = [plan_chunks(r["cu_seqlens"], self.n, window) for r in rows]
+        self.stores = [ChunkKV(r["input_ids"].shape[0]) for r in rows]
+        if stage.is_first:
+            self.media = [media_rows(model, r) for r in rows]
+            self.features = [row_features(model, "pipelined") for _ in rows]
+
+    def end_step(self, stage) -> None:
+        self.plans, self.stores, self.media, self.features = [], [], [], []
+        for i in stage.layer_ids:
+            stage.foundation.layers[i].self_attn.attn_fn = None
+
+
+def chunk_kwargs(rows: list[dict], n_chunks: int, window: int | None, device) -> dict[str, torch.Tensor]:
+    """The step's per-micro-batch keyword tensors, stacked on dim 0 in micro-batch order (row-major):
+    each chunk's positions, document boundaries (-1 past its own), labels, token_valid, and
+    ``chunk`` = (row, chunk index)."""
+    per = []
+    for r, row in enumerate(rows):
+        length = row["input_ids"].shape[0]
+        pos = row.get("position_ids")
+        pos = torch.arange(length)[None] if pos is None else (pos[None] if pos.dim() == 1 else pos)
+        valid = row.get("token_valid")
+        valid = torch.ones(length, dtype=torch.bool) if valid is None else valid
+        for c, p in enumerate(plan_chunks(row["cu_seqlens"], n_chunks, window)):
+            per.append({"position_ids": pos[..., p.start:p.end], "cu_seqlens": torch.tensor(p.cu_q, dtype=torch.int32),
+                        "labels": row["labels"][p.start:p.end], "token_valid": valid[p.start:p.end],
+                        "chunk": torch.tensor([r, c])})
+    docs = max(m["cu_seqlens"].numel() for m in per)
+    for m in per:
+        cu = m["cu_seqlens"]
+        m["cu_seqlens"] = torch.cat([cu, cu.new_full((docs - cu.numel(),), -1)])
+    return {k: torch.stack([m[k] for m in per]).to(device) for k in per[0]}
+
+
+def forward_chunk(stage, x, position_ids, cu_seqlens, labels, token_valid, chunk) -> torch.Tensor:
+    """``StageModule.forward`` for one chunk (micro-batch), with the stage's ``StageChunks``."""
+    state, (r, c) = stage.chunks, (int(v) for v in chunk[0])
+    model, foundation = stage._model[0], stage.foundation
+    plan, store = state.plans[r][c], state.stores[r]
+    deepstack = None
+    if stage.is_first:
+        if c == 0:  # a row's media are encoded afresh by its first chunk (torch runs a first step's first
+            for f in state.features[r].values():  # micro-batch once more, to infer the stage's shapes)
+                f.live = f.leaf = None
+        splits = model.media_splits
+        saved = dict(splits)
+        splits.update(state.features[r])
+        try:
+            inputs = model.foundation_inputs(chunk_batch(stage.rows[r], plan, state.media[r]))
+        finally:
+            splits.clear()
+            splits.update(saved)
+        h, deepstack = inputs["inputs_embeds"], inputs.get("deepstack")
+    else:
+        h = x[0]
+    cos, sin = foundation.rope(position_ids[0])
+    cu = cu_seqlens[0][cu_seqlens[0] >= 0]
+
+    def layers(h, cos, sin):  # re-run by the checkpoint's recompute: the store is set to this chunk again
+        store.begin(plan, grad=True, pipelined=True)
+        for i in stage.layer_ids:
+            attention = foundation.layers[i].self_attn
+            attention.attn_fn = store.attn_fn(i, attention.cfg.attn_backend)
+        return foundation.run_layers(h, cos, sin, cu, ((i, foundation.layers[i]) for i in stage.layer_ids),
+                                     deepstack=deepstack, token_valid=token_valid[0])
+
+    h = checkpoint(layers, h, cos, sin, use_reentrant=False)
+    if not stage.is_last:
+        return h[None].clone()
+    loss_sum, _ = model.ce_sum(foundation.norm(h), foundation.lm_head.weight, labels[0], model.loss_chunk)
+    return torch.stack([loss_sum])
