@@ -30,7 +30,6 @@ budget at 128 tokens; not meaningful figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -45,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: o
 from omniweave.parallel.spawn import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/
-from figure import pyplot, save  # noqa: E402
+from figure import pyplot, save, write_results  # noqa: E402
 from quick import HELP as QUICK_HELP, note  # noqa: E402
 
 GRID_HW = 16  # patches per frame side: 256 patches, 64 merged tokens per temporal patch
@@ -246,11 +245,7 @@ def main() -> None:
             fit_lines.append(f"| {cp} | {'yes' if vs else 'no'} | {n:,.0f} | {n / ref:.2f} |")
     table = "\n".join(lines + [""] + fit_lines)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(rows, args.out / "context_parallel.png")
-    (args.out / "context_parallel.json").write_text(json.dumps(rows, indent=1))
-    cmd = "python bench/context_parallel.py " + " ".join(sys.argv[1:])
-    (args.out / "context_parallel.md").write_text(f"`{cmd.strip()}` ({args.mode}, {args.device})\n\n{table}\n")
+    write_results(args.out, "context_parallel", table, rows, lambda path: plot(rows, path), f"{args.mode}, {args.device}")
 
 
 if __name__ == "__main__":

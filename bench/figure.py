@@ -3,6 +3,8 @@ figure (grid, tight layout, save, close) so that the plots look alike."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 
@@ -23,3 +25,13 @@ def save(fig, path: str | Path, grid=(), dpi: int = 120) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+
+
+def write_results(out: Path, name: str, table: str, data, plot, setting: str) -> None:
+    """What a benchmark leaves in ``out``: ``name``.png (``plot(path)`` draws it), ``name``.json
+    (``data``) and ``name``.md: the command as run, ``setting`` in brackets, the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    plot(out / f"{name}.png")
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    cmd = f"python bench/{name}.py " + " ".join(sys.argv[1:])
+    (out / f"{name}.md").write_text(f"`{cmd.strip()}` ({setting})\n\n{table}\n")

@@ -24,7 +24,6 @@ of all arms are equal (a fresh adapter computes the base model). Ratios are agai
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: omniweave
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/
 from context_parallel import MODEL as CP_MODEL, make_row  # noqa: E402
-from figure import pyplot, save  # noqa: E402
+from figure import pyplot, save, write_results  # noqa: E402
 from quick import HELP as QUICK_HELP, note  # noqa: E402
 
 MODEL = [*CP_MODEL, "model.foundation.hidden_size=512", "model.foundation.intermediate_size=2816",
@@ -164,11 +163,8 @@ def main() -> None:
     text = table(results)
     print(text)
     print(f"total {time.perf_counter() - t0:.0f} s", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, args.out / "lora.png")
-    (args.out / "lora.json").write_text(json.dumps(results, indent=1))
-    cmd = "python bench/lora.py " + " ".join(sys.argv[1:])
-    (args.out / "lora.md").write_text(f"`{cmd.strip()}` (CPU, fp32, {args.threads} thread(s))\n\n{text}\n")
+    write_results(args.out, "lora", text, results, lambda path: plot(results, path),
+                  f"CPU, fp32, {args.threads} thread(s)")
 
 
 if __name__ == "__main__":

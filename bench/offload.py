@@ -23,7 +23,6 @@ and takes ``--steps`` optimizer steps on packed text rows. Per rank it reports:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ from omniweave.parallel.spawn import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/
 from context_parallel import MODEL  # noqa: E402
-from figure import pyplot, save  # noqa: E402
+from figure import pyplot, save, write_results  # noqa: E402
 from pipeline import text_row  # noqa: E402
 from quick import HELP as QUICK_HELP, note  # noqa: E402
 
@@ -147,12 +146,7 @@ def main() -> None:
     text = table(rows)
     print(text)
     print(f"total {time.perf_counter() - t0:.0f} s", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(rows, args.out / "offload.png")
-    (args.out / "offload.json").write_text(json.dumps(rows, indent=1))
-    cmd = "python bench/offload.py " + " ".join(sys.argv[1:])
-    device = rows[0]["device"]
-    (args.out / "offload.md").write_text(f"`{cmd.strip()}` ({device}, fp32)\n\n{text}\n")
+    write_results(args.out, "offload", text, rows, lambda path: plot(rows, path), f"{rows[0]['device']}, fp32")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ Three measurements, each in fresh groups of gloo processes (one intra-op thread 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -47,7 +46,7 @@ from omniweave.parallel.spawn import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/
 from context_parallel import MODEL as CP_MODEL, make_row  # noqa: E402
-from figure import pyplot, save  # noqa: E402
+from figure import pyplot, save, write_results  # noqa: E402
 from quick import HELP as QUICK_HELP, note  # noqa: E402
 
 LAYERS = 8  # decoder layers: 4 / 2 per stage at pp 2 / 4, 2 per virtual stage at pp 2 x 2
@@ -313,12 +312,9 @@ def main() -> None:
     table = tables(bubble_rows, split_rows, split_info, mem_rows)
     print(table)
     print(f"total {time.perf_counter() - t0:.0f} s", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(bubble_rows, split_rows, mem_rows, args.out / "pipeline.png")
     result = {"bubble": bubble_rows, "split": {**split_info, "runs": split_rows}, "memory": mem_rows}
-    (args.out / "pipeline.json").write_text(json.dumps(result, indent=1))
-    cmd = "python bench/pipeline.py " + " ".join(sys.argv[1:])
-    (args.out / "pipeline.md").write_text(f"`{cmd.strip()}` (gloo, CPU, fp32)\n\n{table}\n")
+    write_results(args.out, "pipeline", table, result, lambda path: plot(bubble_rows, split_rows, mem_rows, path),
+                  "gloo, CPU, fp32")
 
 
 if __name__ == "__main__":

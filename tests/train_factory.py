@@ -114,3 +114,23 @@ def final_state(path: Path) -> dict[str, torch.Tensor]:
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def run_clipping_spy(train_fn, cfg) -> tuple[dict, list[list[torch.Tensor]]]:
+    """``train_fn(cfg)``'s result and the gradients the engine clipped at each optimizer step (full
+    tensors, in parameter order), recorded by a spy on ``train/optim.clip_grad_norm``."""
+    import omniweave.train.optim as optim
+
+    grads: list = []
+    original = optim.clip_grad_norm
+
+    def clip(params, max_norm, **kw):
+        grads.append([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                      for p in params])
+        return original(params, max_norm, **kw)
+
+    optim.clip_grad_norm = clip
+    try:
+        return train_fn(cfg), grads
+    finally:
+        optim.clip_grad_norm = original

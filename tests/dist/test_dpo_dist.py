@@ -19,25 +19,12 @@ GRAD_RTOL = 1e-5  # per parameter, max |Δgrad| / max |grad|
 
 def _run(overrides: list[str]) -> tuple[list[dict], list]:
     """Two DPO steps; (rank 0's metrics, the first step's gradients the engine clipped, full tensors)."""
-    import omniweave.train.optim as optim
     from omniweave.config import load_recipe
     from omniweave.train.trainer import train
-    from tests.train_factory import read_metrics
+    from tests.train_factory import read_metrics, run_clipping_spy
 
-    grads: list = []
-    original = optim.clip_grad_norm
-
-    def clip(params, max_norm, **kw):
-        grads.append([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-                      for p in params])
-        return original(params, max_norm, **kw)
-
-    optim.clip_grad_norm = clip
-    try:
-        cfg = load_recipe("demo_dpo", overrides)
-        result = train(cfg)
-    finally:
-        optim.clip_grad_norm = original
+    cfg = load_recipe("demo_dpo", overrides)
+    result, grads = run_clipping_spy(train, cfg)
     return read_metrics(cfg.output_dir) if result["rank"] == 0 else [], grads[0]
 
 

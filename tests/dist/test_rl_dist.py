@@ -19,25 +19,12 @@ GRAD_RTOL = 1e-5  # per parameter, max |Δgrad| / max |grad|
 
 def _run(overrides: list[str]) -> tuple[dict, list]:
     """One GRPO step; (rank 0's metrics, the gradients the engine clipped, as full tensors)."""
-    import omniweave.train.optim as optim
     from omniweave.config import load_recipe
     from omniweave.rl.trainer import train_rl
-    from tests.train_factory import read_metrics
+    from tests.train_factory import read_metrics, run_clipping_spy
 
-    grads: list = []
-    original = optim.clip_grad_norm
-
-    def clip(params, max_norm, **kw):
-        grads.append([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-                      for p in params])
-        return original(params, max_norm, **kw)
-
-    optim.clip_grad_norm = clip
-    try:
-        cfg = load_recipe("demo_grpo", overrides)
-        result = train_rl(cfg)
-    finally:
-        optim.clip_grad_norm = original
+    cfg = load_recipe("demo_grpo", overrides)
+    result, grads = run_clipping_spy(train_rl, cfg)
     return read_metrics(cfg.output_dir)[0] if result["rank"] == 0 else {}, grads[0]
 
 
