@@ -273,7 +273,7 @@ class Pipeline:
         if seq_chunks > 1:  # micro-batches are the rows' chunks, backwards in reverse
             self.schedule = pipeline_chunks.chunked_schedule(self.stages, n_microbatches * seq_chunks, self._loss)
             for m in self.modules:
-                m.chunks = pipeline_chunks.StageChunks(seq_chunks)
+                m.chunks = pipeline_chunks.StageChunks()
         else:
             self.schedule = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
         self.last_rank = dist.get_global_rank(group, (len(sizes) - 1) % pp)
@@ -304,17 +304,18 @@ class Pipeline:
         self.check_rows(rows)  # before any send: a shape change would abort inside the backend
         self.capacity = int(rows[0]["input_ids"].shape[0])
         self._normaliser = float(normaliser)
-        inputs = _stack_rows(rows, self.device)
-        if self.seq_chunks > 1:
-            from omniweave.parallel.pipeline_chunks import chunk_kwargs
+        plans = None
+        if self.seq_chunks > 1:  # the rows' chunk plans, once for the keyword tensors and every stage
+            from omniweave.parallel.pipeline_chunks import chunk_kwargs, plan_rows
 
-            window = self.local.foundation.config.sliding_window
-            inputs = _Inputs(torch.arange(len(rows) * self.seq_chunks), chunk_kwargs(rows, self.seq_chunks, window,
-                                                                                     self.device))
+            plans = plan_rows(rows, self.seq_chunks, self.local.foundation.config.sliding_window)
+            inputs = _Inputs(torch.arange(len(rows) * self.seq_chunks), chunk_kwargs(rows, plans, self.device))
+        else:
+            inputs = _stack_rows(rows, self.device)
         for m in self.modules:
             m.rows = rows
             if m.chunks is not None:
-                m.chunks.begin_step(m, rows)
+                m.chunks.begin_step(m, rows, plans)
         args = (inputs.row_index.to(self.device),) if any(m.is_first for m in self.modules) else ()
         has_last = any(m.is_last for m in self.modules)
         losses: list[torch.Tensor] = []

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from omniweave.parallel.seq_chunks import ChunkKV, chunk_batch, media_rows, plan_chunks, row_features
+from omniweave.parallel.seq_chunks import ChunkKV, ChunkPlan, chunk_batch, media_rows, plan_chunks, row_features
 
 
 def check_chunked_pipeline(seq_chunks: int, schedule: str, virtual: int) -> None:
@@ -53,14 +53,13 @@ def chunked_schedule(stages: list, n_microbatches: int, loss_fn):
 class StageChunks:
     """One stage's chunk state for a step: per row its chunk plans, K/V store and media features."""
 
-    def __init__(self, n_chunks: int):
-        self.n = n_chunks
+    def __init__(self):
         self.plans, self.stores, self.media, self.features = [], [], [], []
 
-    def begin_step(self, stage, rows: list[dict]) -> None:
+    def begin_step(self, stage, rows: list[dict], plans: list[list[ChunkPlan]]) -> None:
+        """``plans``: each row's chunks (:func:`plan_rows`)."""
         model = stage._model[0]
-        window = model.foundation.config.sliding_window
-        self.plans = [plan_chunks(r["cu_seqlens"], self.n, window) for r in rows]
+        self.plans = plans
         self.stores = [ChunkKV(r["input_ids"].shape[0]) for r in rows]
         if stage.is_first:
             self.media = [media_rows(model, r) for r in rows]
@@ -72,18 +71,23 @@ class StageChunks:
             stage.foundation.layers[i].self_attn.attn_fn = None
 
 
-def chunk_kwargs(rows: list[dict], n_chunks: int, window: int | None, device) -> dict[str, torch.Tensor]:
+def plan_rows(rows: list[dict], n_chunks: int, window: int | None) -> list[list[ChunkPlan]]:
+    """Each row's ``n_chunks`` chunks (seq_chunks.plan_chunks; ``window``: the foundation's sliding window)."""
+    return [plan_chunks(r["cu_seqlens"], n_chunks, window) for r in rows]
+
+
+def chunk_kwargs(rows: list[dict], plans: list[list[ChunkPlan]], device) -> dict[str, torch.Tensor]:
     """The step's per-micro-batch keyword tensors, stacked on dim 0 in micro-batch order (row-major):
     each chunk's positions, document boundaries (-1 past its own), labels, token_valid, and
-    ``chunk`` = (row, chunk index)."""
+    ``chunk`` = (row, chunk index); ``plans``: :func:`plan_rows`."""
     per = []
-    for r, row in enumerate(rows):
+    for r, (row, row_plans) in enumerate(zip(rows, plans)):
         length = row["input_ids"].shape[0]
         pos = row.get("position_ids")
         pos = torch.arange(length)[None] if pos is None else (pos[None] if pos.dim() == 1 else pos)
         valid = row.get("token_valid")
         valid = torch.ones(length, dtype=torch.bool) if valid is None else valid
-        for c, p in enumerate(plan_chunks(row["cu_seqlens"], n_chunks, window)):
+        for c, p in enumerate(row_plans):
             per.append({"position_ids": pos[..., p.start:p.end], "cu_seqlens": torch.tensor(p.cu_q, dtype=torch.int32),
                         "labels": row["labels"][p.start:p.end], "token_valid": valid[p.start:p.end],
                         "chunk": torch.tensor([r, c])})
