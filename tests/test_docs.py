@@ -214,7 +214,8 @@ def _linked_files() -> dict[str, tuple[int, int]]:
     return out
 
 
-def run_doc(doc: Path, ws: Path) -> None:
+def run_doc(doc: Path, ws: Path, only: int | None = None) -> None:
+    """Run ``doc``'s blocks in order (``only``: its file blocks and the run block at that line)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                            "MASTER_PORT", "PYTEST_XDIST_WORKER")}
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1",
@@ -223,20 +224,24 @@ def run_doc(doc: Path, ws: Path) -> None:
         if b.action == "file":
             (ws / b.arg).parent.mkdir(parents=True, exist_ok=True)
             (ws / b.arg).write_text(b.text)
-        elif b.action == "run":
+        elif b.action == "run" and only in (None, b.line):
             script = "set -euo pipefail\nset -x\n" + "\n".join(scale(ln) for ln in logical_lines(b.text)) + "\n"
             r = subprocess.run(["bash", "-c", script], cwd=ws, env=env, capture_output=True, text=True, timeout=900)
             assert r.returncode == 0, f"{b.where()} failed (exit {r.returncode}):\n{r.stderr[-6000:]}\n{r.stdout[-2000:]}"
 
 
-RUNNABLE = [d for d in DOCS if any(b.action == "run" for b in shell_blocks(d))]
+# docs whose blocks stand alone (one benchmark each): a test per block, so that the parallel test
+# workers share them instead of one worker running every benchmark in a row
+BY_BLOCK = ("benchmarks.md",)
+RUNNABLE = [(d, None) for d in DOCS if d.name not in BY_BLOCK and any(b.action == "run" for b in shell_blocks(d))]
+RUNNABLE += [(d, b.line) for d in DOCS if d.name in BY_BLOCK for b in shell_blocks(d) if b.action == "run"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("doc", RUNNABLE, ids=[d.name for d in RUNNABLE])
-def test_doc_commands_run_as_written(doc, demo_workspace, tmp_path):
+@pytest.mark.parametrize("doc, only", RUNNABLE, ids=[d.name if n is None else f"{d.name}:{n}" for d, n in RUNNABLE])
+def test_doc_commands_run_as_written(doc, only, demo_workspace, tmp_path):
     before = _linked_files()
-    run_doc(doc, _workspace(demo_workspace, tmp_path))
+    run_doc(doc, _workspace(demo_workspace, tmp_path), only)
     after = _linked_files()
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert not changed, f"{doc.name}'s commands wrote into the checkout (e.g. bench/out): {changed[:10]}"
