@@ -90,6 +90,32 @@ def test_sdpa_gradients_equal_math_gradients():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_sdpa_bottom_right_causal_gradients_equal_math_gradients(dtype, tol):
+    """A chunk of each document over its earlier chunks' keys (the chunked-row layout): the mask-free
+    two-block kernel's output and q/k/v gradients are the reference's; GQA and one-token docs too."""
+    cu_q, cu_k = torch.tensor([0, 5, 42, 43, 107], dtype=torch.int32), torch.tensor([0, 9, 109, 110, 174], dtype=torch.int32)
+    q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(107, 174, h=6, hkv=2, d=16))
+    g = torch.randn(107, 6, 16, generator=torch.Generator().manual_seed(1))
+    results = []
+    for fn in (math_attn, sdpa_attn):
+        out, _ = fn(q, k, v, cu_q, cu_k, True)
+        results.append([out.float(), *torch.autograd.grad((out.float() * g).sum(), (q, k, v))])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def test_sdpa_bottom_right_causal_keeps_no_query_by_key_tensor():
+    """What autograd keeps for a 512-query chunk over 4096 keys is O((lq + lk)·H·D), not a
+    ``[lq, lk]`` mask: chunked rows' peak memory must not grow with the document."""
+    q, k, v = (t.requires_grad_() for t in _qkv(512, 4096, h=2, hkv=2, d=8))
+    cu_q, cu_k = torch.tensor([0, 512], dtype=torch.int32), torch.tensor([0, 4096], dtype=torch.int32)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+        sdpa_attn(q, k, v, cu_q, cu_k, True, need_lse=False)
+    assert kept and max(kept) <= 4096 * 2 * 8
+
+
 def test_math_kernel_memory_is_per_document_not_dense():
     """A 4096-token row of 64-token documents: the kernel never builds a 4096² score matrix."""
     cu = torch.arange(0, 4097, 64, dtype=torch.int32)

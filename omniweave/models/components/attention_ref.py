@@ -116,6 +116,39 @@ def per_document(t: torch.Tensor, bounds: list[tuple[int, int]]) -> list[torch.T
     return list(torch.split(t, sizes + [rest] if rest else sizes))[: len(sizes)]
 
 
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _TrailingCausal(torch.autograd.Function):
+    """Causal attention of ``q [1, H, lq, D]`` over ``k, v [1, H, lk, D]`` with ``lq < lk``, aligned
+    bottom-right (query ``i`` sees keys ``<= lk - lq + i``: a document's later chunk over its earlier
+    ones), on CPU FlashAttention. SDPA itself needs an explicit mask for this alignment and saves it
+    as ``[lq, lk]`` floats, memory that grows with the document; here two mask-free blocks (every
+    query over the ``lk - lq`` earlier keys, causal over the last ``lq``) are merged by their
+    log-sum-exps, and the backward runs each block's kernel from the merged out / lse, as ring
+    attention does, so only q, k, v, out and lse are kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        cut = k.shape[2] - q.shape[2]
+        o1, l1 = _CPU_FLASH(q, k[:, :, :cut], v[:, :, :cut], 0.0, False, scale=scale)
+        o2, l2 = _CPU_FLASH(q, k[:, :, cut:], v[:, :, cut:], 0.0, True, scale=scale)
+        lse = torch.logaddexp(l1.float(), l2.float())
+        out = (o1.float() * (l1 - lse).exp()[..., None] + o2.float() * (l2 - lse).exp()[..., None]).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.cut = scale, cut
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cut, dout = ctx.cut, dout.contiguous()
+        dq1, dk1, dv1 = _CPU_FLASH_BACKWARD(dout, q, k[:, :, :cut], v[:, :, :cut], out, lse, 0.0, False, scale=ctx.scale)
+        dq2, dk2, dv2 = _CPU_FLASH_BACKWARD(dout, q, k[:, :, cut:], v[:, :, cut:], out, lse, 0.0, True, scale=ctx.scale)
+        return dq1 + dq2, torch.cat([dk1, dk2], 2), torch.cat([dv1, dv2], 2), None
+
+
 def sdpa_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=None, need_lse=True, **_):
     """``F.scaled_dot_product_attention`` per document; lse from :func:`chunked_lse` if asked."""
     h, hkv = q.shape[1], k.shape[1]
@@ -131,6 +164,8 @@ def sdpa_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window=None, scale=No
             kd, vd = kd.repeat_interleave(h // hkv, dim=1), vd.repeat_interleave(h // hkv, dim=1)
         if window is None and (not causal or lq == lk):
             o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale)
+        elif window is None and 0 < lq < lk and q.device.type == "cpu":
+            o = _TrailingCausal.apply(qd, kd, vd, scale)
         else:
             mask = visible_mask(lq, lk, causal, window, q.device)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
