@@ -143,9 +143,8 @@ def test_recipe_pp_layout():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["train.save_hf=true"], "train.save_hf"),
-    (["train.offload=optimizer"], "train.offload=optimizer"),
-    (["foundation@model.foundation=qwen3_moe_tiny", "train.ac=full"], "a MoE foundation (model.foundation.num_experts), train.ac=full"),
+    (["+model.foundation.lora={r: 4, alpha: 8, targets: all-linear}"], "LoRA adapters (model.<component>.lora)"),
+    (["foundation@model.foundation=qwen3_moe_tiny", "train.ac=full"], "a MoE foundation (model.foundation.num_experts)"),
 ])
 def test_train_refuses_what_pipelines_cannot_do_yet(capsys, overrides, named):
     """`omniweave train --nproc 2 parallel.pp=2` with a setting pipelines do not support yet: one

@@ -98,7 +98,7 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
 
 
 def apply_fsdp_to_stage_parts(part: nn.Module, stages: list[nn.Module], mesh, precision: str = "fp32",
-                              encoder_mesh=None) -> nn.Module:
+                              encoder_mesh=None, offload: str = "none", pin_memory: bool = False) -> nn.Module:
     """FSDP2 for a pipeline rank's part of the model (``parallel/pipeline.slice_model``; parts it
     does not hold are None) over ``mesh``, the data-parallel ranks holding the same stages: every
     decoder layer, encoder block, encoder and projector is its own FSDP unit; the embedding is the
@@ -106,10 +106,11 @@ def apply_fsdp_to_stage_parts(part: nn.Module, stages: list[nn.Module], mesh, pr
     ``pipeline.StageModule``s; a tp embedding's output is a view, which FSDP2 warns about at the
     output of a unit). The part itself is no unit: the stages call its pieces, never its
     forward, so its own parameters would never be gathered. ``encoder_mesh``: the encoders' and
-    projectors' own mesh, as in ``apply_fsdp``. Gradients are summed, as ``apply_fsdp``'s."""
+    projectors' own mesh, and ``offload`` (``train.offload``), as in ``apply_fsdp``. Gradients
+    are summed, as ``apply_fsdp``'s."""
     from torch.distributed.fsdp import fully_shard
 
-    extra = _policies(precision, "none", False)
+    extra = _policies(precision, offload, pin_memory)
     foundation = part.foundation
     units = [(b, mesh) for b in foundation.layers if b is not None]
     for encoder, projector in _encoders(part):

@@ -373,12 +373,9 @@ def unsupported_with_pp(cfg) -> str | None:
     from omniweave.config import to_dict
     from omniweave.models.components.decoder import moe_layer_indices
 
-    tc, ev = cfg.train, cfg.get("eval") or {}
-    found = {"train.phase=grpo": tc.get("phase") == "grpo", "train.save_hf": bool(tc.get("save_hf")),
-             "train.eval_interval with eval.path": bool(tc.get("eval_interval")) and bool(ev.get("path")),
+    tc = cfg.train
+    found = {"train.phase=grpo": tc.get("phase") == "grpo",
              "a MoE foundation (model.foundation.num_experts)": bool(moe_layer_indices(to_dict(cfg.model.foundation))),
-             f"train.ac={tc.get('ac')}": str(tc.get("ac", "none") or "none") != "none",
-             f"train.offload={tc.get('offload')}": str(tc.get("offload", "none") or "none") != "none",
              "LoRA adapters (model.<component>.lora)": any(isinstance(c, dict) and c.get("lora")
                                                             for c in to_dict(cfg.model).values())}
     named = [k for k, v in found.items() if v]

@@ -123,9 +123,10 @@ def offload_mode(cfg) -> str:
 
 def uses_fsdp(cfg, world_size: int, pp: int = 1) -> bool:
     """FSDP2 wraps the model when there are more ranks than pipeline stages (a pipeline's ranks hold
-    different stages, not shards: parallel/pipeline.py), and on one rank when it offloads (its
-    offload policy is what moves the master weights and optimizer state to host memory)."""
-    return world_size > pp or (pp == 1 and offload_mode(cfg) != "none")
+    different stages, not shards: parallel/pipeline.py), and whenever it offloads, on one rank or
+    one rank per stage too (its offload policy is what moves the master weights and optimizer
+    state to host memory)."""
+    return world_size > pp or offload_mode(cfg) != "none"
 
 
 def seed_sharded_init(seed: int, device: torch.device) -> None:
@@ -190,21 +191,36 @@ def all_finite(model: nn.Module) -> bool:
     return bool(ok.item())
 
 
-def full_model_on_rank0(model: nn.Module, cfg) -> nn.Module | None:
-    """Collective: an unsharded CPU copy of the model on rank 0 (None elsewhere), for eval/export."""
+def full_model_on_rank0(model: nn.Module, cfg, pp_group=None) -> nn.Module | None:
+    """Collective: an unsharded CPU copy of the model on rank 0 (None elsewhere), for eval/export.
+    ``pp_group`` (a pipelined run: ``model`` is this rank's stages' part, parallel/pipeline.py):
+    the parts of rank 0's pipeline, each gathered whole over its own shards, then sent to rank 0."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from omniweave.config import to_dict
     from omniweave.models.hf.loading import assign_state_dict
     from omniweave.models.registry import build_model
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # cpu_offload keeps the gathered tensors on global rank 0 only, which holds one stage of a pipeline
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=pp_group is None))
+    if pp_group is not None:
+        sd = _gather_stage_parts({k: v.cpu() for k, v in sd.items()}, pp_group)
     if dist.get_rank() != 0:
         return None
     with torch.device("meta"):
         plain = build_model(to_dict(cfg.model))
     assign_state_dict(plain, sd, "training state")
     return plain.eval()
+
+
+def _gather_stage_parts(part: dict, pp_group) -> dict:
+    """Rank 0: the union of the state dicts of its pipeline's ranks (each one stage part, under the
+    model's names); the other pipelines (dp, cp, tp copies of the same stages) send nothing."""
+    first = [dist.get_process_group_ranks(pp_group) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(first, src=0)
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(part if dist.get_rank() in first[0] else {}, parts, dst=0)
+    return {k: v for p in parts or [] for k, v in p.items()}
 
 
 class Engine:
@@ -278,7 +294,7 @@ class Engine:
 
             apply_fsdp_to_stage_parts(self.pipeline.local, self.pipeline.modules, self.meshes.fsdp, self.precision,
                                       encoder_mesh=self.meshes.encoder_fsdp if self.dims.tp_encoder < self.dims.tp
-                                      else None)
+                                      else None, offload=offload_mode(cfg), pin_memory=self.device.type != "cpu")
         return self.pipeline.local
 
     # ------------------------------------------------------------------ resume and logs
@@ -460,7 +476,9 @@ class Engine:
         """Greedy-generation accuracy on ``cfg.eval`` (rank 0, on an unsharded copy under FSDP)."""
         from omniweave.train.evaluate import eval_fn
 
-        target = full_model_on_rank0(self.model, self.cfg) if self.fsdp else self.model
+        pp_group = self.pipeline.group if self.pipeline is not None else None
+        whole = self.fsdp or pp_group is not None
+        target = full_model_on_rank0(self.model, self.cfg, pp_group) if whole else self.model
         if target is not None:
             was_training = target.training
             target.eval()
@@ -484,7 +502,7 @@ class Engine:
 
         from omniweave.models.lora import merge_adapters
 
-        plain = full_model_on_rank0(self.model, self.cfg)
+        plain = full_model_on_rank0(self.model, self.cfg, self.pipeline.group if self.pipeline is not None else None)
         if plain is not None:
             merge_adapters(plain)  # LoRA: the merged model (hf export --adapter writes a PEFT adapter)
             export_hf(plain, to_dict(self.cfg.model), out, data_cfg=to_dict(self.cfg.data))

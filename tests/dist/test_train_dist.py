@@ -129,8 +129,9 @@ def test_parallel_layouts_train_like_single_process(demo_packed, tmp_path_factor
     (4, {"parallel__pp": 2, "parallel__cp": 2, "weight_atol": PP_CP_WEIGHT_ATOL}),
     (2, {"parallel__pp": 2, "parallel__pp_schedule": "gpipe", "parallel__seq_chunks": 4}),
     (4, {"parallel__pp": 2, "parallel__pp_schedule": "gpipe", "parallel__seq_chunks": 4}),
+    (2, {"parallel__pp": 2, "train__ac": "full"}),
 ], ids=["pp2-1f1b", "pp2xv2-interleaved", "pp2xdp2", "pp2xv2xdp2-interleaved", "pp2xtp2", "pp2xcp2-ring",
-        "pp2-seq_chunks4", "pp2xdp2-seq_chunks4"])
+        "pp2-seq_chunks4", "pp2xdp2-seq_chunks4", "pp2-ac_full"])
 def test_pipeline_trains_like_single_process(demo_packed, tmp_path_factory, nproc, parallel):
     """`omniweave train --nproc N parallel.pp=2` (the demo foundation at 4 layers; 4 rows per step
     = 4 micro-batches per pipeline, 2 each under dp 2, padded to data.max_len; under dp 2 each
@@ -152,6 +153,31 @@ def test_pipeline_trains_like_single_process(demo_packed, tmp_path_factory, npro
     dw = max_abs_diff(final_state(run), final_state(ref))
     assert dw <= weight_atol
     print(f"pp {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
+
+
+def test_pipeline_exports_and_evaluates_the_whole_model(demo_packed, tmp_path_factory):
+    """pp 2 x dp 2 with ``train.save_hf`` and ``train.eval_interval``: rank 0 gathers its pipeline's
+    stage parts (each whole over its FSDP shards) into one model, so the HF export holds every tensor
+    of the run's final checkpoint, equal, and the eval at the last step scores that model as an
+    eval of the checkpoint in one plain process does."""
+    from omegaconf import OmegaConf
+
+    from omniweave.models.hf.loading import load_hf_into
+    from omniweave.train.checkpoint import load_model
+    from omniweave.train.evaluate import eval_fn
+
+    eval_path = demo_packed.parent / "demo" / "eval.jsonl"
+    run = _run(demo_packed, tmp_path_factory, 4, model__foundation__num_layers=4, parallel__pp=2,
+               train__save_hf=True, train__eval_interval=3, eval__path=eval_path)
+    final = final_state(run)
+    exported, model_cfg = load_model(run)
+    load_hf_into(exported, str(run / "hf"))
+    assert max_abs_diff({k: v for k, v in exported.state_dict().items()}, final) == 0.0
+    records = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, STEPS] and records[-1]["eval_n"] == 8
+    cfg = OmegaConf.load(run / "config.yaml")
+    plain, _ = load_model(run)
+    assert eval_fn(plain.eval(), cfg, STEPS) == {k: v for k, v in records[-1].items() if k != "step"}
 
 
 @pytest.mark.parametrize("nproc,parallel", [(2, {}), (2, {"parallel__cp": 2})], ids=["dp2", "cp2-audio-split"])
@@ -237,19 +263,20 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(demo_packed, tmp_path_factory,
     assert max_abs_diff(final_state(run), final_state(ref)) <= WEIGHT_ATOL
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["1rank", "dp2"])
-def test_optimizer_offload_trains_and_resumes_like_without(demo_packed, tmp_path_factory, tmp_path, nproc):
-    """``train.offload: optimizer`` (FSDP2's CPU offload policy, on one rank too): the 1-rank losses
-    and final weights; its step-4 checkpoint resumed (offloaded again) finishes the same way."""
+@pytest.mark.parametrize("nproc, parallel", [(1, {}), (2, {}), (2, {"parallel__pp": 2})], ids=["1rank", "dp2", "pp2"])
+def test_optimizer_offload_trains_and_resumes_like_without(demo_packed, tmp_path_factory, tmp_path, nproc, parallel):
+    """``train.offload: optimizer`` (FSDP2's CPU offload policy, on one rank and on each stage's one
+    rank too): the 1-rank losses and final weights; its step-4 checkpoint resumed (offloaded again)
+    finishes the same way."""
     ref = _run(demo_packed, tmp_path_factory, 1)
-    run = _run(demo_packed, tmp_path_factory, nproc, train__offload="optimizer")
+    run = _run(demo_packed, tmp_path_factory, nproc, train__offload="optimizer", **parallel)
     assert "weights + optimizer state offloaded to host memory" in (run / "stdout.txt").read_text()
     rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
     dw = max_abs_diff(final_state(run), final_state(ref))
     assert dw <= WEIGHT_ATOL
     resumed = _run_dir_at(run, 4, tmp_path / "run")
     res = train_subprocess(demo_packed, resumed, nproc=nproc, resume="auto", steps=STEPS, train__save_interval=SAVE,
-                           train__keep_last=0, train__offload="optimizer")
+                           train__keep_last=0, train__offload="optimizer", **parallel)
     assert res.returncode == 0, res.stdout[-4000:]
     _assert_same_losses(losses(resumed), losses(ref), LOSS_RTOL)
     assert max_abs_diff(final_state(resumed), final_state(ref)) <= WEIGHT_ATOL
