@@ -143,7 +143,6 @@ def test_recipe_pp_layout():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["+model.foundation.lora={r: 4, alpha: 8, targets: all-linear}"], "LoRA adapters (model.<component>.lora)"),
     (["foundation@model.foundation=qwen3_moe_tiny", "train.ac=full"], "a MoE foundation (model.foundation.num_experts)"),
 ])
 def test_train_refuses_what_pipelines_cannot_do_yet(capsys, overrides, named):

@@ -375,9 +375,7 @@ def unsupported_with_pp(cfg) -> str | None:
 
     tc = cfg.train
     found = {"train.phase=grpo": tc.get("phase") == "grpo",
-             "a MoE foundation (model.foundation.num_experts)": bool(moe_layer_indices(to_dict(cfg.model.foundation))),
-             "LoRA adapters (model.<component>.lora)": any(isinstance(c, dict) and c.get("lora")
-                                                            for c in to_dict(cfg.model).values())}
+             "a MoE foundation (model.foundation.num_experts)": bool(moe_layer_indices(to_dict(cfg.model.foundation)))}
     named = [k for k, v in found.items() if v]
     pp = int(cfg.parallel.get("pp", 1) or 1)
     return f"parallel.pp={pp} does not support {', '.join(named)} yet" if named else None

@@ -155,6 +155,29 @@ def test_pipeline_trains_like_single_process(demo_packed, tmp_path_factory, npro
     print(f"pp {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
 
 
+LORA = "{r: 4, alpha: 8, targets: all-linear}"
+
+
+@pytest.mark.parametrize("nproc, parallel", [(2, {"parallel__pp": 2}), (4, {"parallel__pp": 2, "model__foundation__tp": 2})],
+                         ids=["pp2", "pp2xtp2"])
+def test_pipeline_trains_lora_adapters_like_single_process(demo_packed, tmp_path_factory, nproc, parallel):
+    """LoRA on every Linear of the foundation and the vision tower, the projector in full, the
+    rest frozen: pp 2 (and pp 2 x foundation tp 2, the adapters placed after their TP weights) gives
+    the 1-rank losses, grad norms and final weights; the frozen base weights stay as initialised."""
+    lora = {"+model__foundation__lora": LORA, "+model__image_encoder__lora": LORA, "model__foundation__num_layers": 4}
+    ref = _run(demo_packed, tmp_path_factory, 1, **lora)
+    run = _run(demo_packed, tmp_path_factory, nproc, **lora, **parallel)
+    rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
+    gnorm_rel = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(read_metrics(run), read_metrics(ref)))
+    assert gnorm_rel <= LOSS_RTOL
+    final, first = final_state(run), final_state(run / "checkpoints" / f"step_{SAVE:06d}")
+    dw = max_abs_diff(final, final_state(ref))
+    assert dw <= LAYOUT_WEIGHT_ATOL
+    base = [k for k in final if "lora_" not in k and ("foundation.layers" in k or "image_encoder" in k)]
+    assert base and all(torch.equal(final[k], first[k]) for k in base)
+    print(f"lora {parallel}: loss max rel Δ {rel:.2e}, grad-norm {gnorm_rel:.2e}, weights max |Δ| {dw:.2e}")
+
+
 def test_pipeline_exports_and_evaluates_the_whole_model(demo_packed, tmp_path_factory):
     """pp 2 x dp 2 with ``train.save_hf`` and ``train.eval_interval``: rank 0 gathers its pipeline's
     stage parts (each whole over its FSDP shards) into one model, so the HF export holds every tensor
