@@ -166,26 +166,39 @@ def router_layers(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if isinstance(getattr(m, "stats", None), RouterStats)]
 
 
-def start_router_step(model: torch.nn.Module, micro_steps: int, tokens: float, documents: float) -> None:
-    """Before a step's forwards: the counts the loss scales divide by (over all ranks)."""
+def start_router_step(model: torch.nn.Module, micro_steps: int, tokens: float, documents: float,
+                      total_layers: int | None = None) -> None:
+    """Before a step's forwards: the counts the loss scales divide by (over all ranks).
+    ``total_layers``: the whole model's MoE layers, where this rank holds some (pipeline stages)."""
     layers = router_layers(model)
-    step = RouterStep(len(layers), micro_steps, max(tokens, 1.0), max(documents, 1.0))
+    step = RouterStep(total_layers or len(layers), micro_steps, max(tokens, 1.0), max(documents, 1.0))
     for m in layers:
         m.step, m.stats = step, RouterStats()
 
 
+Combine = Callable[[dict | None], list]  # this rank's layer totals -> every stage's (pipeline parallelism)
+
+
 @torch.no_grad()
 def finish_router_step(model: torch.nn.Module, reduce: Reduce | None = None, replicas: int = 1,
-                       update_bias: bool = True) -> dict[str, float]:
+                       update_bias: bool = True, combine: Combine | None = None) -> dict[str, float]:
     """After the optimizer step: the step's statistics summed over all ranks (``reduce``; each
     value counted ``replicas`` times, e.g. by tensor-parallel ranks holding the same tokens), the
     aux-loss-free bias update (when ``update_bias``: the step was applied) and the metrics:
     ``moe_aux_loss`` / ``moe_z_loss`` (per layer, as the losses define them, before the
     coefficient), ``moe_load_max_mean`` (the most loaded expert over the mean, worst layer) and
-    ``moe_a2a_bytes`` (expert parallelism: bytes all ranks sent to each other in the forwards)."""
+    ``moe_a2a_bytes`` (expert parallelism: bytes all ranks sent to each other in the forwards).
+    Under pipeline parallelism ``reduce`` sums over the ranks holding the same stages and
+    ``combine`` gathers every stage's layer totals (a rank may hold no MoE layer), so that every
+    rank reports the whole model's metrics."""
     layers = router_layers(model)
-    if not layers:
-        return {}
+    mine = _layer_totals(layers, reduce, replicas, update_bias) if layers else None
+    parts = [p for p in (combine(mine) if combine is not None else [mine]) if p is not None]
+    return _router_metrics(parts) if parts else {}
+
+
+def _layer_totals(layers: list, reduce: Reduce | None, replicas: int, update_bias: bool) -> dict:
+    """This rank's MoE layers' step totals over ``reduce`` (and the bias update), as plain numbers."""
     device = layers[0].gate.weight.device
     E = [m.cfg.num_experts for m in layers]
 
@@ -199,7 +212,7 @@ def finish_router_step(model: torch.nn.Module, reduce: Reduce | None = None, rep
         flat = reduce(flat)
     flat = (flat / replicas).cpu()
     totals, flat = flat[: 3 * len(layers)].view(-1, 3), flat[3 * len(layers) :]
-    step, out, load = layers[0].step, {}, []
+    step, cfg, load = layers[0].step, layers[0].cfg, []
     for m, e in zip(layers, E):
         c, flat = flat[:e], flat[e:]
         load.append(float(c.max() / c.mean().clamp_min(1e-12)) if c.sum() > 0 else 0.0)
@@ -207,16 +220,25 @@ def finish_router_step(model: torch.nn.Module, reduce: Reduce | None = None, rep
             bias = m.gate.e_score_correction_bias
             bias += (m.cfg.bias_update_speed * torch.sign(c.mean() - c)).to(bias)
         m.stats = RouterStats()
-    n = len(layers)
-    cfg = layers[0].cfg
-    if cfg.aux_loss_coef:
-        per = step.micro_steps if cfg.aux_loss_level == "global" else step.documents
-        out["moe_aux_loss"] = float(totals[:, 0].sum()) / (n * per)
-    if cfg.z_loss_coef:
-        out["moe_z_loss"] = float(totals[:, 1].sum()) / (n * step.tokens)
-    out["moe_load_max_mean"] = max(load)
-    if float(totals[:, 2].sum()):
-        out["moe_a2a_bytes"] = float(totals[:, 2].sum())
+    return {"aux": float(totals[:, 0].sum()), "z": float(totals[:, 1].sum()), "a2a": float(totals[:, 2].sum()),
+            "load": load, "layers": step.layers,
+            "aux_per": (step.micro_steps if cfg.aux_loss_level == "global" else step.documents)
+            if cfg.aux_loss_coef else None,
+            "tokens": step.tokens if cfg.z_loss_coef else None}
+
+
+def _router_metrics(parts: list[dict]) -> dict[str, float]:
+    """The step's metrics from the layer totals of every part of the model (one part, or a stage's each)."""
+    first, out = parts[0], {}
+    n = first["layers"]  # the whole model's MoE layers
+    if first["aux_per"] is not None:
+        out["moe_aux_loss"] = sum(p["aux"] for p in parts) / (n * first["aux_per"])
+    if first["tokens"] is not None:
+        out["moe_z_loss"] = sum(p["z"] for p in parts) / (n * first["tokens"])
+    out["moe_load_max_mean"] = max(x for p in parts for x in p["load"])
+    a2a = sum(p["a2a"] for p in parts)
+    if a2a:
+        out["moe_a2a_bytes"] = a2a
     return out
 
 
