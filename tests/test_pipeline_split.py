@@ -143,7 +143,7 @@ def test_recipe_pp_layout():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["foundation@model.foundation=qwen3_moe_tiny", "train.ac=full"], "a MoE foundation (model.foundation.num_experts)"),
+    (["foundation@model.foundation=qwen3_moe_tiny", "parallel.ep=2"], "parallel.ep=2 (expert parallelism)"),
 ])
 def test_train_refuses_what_pipelines_cannot_do_yet(capsys, overrides, named):
     """`omniweave train --nproc 2 parallel.pp=2` with a setting pipelines do not support yet: one

@@ -167,8 +167,23 @@ class StageModule(nn.Module):
         self.layer_ids, self.is_first, self.is_last, self.row_fn = layers, first, last, row_fn
         self.rows: list[dict] = []  # the step's rows (stage 0 reads their media)
         self.chunks = None  # parallel.seq_chunks: the step's per-row chunk state (pipeline_chunks.StageChunks)
+        self.metadata_pass = True  # the next forward is torch's shape inference (see forward)
 
-    def forward(self, x, position_ids, cu_seqlens, labels, token_valid, chunk=None):
+    def forward(self, *args, **kwargs):
+        """A micro-batch through the stage. The first call is torch.distributed.pipelining's
+        metadata inference at the start of the first step (micro-batch 0 on stage 0, empty tensors
+        on the others, before any real forward of this stage): what it counted in the MoE layers'
+        router statistics is dropped, so the step's metrics and bias update see the real forwards only."""
+        out = self._forward(*args, **kwargs)
+        if self.metadata_pass:
+            from omniweave.models.components.router_loss import RouterStats, router_layers
+
+            self.metadata_pass = False
+            for m in router_layers(self):
+                m.stats = RouterStats()
+        return out
+
+    def _forward(self, x, position_ids, cu_seqlens, labels, token_valid, chunk=None):
         if chunk is not None:  # parallel.seq_chunks: x is a chunk of a row (parallel/pipeline_chunks.py)
             from omniweave.parallel.pipeline_chunks import forward_chunk
 
@@ -370,12 +385,9 @@ def check_model(model: nn.Module, sizes: list[int]) -> None:
 def unsupported_with_pp(cfg) -> str | None:
     """Why a pipelined run (``parallel.pp`` > 1) of this recipe cannot run yet: the settings it
     cannot honour, by their keys, in one line; None when it can."""
-    from omniweave.config import to_dict
-    from omniweave.models.components.decoder import moe_layer_indices
-
-    tc = cfg.train
+    tc, ep = cfg.train, int(cfg.parallel.get("ep", 1) or 1)
     found = {"train.phase=grpo": tc.get("phase") == "grpo",
-             "a MoE foundation (model.foundation.num_experts)": bool(moe_layer_indices(to_dict(cfg.model.foundation)))}
+             f"parallel.ep={ep} (expert parallelism)": ep > 1}
     named = [k for k, v in found.items() if v]
     pp = int(cfg.parallel.get("pp", 1) or 1)
     return f"parallel.pp={pp} does not support {', '.join(named)} yet" if named else None

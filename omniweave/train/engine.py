@@ -256,6 +256,9 @@ class Engine:
         self.model = build(cfg, self.device, self.dims, self.meshes)
         self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # global shapes
         self.pipeline = None
+        from omniweave.models.components.router_loss import router_layers
+
+        self.moe_layers = len(router_layers(self.model))  # the whole model's (a pipeline rank holds some)
         if self.dims.pp > 1:  # this rank's stages; self.model becomes its part of the model
             self.flop_counts = model_flop_counts(self.model)  # the whole model's, before it is cut
             self.model = self._pipeline(cfg)
@@ -393,6 +396,7 @@ class Engine:
         """``optimizer_step`` through the pipeline schedule: the rows, CP-sharded at the run's
         static length (parallel/pipeline_rows.py), are its micro-batches; each one's loss sum is
         divided by ``normaliser`` inside it."""
+        self.start_router_step(micro_batches)
         rows = [to_device(mb, self.device) for mb in self.pipeline.prepare_rows(micro_batches)]
         t0 = time.perf_counter()
         with autocast(self.device, self.precision, self.fsdp):
@@ -408,7 +412,6 @@ class Engine:
         """The step after the backward: global loss and stats (``reduce``: summed over the ranks,
         a tp group's replicated values once), clipping, the update or a skip, router statistics."""
         from omniweave.models.components.router_loss import finish_router_step
-        from omniweave.parallel.expert import sum_over
         from omniweave.train.optim import clip_grad_norm
 
         totals = torch.stack([loss_sum, *(torch.as_tensor(v, dtype=torch.float64, device=self.device)
@@ -426,7 +429,7 @@ class Engine:
         else:
             self.skipped, self.bad_in_row = self.skipped + 1, self.bad_in_row + 1
         self.optimizer.zero_grad(set_to_none=True)
-        router = finish_router_step(self.model, sum_over(), self.dims.tp, update_bias=finite)
+        router = finish_router_step(self.model, update_bias=finite, **self._router_reduce()) if self.moe_layers else {}
         if count_step:
             self.advance()
         if self.info.module is not None and hasattr(self.info.module, "synchronize"):
@@ -437,14 +440,37 @@ class Engine:
     def start_router_step(self, micro_batches: list[dict]) -> None:
         """MoE models: the step's token and document counts over all ranks, which the router
         losses divide by (components/router_loss.py)."""
-        from omniweave.models.components.router_loss import router_layers, start_router_step
+        from omniweave.models.components.router_loss import start_router_step
 
-        if not router_layers(self.model):
+        if not self.moe_layers:
             return
         tokens, docs = self.global_sum([sum(mb["input_ids"].numel() for mb in micro_batches),
                                         sum(mb["cu_seqlens"].numel() - 1 if "cu_seqlens" in mb else 1
                                             for mb in micro_batches)])
-        start_router_step(self.model, len(micro_batches), tokens, docs)
+        start_router_step(self.model, len(micro_batches), tokens, docs, total_layers=self.moe_layers)
+
+    def _router_reduce(self) -> dict:
+        """``finish_router_step``'s reductions: over every rank (a tp group's copies counted tp
+        times); under ``parallel.pp`` over the ranks holding this rank's stages, then every stage's
+        layer totals gathered over the pipeline."""
+        from omniweave.parallel.expert import sum_over
+
+        if self.pipeline is None:
+            return {"reduce": sum_over(), "replicas": self.dims.tp}
+        stage_groups = [self.meshes.fsdp.get_group(), self.meshes.tp.get_group()]
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            t = t.clone()
+            for group in stage_groups:
+                dist.all_reduce(t, group=group)
+            return t
+
+        def combine(part: dict | None) -> list:
+            parts = [None] * dist.get_world_size(self.pipeline.group)
+            dist.all_gather_object(parts, part, group=self.pipeline.group)
+            return parts
+
+        return {"reduce": reduce, "replicas": self.dims.tp, "combine": combine}
 
     def advance(self) -> None:
         """The training step is done: schedule and step counter move on."""
