@@ -98,8 +98,20 @@ def apply_ep(model: nn.Module, ep_mesh) -> int:
             p = getattr(moe.experts, name)
             dt = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
             setattr(moe.experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
-        moe.experts.dispatch = lambda _, xs, counts, m=moe, g=group: ep_dispatch(m, xs, counts, g)
+        moe.experts.dispatch = _EPDispatch(moe, group)
     return len(layers)
+
+
+class _EPDispatch:
+    """``Experts.dispatch`` of one MoE layer: ``ep_dispatch`` over ``group``. An object rather than a
+    closure, so that a copy of the model (a pipeline stage's part, parallel/pipeline.slice_model)
+    dispatches through its own layer and experts, not the original's."""
+
+    def __init__(self, moe: MoE, group):
+        self.moe, self.group = moe, group
+
+    def __call__(self, _experts, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return ep_dispatch(self.moe, xs, counts, self.group)
 
 
 def sum_over(group=None):
