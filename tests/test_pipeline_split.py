@@ -109,8 +109,8 @@ def _compositions(total: int, parts: int):
 
 
 @pytest.mark.parametrize("overrides, world, keys", [
-    (["parallel.pp=2", "parallel.ep=2", "foundation@model.foundation=qwen3_moe_tiny"], 4,
-     ["parallel.pp=2 with parallel.ep=2", "MoE"]),
+    (["parallel.pp=2", "parallel.ep=3", "foundation@model.foundation=qwen3_moe_tiny"], 4,
+     ["parallel.ep=3 must divide parallel.dp x parallel.cp = 2 x 1"]),
     (["parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_virtual=2"], 4,
      ["parallel.pp_schedule=zero_bubble", "1 x 2 x 1", "interleaved_1f1b"]),
     (["parallel.pp=2", "parallel.pp_schedule=dualpipe"], 2, ["parallel.pp_schedule='dualpipe'"]),
@@ -142,16 +142,17 @@ def test_recipe_pp_layout():
     assert (dims.pp, dims.dp, dims.cp, dims.tp) == (2, 2, 2, 2)
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["foundation@model.foundation=qwen3_moe_tiny", "parallel.ep=2"], "parallel.ep=2 (expert parallelism)"),
+@pytest.mark.parametrize("command, expected", [
+    (["rl", "demo_grpo"], "parallel.pp=2 does not support train.phase=grpo yet"),
+    (["train", "demo_dpo"], "train.phase=dpo does not run under parallel.pp > 1 yet"),
 ])
-def test_train_refuses_what_pipelines_cannot_do_yet(capsys, overrides, named):
-    """`omniweave train --nproc 2 parallel.pp=2` with a setting pipelines do not support yet: one
-    line naming the keys, exit 2, before any rank starts."""
+def test_training_modes_pipelines_cannot_run_yet_are_refused(capsys, command, expected):
+    """`omniweave rl` (GRPO) and DPO with `parallel.pp=2`: one line naming the keys, exit 2, before
+    any rank starts."""
     from omniweave.cli import main
 
-    assert main(["train", "demo", "parallel.pp=2", *overrides, "--nproc", "2"]) == 2
-    assert f"parallel.pp=2 does not support {named} yet" in capsys.readouterr().err
+    assert main([*command, "parallel.pp=2", "--nproc", "2"]) == 2
+    assert expected in capsys.readouterr().err
 
 
 def _row(doc_lens: list[int]) -> dict:

@@ -5,7 +5,7 @@
 
 Mesh dims, outermost first: ``pp`` (pipeline stages, parallel/pipeline.py: each (dp, cp, tp)
 coordinate has its own pipeline of pp ranks, whose stages' parts FSDP shards over the dp x cp
-ranks holding the same stages; not with ``ep``), ``dp``, ``cp`` (or ``cp_ring`` x ``cp_ulysses`` with hybrid CP
+ranks holding the same stages), ``dp``, ``cp`` (or ``cp_ring`` x ``cp_ulysses`` with hybrid CP
 attention: Ulysses inside each group of ``cp_ulysses`` consecutive ranks, ring across them),
 ``tp_rep`` x ``tp_enc``. Tensor parallelism is per component (``model.foundation.tp``,
 ``model.image_encoder.tp`` = ``model.audio_encoder.tp``: the encoders share one): the foundation is
@@ -22,7 +22,8 @@ over ``ep`` consecutive ranks of the flattened (dp, cp) mesh, the ranks FSDP sha
 over (each holds different tokens: other rows, or other shards of a row), so dp x cp = dp x cp /
 ep x ep with ``ep`` inner; the ranks holding the same experts (``expert_dp``, dp x cp / ep of
 them) sum the expert gradients. Under a tp foundation every tp rank routes the whole row (MoE
-layers are not tensor-parallel, parallel/tp.py), so the EP groups are formed per tp rank.
+layers are not tensor-parallel, parallel/tp.py), so the EP groups are formed per tp rank; under
+``pp`` per stage too (the ranks of an EP group hold the same layers).
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ class ParallelDims:
 
         cp_mesh = flat(cp_names, "cp") if hybrid else mesh["cp"]
         ep_mesh = expert_dp = None
-        if self.ep > 1:  # the world as (dp x cp / ep, ep, tp): each tp rank has its own EP groups
-            ep_world = init_device_mesh(device_type, (self.dp * self.cp // self.ep, self.ep, self.tp),
-                                        mesh_dim_names=("expert_dp", "ep", "ep_tp"))
+        if self.ep > 1:  # the world as (pp, dp x cp / ep, ep, tp): each stage and tp rank has its own EP groups
+            ep_world = init_device_mesh(device_type, (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp),
+                                        mesh_dim_names=("ep_pp", "expert_dp", "ep", "ep_tp"))
             ep_mesh, expert_dp = ep_world["ep"], ep_world["expert_dp"]
         split = (*cp_names, "tp_rep") if self.vision_split else ("tp_rep",)
         split_size = (self.cp if self.vision_split else 1) * (self.tp // self.tp_encoder)
@@ -153,9 +154,6 @@ def check_pp(parallel: Any, pp: int, dp: int, cp: int, tp: int, ep: int, model: 
     """``parallel.pp`` and its keys against the layout and the foundation (errors name the keys)."""
     from omniweave.parallel.pipeline import check_schedule, split_layers
 
-    if ep != 1:
-        raise ValueError(f"parallel.pp={pp} with parallel.ep={ep}: pipeline stages do not hold MoE layers yet "
-                         "(a MoE foundation under parallel.pp is refused); set parallel.ep=1")
     schedule, virtual = str(parallel.get("pp_schedule", "1f1b")), int(parallel.get("pp_virtual", 1) or 1)
     check_schedule(schedule, virtual)
     if schedule == "zero_bubble" and dp * cp * tp > 1:  # torch 2.13: KeyError in its split weight backward

@@ -73,17 +73,7 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
     accelerator: pinned host buffers copy asynchronously)."""
     from torch.distributed.fsdp import fully_shard
 
-    extra = _policies(precision, offload, pin_memory)
-    if experts and (experts_mesh is None or experts_mesh.size() == 1):
-        extra["ignored_params"] = {p for m in experts for p in m.parameters()}
-    elif experts:
-        from torch.distributed.tensor import Shard
-
-        def placement(p, n=experts_mesh.size()):
-            return Shard(0) if (p.to_local() if hasattr(p, "to_local") else p).shape[0] >= n else Shard(1)
-
-        for m in experts:
-            fully_shard(m, mesh=experts_mesh, shard_placement_fn=placement, **extra)
+    extra = _shard_experts(experts, experts_mesh, _policies(precision, offload, pin_memory))
     for block in model.foundation.layers:
         fully_shard(block, mesh=mesh, **extra)
     for encoder, projector in _encoders(model):
@@ -97,8 +87,27 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
     return model
 
 
+def _shard_experts(experts: list[nn.Module], experts_mesh, extra: dict) -> dict:
+    """FSDP2 for the routed experts (see ``apply_fsdp``); the keyword arguments for the other units
+    (without an experts mesh the experts' parameters are left alone: ignored)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if experts and (experts_mesh is None or experts_mesh.size() == 1):
+        return {**extra, "ignored_params": {p for m in experts for p in m.parameters()}}
+    if experts:
+        from torch.distributed.tensor import Shard
+
+        def placement(p, n=experts_mesh.size()):
+            return Shard(0) if (p.to_local() if hasattr(p, "to_local") else p).shape[0] >= n else Shard(1)
+
+        for m in experts:
+            fully_shard(m, mesh=experts_mesh, shard_placement_fn=placement, **extra)
+    return extra
+
+
 def apply_fsdp_to_stage_parts(part: nn.Module, stages: list[nn.Module], mesh, precision: str = "fp32",
-                              encoder_mesh=None, offload: str = "none", pin_memory: bool = False) -> nn.Module:
+                              encoder_mesh=None, offload: str = "none", pin_memory: bool = False,
+                              experts: list[nn.Module] = (), experts_mesh=None) -> nn.Module:
     """FSDP2 for a pipeline rank's part of the model (``parallel/pipeline.slice_model``; parts it
     does not hold are None) over ``mesh``, the data-parallel ranks holding the same stages: every
     decoder layer, encoder block, encoder and projector is its own FSDP unit; the embedding is the
@@ -106,11 +115,12 @@ def apply_fsdp_to_stage_parts(part: nn.Module, stages: list[nn.Module], mesh, pr
     ``pipeline.StageModule``s; a tp embedding's output is a view, which FSDP2 warns about at the
     output of a unit). The part itself is no unit: the stages call its pieces, never its
     forward, so its own parameters would never be gathered. ``encoder_mesh``: the encoders' and
-    projectors' own mesh, and ``offload`` (``train.offload``), as in ``apply_fsdp``. Gradients
-    are summed, as ``apply_fsdp``'s."""
+    projectors' own mesh, ``offload`` (``train.offload``) and ``experts`` (the part's routed
+    experts under expert parallelism) over ``experts_mesh``, as in ``apply_fsdp``. Gradients are
+    summed, as ``apply_fsdp``'s."""
     from torch.distributed.fsdp import fully_shard
 
-    extra = _policies(precision, offload, pin_memory)
+    extra = _shard_experts(experts, experts_mesh, _policies(precision, offload, pin_memory))
     foundation = part.foundation
     units = [(b, mesh) for b in foundation.layers if b is not None]
     for encoder, projector in _encoders(part):

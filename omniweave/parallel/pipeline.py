@@ -385,9 +385,7 @@ def check_model(model: nn.Module, sizes: list[int]) -> None:
 def unsupported_with_pp(cfg) -> str | None:
     """Why a pipelined run (``parallel.pp`` > 1) of this recipe cannot run yet: the settings it
     cannot honour, by their keys, in one line; None when it can."""
-    tc, ep = cfg.train, int(cfg.parallel.get("ep", 1) or 1)
-    found = {"train.phase=grpo": tc.get("phase") == "grpo",
-             f"parallel.ep={ep} (expert parallelism)": ep > 1}
+    found = {"train.phase=grpo": cfg.train.get("phase") == "grpo"}
     named = [k for k, v in found.items() if v]
     pp = int(cfg.parallel.get("pp", 1) or 1)
     return f"parallel.pp={pp} does not support {', '.join(named)} yet" if named else None

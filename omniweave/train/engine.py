@@ -293,11 +293,14 @@ class Engine:
             raise ValueError(why)
         self.pipeline = build_pipeline(self.model, cfg, self.dims, self.meshes, self.device)
         if self.fsdp:  # the ranks holding the same stages (dp x cp; x tp_rep for a smaller-tp encoder) shard them
+            from omniweave.parallel.expert import expert_modules
             from omniweave.parallel.fsdp import apply_fsdp_to_stage_parts
 
             apply_fsdp_to_stage_parts(self.pipeline.local, self.pipeline.modules, self.meshes.fsdp, self.precision,
                                       encoder_mesh=self.meshes.encoder_fsdp if self.dims.tp_encoder < self.dims.tp
-                                      else None, offload=offload_mode(cfg), pin_memory=self.device.type != "cpu")
+                                      else None, offload=offload_mode(cfg), pin_memory=self.device.type != "cpu",
+                                      experts=expert_modules(self.pipeline.local) if self.dims.ep > 1 else (),
+                                      experts_mesh=self.meshes.expert_dp)
         return self.pipeline.local
 
     # ------------------------------------------------------------------ resume and logs

@@ -159,23 +159,26 @@ MOE = {"model__foundation__num_layers": 4, "model__foundation__mlp_only_layers":
        "model__foundation__router_z_loss_coef": 0.001}
 
 
-@pytest.mark.parametrize("nproc, level", [(2, "global"), (4, "sequence")], ids=["pp2-global_aux", "pp2xdp2-sequence_aux"])
-def test_pipeline_trains_moe_like_single_process(demo_packed, tmp_path_factory, nproc, level):
+@pytest.mark.parametrize("nproc, level, ep", [(2, "global", 1), (4, "sequence", 1), (4, "sequence", 2)],
+                         ids=["pp2-global_aux", "pp2xdp2-sequence_aux", "pp2xdp2xep2"])
+def test_pipeline_trains_moe_like_single_process(demo_packed, tmp_path_factory, nproc, level, ep):
     """``demo_moe`` (Qwen3-MoE, top-2 of 8) at 4 layers, layers 2 and 3 dense, so that stage 1
     holds no MoE layer: pp 2 (the micro-step-global balance loss) and pp 2 x dp 2 (the
-    sequence-wise one, layout independent) give the 1-rank losses, grad norms, final weights and
-    router metrics. The router losses ride in the stages' backward (``attach_loss``); their scales
+    sequence-wise one, layout independent), also with each stage's experts split over its 2
+    data-parallel ranks (ep 2: the all-to-alls run between the ranks holding the same stage),
+    give the 1-rank losses, grad norms, final weights and router metrics. The router losses ride in the stages' backward (``attach_loss``); their scales
     count the whole model's MoE layers, and every rank reports every stage's router statistics."""
     moe = {**MOE, "model__foundation__aux_loss_level": level}
     ref = _run(demo_packed, tmp_path_factory, 1, recipe="demo_moe", **moe)
-    run = _run(demo_packed, tmp_path_factory, nproc, recipe="demo_moe", parallel__pp=2, **moe)
+    run = _run(demo_packed, tmp_path_factory, nproc, recipe="demo_moe", parallel__pp=2, parallel__ep=ep, **moe)
     rel = _assert_same_losses(losses(run), losses(ref), LOSS_RTOL)
     for key in ("grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_max_mean"):
         got, want = [r[key] for r in read_metrics(run)], [r[key] for r in read_metrics(ref)]
         assert got == pytest.approx(want, rel=LOSS_RTOL), key
     dw = max_abs_diff(final_state(run), final_state(ref))
     assert dw <= LAYOUT_WEIGHT_ATOL
-    print(f"moe pp2 nproc {nproc} {level}: loss max rel Δ {rel:.2e}, weights max |Δ| {dw:.2e}")
+    assert all(("moe_a2a_bytes" in r) == (ep > 1) for r in read_metrics(run))  # the experts' tokens did travel
+    print(f"moe pp2 nproc {nproc} ep {ep} {level}: loss max rel Δ {rel:.2e}, weights max |Δ| {dw:.2e}")
 
 
 LORA = "{r: 4, alpha: 8, targets: all-linear}"
