@@ -83,6 +83,23 @@ def _model(recipe: str, *overrides: str):
     return build_model(to_dict(load_recipe(recipe, list(overrides)).model))
 
 
+def test_a_stage_copy_that_would_compute_with_the_original_modules_is_refused():
+    """``slice_model`` deep-copies the parallelised model; a function stored on it that closes over
+    (or defaults to) one of its modules would survive the copy pointing at the original (as expert
+    parallelism's dispatch once did): refused, naming the holder. An object holding the module, or a
+    bound method, is copied with it and passes."""
+    from omniweave.parallel.pipeline import slice_model
+
+    model = _model("demo", "model.foundation.num_layers=2")
+    mlp = model.foundation.layers[1].mlp
+    mlp.scale_fn = lambda x, m=mlp: m(x)  # a default argument keeps the original module
+    with pytest.raises(TypeError, match=r"foundation.layers.1.mlp holds .*reaches a module of the original model"):
+        slice_model(model, range(2), True, True)
+    mlp.scale_fn = mlp.forward  # a bound method: copied with its module
+    part = slice_model(model, range(2), True, True)
+    assert part.foundation.layers[1].mlp.scale_fn.__self__ is part.foundation.layers[1].mlp
+
+
 def test_model_errors_name_the_keys():
     """Checked on every rank before a stage runs: tied embeddings (embedding and LM head would sit
     in different stages), DeepStack levels beyond stage 0's layers, a model without the OmniModel

@@ -145,7 +145,41 @@ def slice_model(model: nn.Module, layers, first: bool, last: bool, share: bool =
         memo[id(model.media_splits)] = {}
     if share:
         memo.update({id(m): m for m in (*first_parts, *last_parts, *foundation.layers) if m is not None and keep[id(m)]})
-    return copy.deepcopy(model, memo=memo)
+    part = copy.deepcopy(model, memo=memo)
+    if not share:
+        _check_no_original_modules(part, model)
+    return part
+
+
+def _check_no_original_modules(part: nn.Module, model: nn.Module) -> None:
+    """TypeError if a function stored on the copy (an attribute, a hook) still reaches a module of
+    ``model``: deepcopy copies modules and objects but not functions, so a closure (or a default
+    argument, or a ``functools.partial``) over a layer would make the copy compute with the
+    original's weights, and leave its own without gradients."""
+    originals = {id(m) for m in model.modules()}
+    copies = {id(m) for m in part.modules()}
+
+    def reached(value, depth: int = 0):
+        if isinstance(value, nn.Module):
+            yield value
+        elif depth < 3 and callable(value) and not isinstance(value, type):
+            if isinstance(value, partial):
+                inner = [value.func, *value.args, *value.keywords.values()]
+            else:
+                cells = getattr(value, "__closure__", None) or ()
+                inner = [getattr(value, "__self__", None), *(getattr(value, "__defaults__", None) or ()),
+                         *(c.cell_contents for c in cells if c.cell_contents is not None)]
+            for v in inner:
+                yield from reached(v, depth + 1)
+
+    for name, module in part.named_modules():
+        hooks = [h for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks") for h in getattr(module, attr).values()]
+        stored = [v for k, v in vars(module).items() if not k.startswith("_") and callable(v)]
+        for fn in (*hooks, *stored):
+            leaked = [m for m in reached(fn) if id(m) in originals and id(m) not in copies]
+            if leaked:
+                raise TypeError(f"pipeline stage copy: {name or 'the model'} holds {fn!r}, which reaches a module of the "
+                                f"original model ({type(leaked[0]).__name__}); store an object deepcopy can copy instead")
 
 
 class StageModule(nn.Module):
