@@ -3,14 +3,14 @@ devices, and FSDP2 with meta-device init, each against one device on the same gl
 
 The model is the ``demo`` recipe's (a tiny Qwen2.5-VL; for EP its foundation swapped to the tiny
 Qwen3-MoE, ``MOE_MODEL``), built and parallelised by
-``engine.build`` exactly as the trainer does it, in fp32, on two real packed rows that mix
+``parallel_model.build`` exactly as the trainer does it, in fp32, on two real packed rows that mix
 text-only, image and video documents (generated into a temporary folder: ``omniweave data demo``
 -> convert -> pack). The layouts run one after the other in one set of ranks (``run_ranks``); a
 layout that raises, kills a rank or hangs is a FAIL row, and the ones after it go on in fresh ranks.
 
 A layout passes when its loss and every parameter's gradient (the full tensor, gathered from the
 shards) equal the single-device run's within ``limit`` (max |Δ| / max |ref| per tensor; the row
-shows the worst). The FSDP2 meta-init layout first checks the weights ``engine.build`` made on the
+shows the worst). The FSDP2 meta-init layout first checks the weights ``parallel_model.build`` made on the
 meta device: every parameter materialised (no meta tensor), finite and initialised (see
 :func:`init_problems`); it then loads the single-device weights and is compared like the others.
 """
@@ -45,7 +45,7 @@ MOE_EXPERTS = 8  # qwen3_moe_tiny.yaml
 class Layout:
     name: str
     overrides: tuple[str, ...]  # recipe overrides on top of the demo recipe
-    meta_init: bool = False  # engine.build's big-model path: meta device -> shard -> to_empty -> init
+    meta_init: bool = False  # parallel_model.build's big-model path: meta device -> shard -> to_empty -> init
     skip: str = ""  # why this machine cannot run it
     model: tuple[str, ...] = ()  # overrides that change the model itself (its one-device reference too)
 
@@ -141,7 +141,7 @@ def global_batch(rows: list[dict], dp: int) -> list[dict]:
 
 
 def initial_weights(model: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """The demo model's (with ``model`` overrides) weights as ``engine.build`` initialises them on
+    """The demo model's (with ``model`` overrides) weights as ``parallel_model.build`` initialises them on
     every rank (seeded, on the CPU) for a model below the meta-init threshold."""
     from omniweave.config import to_dict
     from omniweave.models.registry import build_model
@@ -232,7 +232,8 @@ def _layout_on_rank(rank: int, world: int, layout: Layout, rows: list[dict], wei
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
     from omniweave.parallel.spawn import rank_device
-    from omniweave.train.engine import META_INIT_PARAMS, build, to_device
+    from omniweave.train.engine import to_device
+    from omniweave.train.parallel_model import META_INIT_PARAMS, build
 
     device = rank_device()
     with exact_fp32():

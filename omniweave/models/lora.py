@@ -205,7 +205,7 @@ def add_adapter(linear: nn.Linear, cfg: LoraConfig) -> None:
 @torch.no_grad()
 def reset_adapter(linear: nn.Linear) -> None:
     """PEFT's initialisation: lora_A kaiming-uniform (a = sqrt 5, as nn.Linear), lora_B zeros (in place:
-    after a meta-device model is materialised, each rank draws its own shards as ``engine.seed_sharded_init`` says)."""
+    after a meta-device model is materialised, each rank draws its own shards as ``parallel_model.seed_sharded_init`` says)."""
     _kaiming(linear.lora_A.weight)
     nn.init.zeros_(linear.lora_B.weight)
 

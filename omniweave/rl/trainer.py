@@ -131,7 +131,7 @@ def _train_rl(cfg, resume) -> dict:
 
 def _reference_model(cfg, engine: Engine):
     """The frozen reference: the policy's initial weights, parallelised exactly like it."""
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
 
     model = build(cfg, engine.device, engine.dims, engine.meshes)
     model.requires_grad_(False)

@@ -22,7 +22,7 @@ pairs' loss SUM and the engine divides by the number of pairs over all ranks (th
 rule of docs/design.md), so every data-parallel layout gives the same update.
 
 ``train.dpo.ref``: ``model``, a frozen copy of the initial policy built and sharded like it
-(train/engine.build), run on the same micro-batch inside the loss; with LoRA adapters as the only
+(train/parallel_model.build), run on the same micro-batch inside the loss; with LoRA adapters as the only
 trainable weights (models/lora.py) the policy itself with its adapters disabled (no copy); ``none``, reference-free
 (r = 0, TRL's ``reference_free``); ``precomputed``, each pair's values read from the file that
 ``omniweave dpo precompute-ref`` wrote (train/dpo_ref.py), found by the micro-batch's ``pack_id``.
@@ -149,7 +149,7 @@ class _SumOverGroup(torch.autograd.Function):
 def reference_model(cfg, engine):
     """The frozen reference: the policy's initial weights (seed or ``train.init_from``), built and
     parallelised exactly like it (the same builder as GRPO's reference)."""
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
 
     model = build(cfg, engine.device, engine.dims, engine.meshes)
     model.requires_grad_(False)

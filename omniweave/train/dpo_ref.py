@@ -4,7 +4,7 @@
 from a file instead of running a reference model in every step (TRL's ``precompute_ref_log_probs``):
 no second model in memory, no second forward pass. This command writes that file: the recipe's
 model initialised exactly as its training run initialises the policy (``train.seed``, or
-``train.init_from``; train/engine.build on one process), run over every pack of ``data.path``
+``train.init_from``; train/parallel_model.build on one process), run over every pack of ``data.path``
 under the run's ``train.precision``. Default file: ``<data.path>/ref_logps.npz``
 (``train.dpo.ref_path`` / ``--output`` elsewhere). Written to a temporary name and renamed, so a
 crash leaves the previous file or none, never a partial one.
@@ -108,7 +108,8 @@ def _precompute(cfg, path: Path, progress: bool) -> int:
     from omniweave.device import detect
     from omniweave.parallel.dims import ParallelDims
     from omniweave.train.dpo import sequence_logps
-    from omniweave.train.engine import autocast, build, init_distributed, tc_threads, to_device
+    from omniweave.train.engine import autocast, init_distributed, tc_threads, to_device
+    from omniweave.train.parallel_model import build
 
     info = detect()
     _, world, local_rank = init_distributed(info)

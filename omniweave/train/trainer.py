@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from omniweave.train import checkpoint
-from omniweave.train.engine import Engine, check_attn_backends, with_process_group
+from omniweave.train.engine import Engine, with_process_group
+from omniweave.train.parallel_model import check_attn_backends
 from omniweave.train.loss import PHASES, apply_phase
 from omniweave.train.metrics import step_flops
 

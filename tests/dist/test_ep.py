@@ -4,7 +4,7 @@ on the same global batch:
 - one MoE block, ep=2: routing forced so that rank 0 sends every row to its own experts (rank 1
   receives nothing from it) and rank 1 sends none to experts 0-1; the grouped-GEMM and loop
   backends; output rows and every gradient (experts gathered back to [E, ...]) within 1e-5;
-- the ``qwen3_moe_tiny`` foundation as ``engine.build`` parallelises it (EP -> FSDP2) at ep=2 on
+- the ``qwen3_moe_tiny`` foundation as ``parallel_model.build`` parallelises it (EP -> FSDP2) at ep=2 on
   2 ranks and ep=2 x expert_dp 2 on 4 ranks, rows of uneven lengths (a 3-token row leaves most
   experts without its tokens), and at ep=2 with full activation checkpointing: loss and every
   parameter's gradient within 1e-5 relative;
@@ -97,7 +97,7 @@ def test_moe_block_matches_one_rank_with_empty_sends(backend):
             assert _rel(g, ref[n]) < RTOL, (rank, n, _rel(g, ref[n]))
 
 
-# ------------------------------------------------------------------ the foundation through engine.build
+# ------------------------------------------------------------------ the foundation through parallel_model.build
 
 
 # foundation YAML -> overrides: qwen3_moe_tiny as MoE, dense, MoE; deepseek_v3_tiny as shipped (dense,
@@ -136,7 +136,7 @@ def _n_loss_tokens(rows: list[dict]) -> int:
 
 def _model_body(rank: int, world: int, ep: int, ac: str, name: str):
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
 
     cfg = _cfg(ep, ac, name)
     dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
@@ -164,7 +164,7 @@ def _ep2_vs_one_rank(world: int, ac: str, name: str) -> list[dict]:
 
     cfg = _cfg(1, name=name)
     torch.manual_seed(0)
-    model = build_model(to_dict(cfg.model))  # initialised as engine.build does (same seed)
+    model = build_model(to_dict(cfg.model))  # initialised as parallel_model.build does (same seed)
     if hasattr(model, "init_weights"):
         model.init_weights()
     rows = _rows()
@@ -207,7 +207,7 @@ def _step_body(rank: int, world: int, ep: int, load_from: str | None, save_to: s
     """One step then save (``load_from`` None), or load; then save to ``save_to`` if given."""
     from omniweave.parallel.dims import ParallelDims
     from omniweave.train import checkpoint
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
     from omniweave.train.optim import build_optimizer, clip_grad_norm
 
     cfg = _cfg(ep)
@@ -280,7 +280,7 @@ def _init_from_body(rank: int, world: int, hf_dir: str, model_cfg: dict):
     from omegaconf import OmegaConf
 
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
 
     cfg = OmegaConf.create({"model": model_cfg, "parallel": {"ep": 2},
                             "train": {"seed": 0, "precision": "fp32", "ac": "none", "init_from": hf_dir}})

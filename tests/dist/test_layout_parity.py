@@ -1,4 +1,4 @@
-"""Parallel layouts end to end through the model as the trainer builds it (``engine.build``:
+"""Parallel layouts end to end through the model as the trainer builds it (``parallel_model.build``:
 vision split -> TP -> CP -> AC -> FSDP), gloo, CPU, fp32, against the single-process run of the
 same packed rows (DESIGN.md §4):
 
@@ -90,7 +90,7 @@ def _body(rank: int, world: int, packed: str, layouts: list[Layout] | None = Non
     import omniweave
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
 
     base = _model(recipe)
     rows = _rows(packed, 2)

@@ -1,4 +1,4 @@
-"""LoRA under the trainer's parallel layouts (``engine.build``: TP -> adapters -> CP -> AC -> FSDP2),
+"""LoRA under the trainer's parallel layouts (``parallel_model.build``: TP -> adapters -> CP -> AC -> FSDP2),
 gloo, CPU, fp32, against the single-process run of the same demo packs (DESIGN.md §4).
 
 Adapters on every Linear of the foundation and of the vision tower (the ViT's fused ``qkv`` under
@@ -56,7 +56,7 @@ def _body(rank: int, world: int, packed: str, names: list[str]) -> list[dict]:
     from omniweave.models.lora import is_adapter_name
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
 
     rows = _rows(packed, 2)
     results = []
@@ -97,7 +97,7 @@ def _meta_init(world: int, row: dict) -> dict:
     adapter's B is zero and its A drawn, so the loss equals the same model's with the adapters off."""
     from omniweave.models.lora import adapted_linears, adapters_disabled
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
 
     cfg = _lora_cfg(LAYOUTS["dp2"])
     dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)

@@ -1,4 +1,4 @@
-"""Meta-device initialisation (``engine.build`` for models above ``meta_init_params``) is seeded by
+"""Meta-device initialisation (``parallel_model.build`` for models above ``meta_init_params``) is seeded by
 ``train.seed``: two builds give the same weights, and the shards of different ranks differ (on
 CPU each rank draws from its own generator, so an unseeded or equally seeded init would repeat)."""
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.dist]
 def _local_weights(rank: int, world: int, seed: int) -> dict[str, torch.Tensor]:
     from omniweave.config import load_recipe
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
 
     cfg = load_recipe("demo", [f"train.seed={seed}"])
     dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)

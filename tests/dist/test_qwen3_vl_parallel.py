@@ -1,4 +1,4 @@
-"""Qwen3-VL's DeepStack under parallel layouts, built as the trainer builds them (``engine.build``),
+"""Qwen3-VL's DeepStack under parallel layouts, built as the trainer builds them (``parallel_model.build``),
 gloo, CPU, fp32, against the single process on the same packed row (images and a timestamped
 video: several media spans per video): context parallelism (ring with the vision split, ulysses
 without) and a tensor-parallel foundation + encoder. The DeepStack levels travel with the media
@@ -38,7 +38,7 @@ def _body(rank: int, world: int) -> list[dict]:
     from omniweave.models.registry import build_model
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
 
     row, out = _row(), []
     for recipe, cp, mode, vs, tp, tp_enc in LAYOUTS:

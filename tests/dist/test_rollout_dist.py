@@ -65,7 +65,7 @@ def _sync_body(rank: int, world: int, layout: list[str]) -> float:
     from omniweave.models.registry import build_model
     from omniweave.parallel.dims import ParallelDims
     from omniweave.rl.rollout import build_rollout_model, sync_weights
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
 
     cfg = load_recipe("demo", layout)
     dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)

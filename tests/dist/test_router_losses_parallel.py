@@ -1,7 +1,7 @@
 """The MoE router losses (components/router_loss.py) under data, context and expert parallelism,
 gloo, CPU, fp32, against one process on the same global batch.
 
-The ``qwen3_moe_tiny`` foundation (layers MoE, dense, MoE) as ``engine.build`` parallelises it,
+The ``qwen3_moe_tiny`` foundation (layers MoE, dense, MoE) as ``parallel_model.build`` parallelises it,
 four rows of two documents (one row of 3 tokens: context-parallel pads inside it), with the
 load-balancing loss and the z-loss on. A ``global`` loss sums its statistics over the data x
 context-parallel ranks of a micro-step, so the one-process reference packs the rows of a
@@ -74,7 +74,7 @@ def _body(rank: int, world: int, ep: int, cp: int, level: str, tp: int):
     from omniweave.parallel.context import shard_micro_batch
     from omniweave.parallel.dims import ParallelDims
     from omniweave.parallel.expert import sum_over
-    from omniweave.train.engine import build
+    from omniweave.train.parallel_model import build
 
     cfg = _cfg(ep, cp, level, tp)
     dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
@@ -113,7 +113,7 @@ def test_router_losses_match_one_process(world, ep, cp, tp, level):
 
     cfg = _cfg(1, 1, level)
     torch.manual_seed(0)
-    model = build_model(to_dict(cfg.model))  # initialised as engine.build does (same seed)
+    model = build_model(to_dict(cfg.model))  # initialised as parallel_model.build does (same seed)
     rows = [_row(d) for d in LENGTHS]
     tokens, docs, n_loss = _counts(rows)
     dp = world // (cp * tp)
