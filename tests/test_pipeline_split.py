@@ -161,11 +161,13 @@ def test_recipe_pp_layout():
 
 @pytest.mark.parametrize("command, expected", [
     (["rl", "demo_grpo"], "parallel.pp=2 does not support train.phase=grpo yet"),
-    (["train", "demo_dpo"], "train.phase=dpo does not run under parallel.pp > 1 yet"),
+    (["train", "demo_dpo"], "train.dpo.ref=model does not run under parallel.pp > 1 yet"),
+    (["train", "demo_dpo", "train.dpo.ref=none", "parallel.cp=2"], "does not take parallel.cp or parallel.seq_chunks"),
 ])
 def test_training_modes_pipelines_cannot_run_yet_are_refused(capsys, command, expected):
-    """`omniweave rl` (GRPO) and DPO with `parallel.pp=2`: one line naming the keys, exit 2, before
-    any rank starts."""
+    """`omniweave rl` (GRPO), and DPO with a reference model or CP, with `parallel.pp=2`: one line
+    naming the keys, exit 2, before any rank starts (DPO with precomputed or no reference runs:
+    tests/dist/test_dpo_dist.py)."""
     from omniweave.cli import main
 
     assert main([*command, "parallel.pp=2", "--nproc", "2"]) == 2

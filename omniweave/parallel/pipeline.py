@@ -202,6 +202,8 @@ class StageModule(nn.Module):
         self.rows: list[dict] = []  # the step's rows (stage 0 reads their media)
         self.chunks = None  # parallel.seq_chunks: the step's per-row chunk state (pipeline_chunks.StageChunks)
         self.metadata_pass = True  # the next forward is torch's shape inference (see forward)
+        self.row_loss = None  # the training mode's loss of a row on the last stage (Pipeline.set_row_loss)
+        self.step_stats: dict[str, torch.Tensor] = {}  # the row losses' statistics of the step
 
     def forward(self, *args, **kwargs):
         """A micro-batch through the stage. The first call is torch.distributed.pipelining's
@@ -217,7 +219,7 @@ class StageModule(nn.Module):
                 m.stats = RouterStats()
         return out
 
-    def _forward(self, x, position_ids, cu_seqlens, labels, token_valid, chunk=None):
+    def _forward(self, x, position_ids, cu_seqlens, labels, token_valid, chunk=None, **row_inputs):
         if chunk is not None:  # parallel.seq_chunks: x is a chunk of a row (parallel/pipeline_chunks.py)
             from omniweave.parallel.pipeline_chunks import forward_chunk
 
@@ -237,6 +239,12 @@ class StageModule(nn.Module):
         # outputs are not views: the split (zero-bubble) backward detaches a stage's outputs in place
         if not self.is_last:
             return h[None].clone()
+        if self.row_loss is not None:  # e.g. DPO's pair loss (train/dpo.py)
+            loss_sum, stats = self.row_loss(model, foundation.norm(h), labels[0], {k: v[0] for k, v in row_inputs.items()})
+            if not self.metadata_pass:
+                for k, v in stats.items():
+                    self.step_stats[k] = self.step_stats.get(k, 0.0) + v.detach().double()
+            return torch.stack([loss_sum])
         loss_sum, _ = model.ce_sum(foundation.norm(h), foundation.lm_head.weight, labels[0], model.loss_chunk)
         return torch.stack([loss_sum])
 
@@ -326,6 +334,20 @@ class Pipeline:
         else:
             self.schedule = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
         self.last_rank = dist.get_global_rank(group, (len(sizes) - 1) % pp)
+        self.row_loss = None
+        self.last_stats: dict[str, float] = {}  # the row loss's statistics of the last step, on every rank
+
+    def set_row_loss(self, row_loss) -> None:
+        """A training mode's own loss of a row on the last stage, instead of the token loss sum:
+        ``row_loss.inputs(row) -> {name: tensor}`` (static shapes: they are stacked over the step's
+        rows and handed to every stage with the row's metadata), ``row_loss(model, hidden [L, D]
+        after the final norm, labels [L], inputs) -> (loss sum, {stat: 0-d tensor})`` and
+        ``row_loss.stat_keys``: the statistics ``step`` sums over the rows into ``last_stats``."""
+        if self.seq_chunks > 1:
+            raise ValueError("a training mode's own row loss does not run on chunked rows (parallel.seq_chunks)")
+        self.row_loss = row_loss
+        for m in self.modules:
+            m.row_loss = row_loss
 
     def _loss(self, loss_sum: torch.Tensor, _labels: torch.Tensor) -> torch.Tensor:
         return loss_sum.sum() / self._normaliser
@@ -361,6 +383,9 @@ class Pipeline:
             inputs = _Inputs(torch.arange(len(rows) * self.seq_chunks), chunk_kwargs(rows, plans, self.device))
         else:
             inputs = _stack_rows(rows, self.device)
+        if self.row_loss is not None:
+            per_row = [self.row_loss.inputs(r) for r in rows]
+            inputs.kwargs.update({k: torch.stack([p[k] for p in per_row]).to(self.device) for k in per_row[0]})
         for m in self.modules:
             m.rows = rows
             if m.chunks is not None:
@@ -374,10 +399,17 @@ class Pipeline:
             m.rows = []
             if m.chunks is not None:
                 m.chunks.end_step(m)
-        total = torch.stack(losses).sum().detach().double() if has_last else torch.zeros((), dtype=torch.float64)
+        keys = tuple(self.row_loss.stat_keys) if self.row_loss is not None else ()
+        total = torch.zeros(1 + len(keys), dtype=torch.float64)
+        if has_last:
+            stats = next(m.step_stats for m in self.modules if m.is_last)
+            total = torch.stack([torch.stack(losses).sum().detach().double().cpu(),
+                                 *(torch.as_tensor(stats.get(k, 0.0), dtype=torch.float64).cpu() for k in keys)])
+            stats.clear()
         total = total.to(self.device)
         dist.broadcast(total, src=self.last_rank, group=self.group)
-        return float(total)
+        self.last_stats = dict(zip(keys, total[1:].tolist()))
+        return float(total[0])
 
 
 def check_schedule(schedule: str, virtual: int) -> None:

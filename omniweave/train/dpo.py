@@ -84,9 +84,15 @@ def check_layout(cfg) -> None:
         from omniweave.train.dpo_ref import StoredReference
 
         StoredReference(cfg)
-    if int((cfg.get("parallel") or {}).get("pp", 1) or 1) > 1:
-        raise UserError("train.phase=dpo does not run under parallel.pp > 1 yet (the pipeline schedule computes "
-                        "the SFT loss); use dp / cp / tp")
+    par = cfg.get("parallel") or {}
+    if int(par.get("pp", 1) or 1) > 1:
+        ref = DPOConfig.from_recipe(cfg).ref
+        if ref == "model":
+            raise UserError("train.dpo.ref=model does not run under parallel.pp > 1 yet (the reference's forward would "
+                            "need a pipeline of its own); store the reference log-probs once with `omniweave dpo "
+                            "precompute-ref` and set train.dpo.ref=precomputed, or use train.dpo.ref=none")
+        if int(par.get("cp", 1) or 1) > 1 or int(par.get("seq_chunks", 1) or 1) > 1:
+            raise UserError("train.phase=dpo with parallel.pp > 1 does not take parallel.cp or parallel.seq_chunks yet")
 
 
 def dpo_loss(policy: Tensor, ref: Tensor, cfg: DPOConfig, lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -182,6 +188,8 @@ class DPOObjective:
             from omniweave.train.dpo_ref import StoredReference
 
             self.stored = StoredReference(cfg)
+        if engine.pipeline is not None:  # parallel.pp: the last stage computes the pair loss (check_layout: ref none / precomputed)
+            engine.pipeline.set_row_loss(self.pipeline_row_loss())
 
     def normaliser(self, packs: list[dict]) -> float:
         (pairs,) = self.engine.global_sum([sum(int(p["num_pairs"]) for p in packs)])
@@ -211,9 +219,15 @@ class DPOObjective:
                 else sequence_logps(tokens, slots, pairs))
 
     def loss_fn(self, model, mb: dict) -> tuple[Tensor, dict[str, Tensor]]:
-        slots, pairs, cp = mb["token_data"]["pair_slot"], int(mb["num_pairs"]), self.engine.dims.cp
-        policy = sequence_logps(model(mb, token_logprobs=True).token_logp, slots, pairs)
-        ref = self.reference_logps(model, mb)
+        slots, pairs = mb["token_data"]["pair_slot"], int(mb["num_pairs"])
+        token_logp = model(mb, token_logprobs=True).token_logp
+        return self.pair_loss(token_logp, slots, pairs, self.reference_logps(model, mb))
+
+    def pair_loss(self, token_logp: Tensor, slots: Tensor, pairs: int, ref: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The pairs' loss sum and reward sums from the policy's token log-probs and the reference's
+        [P, 2] sequence log-probs (a micro-batch's, or a pipeline's last stage's row)."""
+        cp = self.engine.dims.cp
+        policy = sequence_logps(token_logp, slots, pairs)
         lengths = sequence_logps(torch.ones_like(slots, dtype=torch.float32), slots, pairs)
         if cp > 1:  # each cp rank holds a share of every answer's tokens: whole sums before the loss
             group = self.engine.meshes.cp.get_group()
@@ -226,6 +240,10 @@ class DPOObjective:
                  "reward_accuracy": (chosen > rejected).sum().float()}
         return losses.sum() / cp, {k: v.double() / cp for k, v in stats.items()}
 
+    def pipeline_row_loss(self) -> "PipelineRowLoss":
+        """The pair loss as a pipeline's last stage computes it (parallel.pp; ``ref`` none or precomputed)."""
+        return PipelineRowLoss(self)
+
     @staticmethod
     def metrics(out: dict) -> dict:
         """The step's mean rewards over its pairs (``out``: the engine step's summed stats)."""
@@ -233,6 +251,28 @@ class DPOObjective:
         chosen, rejected = out["reward_chosen"] / n, out["reward_rejected"] / n
         return {"pairs": int(out["pairs"]), "reward_chosen": chosen, "reward_rejected": rejected,
                 "reward_margin": chosen - rejected, "reward_accuracy": out["reward_accuracy"] / n}
+
+
+class PipelineRowLoss:
+    """``Pipeline.set_row_loss`` for DPO: each row's pair slots, pair count and reference
+    sequence log-probs (padded to the row length: one static shape) ride with the row's metadata;
+    the last stage turns its hidden states into the label log-probs and the pairs' loss."""
+
+    stat_keys = ("pairs", "reward_chosen", "reward_rejected", "reward_accuracy")
+
+    def __init__(self, objective: DPOObjective):
+        self.objective = objective
+
+    def inputs(self, row: dict) -> dict[str, Tensor]:
+        slots, pairs = row["token_data"]["pair_slot"], int(row["num_pairs"])
+        ref = torch.zeros(slots.shape[0], 2)  # at most one pair per two tokens: room for every row's pairs
+        ref[:pairs] = self.objective.reference_logps(None, row).cpu()
+        return {"pair_slot": slots.to(torch.long), "num_pairs": torch.tensor([pairs]), "ref_logps": ref}
+
+    def __call__(self, model, hidden: Tensor, labels: Tensor, inputs: dict) -> tuple[Tensor, dict[str, Tensor]]:
+        token_logp = -model.ce_tokens(hidden, model.foundation.lm_head.weight, labels, model.loss_chunk)
+        pairs = int(inputs["num_pairs"][0])
+        return self.objective.pair_loss(token_logp, inputs["pair_slot"], pairs, inputs["ref_logps"][:pairs])
 
 
 @torch.no_grad()

@@ -267,18 +267,21 @@ class Engine:
 
     def _pipeline_step(self, micro_batches: list[dict], normaliser: float, count_step: bool) -> dict[str, Any]:
         """``optimizer_step`` through the pipeline schedule: the rows, CP-sharded at the run's
-        static length (parallel/pipeline_rows.py), are its micro-batches; each one's loss sum is
-        divided by ``normaliser`` inside it."""
+        static length (parallel/pipeline_rows.py), are its micro-batches; each one's loss sum (the
+        tokens' loss, or the mode's own row loss: ``Pipeline.set_row_loss``) is divided by
+        ``normaliser`` inside it."""
         self.start_router_step(micro_batches)
         rows = [to_device(mb, self.device) for mb in self.pipeline.prepare_rows(micro_batches)]
         t0 = time.perf_counter()
         with autocast(self.device, self.precision, self.fsdp):
             loss = self.pipeline.step(rows, normaliser=max(normaliser, 1))
         compute_s = time.perf_counter() - t0
-        loss_sum = torch.tensor(loss * max(normaliser, 1), dtype=torch.float64, device=self.device)
+        stats = self.pipeline.last_stats
+        totals = torch.tensor([loss * max(normaliser, 1), *stats.values()], dtype=torch.float64, device=self.device)
         if self.meshes.fsdp.size() > 1:  # each pipeline has its dp share of the rows, its CP share of their tokens
-            dist.all_reduce(loss_sum, group=self.meshes.fsdp.get_group())
-        return self._apply_update(loss_sum, {}, normaliser, compute_s, count_step, reduce=False)
+            dist.all_reduce(totals, group=self.meshes.fsdp.get_group())
+        return self._apply_update(totals[0], dict(zip(stats, totals[1:])), normaliser, compute_s, count_step,
+                                  reduce=False)
 
     def _apply_update(self, loss_sum: torch.Tensor, stats: dict, normaliser: float, compute_s: float,
                       count_step: bool, reduce: bool = True) -> dict[str, Any]:
