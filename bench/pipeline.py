@@ -18,9 +18,11 @@ Three measurements, each in fresh groups of gloo processes (one intra-op thread 
    work in decoder-layer units, ``encoder_cost_in_layers``) and of the uniform split, their ratio,
    and each rank's stage compute time (the balance the split achieved).
 3. **Per-rank memory** at pp = 1, 2, 4 (that VLM, the cost-model split, 1f1b, one step + one AdamW
-   step): parameter, gradient and optimizer-state bytes of each rank's stages, exact (counted from
-   the tensors); and the peak RSS growth over the RSS before the step (activations, gradients,
-   optimizer state and allocator slack; noisy: torch has no CPU allocator statistics).
+   step), without and with activation checkpointing of every decoder layer and encoder block
+   (``train.ac=full``, ``--memory-ac``): parameter, gradient and optimizer-state bytes of each
+   rank's stages, exact (counted from the tensors); and the peak RSS growth over the RSS before
+   the step (activations, gradients, optimizer state and allocator slack; noisy: torch has no CPU
+   allocator statistics).
 
     python bench/pipeline.py [--pp 2 4] [--microbatches 4 8] [--repeats 3] [--split-repeats 7]
                              [--out bench/out] [--quick]
@@ -197,14 +199,16 @@ def _rss_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * int(Path("/proc/self/statm").read_text().split()[1])
 
 
-def _memory_rank(rank: int, world: int, sizes: list[int], m: int, length: int) -> dict:
+def _memory_rank(rank: int, world: int, sizes: list[int], m: int, length: int, ac: str) -> dict:
     import gc
 
+    from omniweave.parallel.fsdp import apply_ac
     from omniweave.parallel.pipeline import Pipeline, pad_rows
 
     rows, _ = vlm_rows(m, length)
     rows = pad_rows(rows, max(r["input_ids"].shape[0] for r in rows))
     base = _model(VLM_MODEL)
+    apply_ac(base, ac)  # before the cut, as the trainer does
     pipe = Pipeline(base, sizes, dist.group.WORLD, torch.device("cpu"), "1f1b", m)
     del base
     gc.collect()
@@ -219,14 +223,14 @@ def _memory_rank(rank: int, world: int, sizes: list[int], m: int, length: int) -
         return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
     params = list(pipe.local.parameters())
-    return {"rank": rank, "params_b": nbytes(params), "grads_b": nbytes(p.grad for p in params),
+    return {"rank": rank, "ac": ac, "params_b": nbytes(params), "grads_b": nbytes(p.grad for p in params),
             "optim_b": nbytes(v for s in optimizer.state.values() for v in s.values()), "rss_growth_b": peak,
             "layers": sum(sizes[s] for s in range(rank, len(sizes), world)), "encoder": rank == 0}
 
 
-def memory(pp: int, m: int, length: int) -> list[dict]:
+def memory(pp: int, m: int, length: int, ac: str) -> list[dict]:
     sizes, _ = cost_split(pp, length)
-    return [{"pp": pp, **r} for r in run_ranks(_memory_rank, pp, sizes, m, length, timeout=1800)]
+    return [{"pp": pp, **r} for r in run_ranks(_memory_rank, pp, sizes, m, length, ac, timeout=1800)]
 
 
 def plot(bubble_rows: list[dict], split_rows: list[dict], mem_rows: list[dict], path: Path) -> None:
@@ -241,12 +245,15 @@ def plot(bubble_rows: list[dict], split_rows: list[dict], mem_rows: list[dict], 
     ax.legend(fontsize=7)
     bx.bar([str(r["sizes"]) + "\n" + r["name"] for r in split_rows], [r["step_s"] for r in split_rows])
     bx.set(ylabel="step s (median, slowest rank)", title="heavy-encoder VLM, pp 2: stage split")
+    modes = list(dict.fromkeys(r["ac"] for r in mem_rows))
     for i, pp in enumerate(sorted({r["pp"] for r in mem_rows})):
-        sel = [r for r in mem_rows if r["pp"] == pp]
+        sel = [r for r in mem_rows if r["pp"] == pp and r["ac"] == modes[0]]
         cx.plot([r["rank"] for r in sel], [(r["params_b"] + r["grads_b"] + r["optim_b"]) / 2**20 for r in sel], "-o",
                 color=f"C{i}", label=f"pp={pp} params+grads+AdamW")
-        cx.plot([r["rank"] for r in sel], [r["rss_growth_b"] / 2**20 for r in sel], "--x", color=f"C{i}",
-                label=f"pp={pp} peak RSS growth")
+        for ac, style in zip(modes, ("--x", ":+", "-.s")):
+            sel = [r for r in mem_rows if r["pp"] == pp and r["ac"] == ac]
+            cx.plot([r["rank"] for r in sel], [r["rss_growth_b"] / 2**20 for r in sel], style, color=f"C{i}",
+                    label=f"pp={pp} peak RSS growth, ac={ac}")
     cx.set_xticks(sorted({r["rank"] for r in mem_rows}))
     cx.set(xlabel="rank (stage 0 holds the encoder)", ylabel="MB", title="memory per rank")
     cx.legend(fontsize=7)
@@ -268,11 +275,11 @@ def tables(bubble_rows: list[dict], split_rows: list[dict], split_info: dict, me
     for r in split_rows:
         per = " / ".join(f"{x:.2f}" for x in r["compute_per_rank"])
         lines.append(f"| {r['name']} | {r['sizes']} | {r['step_s']:.3f} | {uniform['step_s'] / r['step_s']:.2f} | {per} |")
-    lines += ["", "| pp | rank | decoder layers | encoder | params MB | grads MB | AdamW state MB | sum MB | "
-              "peak RSS growth MB |", "|" + "---|" * 9]
+    lines += ["", "| pp | train.ac | rank | decoder layers | encoder | params MB | grads MB | AdamW state MB | sum MB | "
+              "peak RSS growth MB |", "|" + "---|" * 10]
     for r in mem_rows:
         total = (r["params_b"] + r["grads_b"] + r["optim_b"]) / 2**20
-        lines.append(f"| {r['pp']} | {r['rank']} | {r['layers']} | {'yes' if r['encoder'] else 'no'} | "
+        lines.append(f"| {r['pp']} | {r['ac']} | {r['rank']} | {r['layers']} | {'yes' if r['encoder'] else 'no'} | "
                      f"{r['params_b'] / 2**20:.2f} | {r['grads_b'] / 2**20:.2f} | {r['optim_b'] / 2**20:.2f} | "
                      f"{total:.2f} | {r['rss_growth_b'] / 2**20:.0f} |")
     return "\n".join(lines)
@@ -285,6 +292,8 @@ def main() -> None:
     p.add_argument("--text-length", type=int, default=256, help="tokens per text row (bubble measurement)")
     p.add_argument("--vlm-length", type=int, default=512, help="~tokens per video row (split and memory)")
     p.add_argument("--memory-pp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--memory-ac", nargs="+", default=["none", "full"], choices=["none", "selective", "full"],
+                   help="train.ac modes of the memory measurement")
     p.add_argument("--repeats", type=int, default=3, help="measured steps per bubble case (after a warm-up step)")
     p.add_argument("--split-repeats", type=int, default=7, help="measured steps per split (they alternate)")
     p.add_argument("--out", type=Path, default=Path("bench/out"), help="every result file goes here (and only here)")
@@ -307,7 +316,7 @@ def main() -> None:
         r["name"], r["compute_per_rank"] = name, [ranks[i]["compute_s"] for ranks in per_rank]
     rows, ppt = vlm_rows(1, args.vlm_length)
     split_info = {"cost": cost, "patches_per_token": ppt, "m": m, "tokens": rows[0]["input_ids"].shape[0]}
-    mem_rows = [r for pp in args.memory_pp for r in memory(pp, m, args.vlm_length)]
+    mem_rows = [r for ac in args.memory_ac for pp in args.memory_pp for r in memory(pp, m, args.vlm_length, ac)]
 
     table = tables(bubble_rows, split_rows, split_info, mem_rows)
     print(table)
