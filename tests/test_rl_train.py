@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.rl_factory import make_rl_prompts, rl_overrides
 from tests.train_factory import REPO, child_env, read_metrics
@@ -136,3 +137,24 @@ def test_several_updates_per_step_and_every_aggregation(prompts, tmp_path, agg):
     rows = read_metrics(tmp_path / "run")
     assert len(steps) == 2 * 2 * 2 and [r["step"] for r in rows] == [1, 2]
     assert all(abs(r["loss"]) < 10 and r["grad_norm"] > 0 for r in rows)
+
+
+def test_grpo_trains_lora_adapters_only(prompts, tmp_path):
+    """``omniweave rl`` with LoRA on the foundation (the vision tower and projector frozen): the
+    rollouts sample from the adapted policy, the update moves the adapters and nothing else, and the
+    KL to the reference (the initial policy) starts at 0 and grows."""
+    from omniweave.config import load_recipe
+    from omniweave.rl.trainer import train_rl
+    from tests.train_factory import final_state
+
+    overrides = rl_overrides(prompts, tmp_path / "run", steps=3, rl__kl_coef=0.05, rl__ppo_epochs=1,
+                             train__save_interval=1, train__keep_last=0, train__lr=0.01,
+                             model__image_encoder__freeze=True, model__projector__freeze=True)
+    cfg = load_recipe("demo_grpo", [*overrides, "+model.foundation.lora={r: 4, alpha: 8, targets: all-linear}"])
+    train_rl(cfg)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0
+    first, last = (final_state(tmp_path / f"run/checkpoints/step_{s:06d}") for s in (1, 3))
+    adapters = [k for k in last if ".lora_" in k]
+    assert adapters and all(not torch.equal(first[k], last[k]) for k in adapters if ".lora_B" in k)
+    assert all(torch.equal(first[k], last[k]) for k in last if ".lora_" not in k)  # base and frozen parts stay
