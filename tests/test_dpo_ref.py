@@ -107,6 +107,27 @@ def test_a_missing_or_mismatched_reference_file_fails_naming_the_keys(pairs, tmp
         _check(_cfg(pairs, tmp_path, train__dpo__ref="precomputed", train__dpo__ref_path=tmp_path / "moved.npz"))
 
 
+def test_init_from_weights_replaced_in_place_no_longer_match(pairs, tmp_path):
+    """Values stored for ``train.init_from=DIR`` carry DIR's weight files' sizes and times: the same
+    path with rewritten weights is refused, naming it; untouched, it matches."""
+    import types
+
+    from omniweave.errors import UserError
+    from omniweave.train.dpo_ref import StoredReference, identity
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"0" * 64)
+    cfg = _cfg(pairs, tmp_path, f"train.init_from={hf}", train__dpo__ref="precomputed")
+    stored = {"format": "omniweave-dpo-ref/1", **identity(cfg)}
+    holder = types.SimpleNamespace(path=tmp_path / "r.npz")
+    StoredReference._check_identity(holder, stored, identity(cfg))  # unchanged: accepted
+    (hf / "model.safetensors").write_bytes(b"1" * 65)  # new weights, same path
+    with pytest.raises(UserError, match=r"train\.init_from='.*hf': its weight files changed since the values were stored"):
+        StoredReference._check_identity(holder, stored, identity(cfg))
+
+
 def test_precompute_writes_atomically_and_where_asked(pairs, tmp_path, monkeypatch):
     """A write that fails halfway (disk full) leaves the previous file or none, and no temporary."""
     from omniweave.train import dpo_ref

@@ -16,7 +16,8 @@ The ``.npz`` (no pickle) holds, for N packs of P pairs in all:
     pair_index  int64 [P]        each pair's source sample index (the pack records' docs)
     identity    JSON string      the reference: ``model`` (the recipe's model section but the
                                  keys that do not change it: NOT_REFERENCE_KEYS), ``init``
-                                 ({"init_from": absolute path} or {"seed": s}), ``precision``
+                                 ({"init_from": absolute path, "weights": the size and mtime of
+                                 each weight file} or {"seed": s}), ``precision``
 
 A training run checks the file against its data (pack count, pairs per pack, their samples) and
 its recipe (model section, init) before the first step and names what differs.
@@ -79,8 +80,27 @@ def identity(cfg) -> dict:
     model = {name: {k: v for k, v in c.items() if k not in NOT_REFERENCE_KEYS} if isinstance(c, dict) else c
              for name, c in to_dict(cfg.model).items()}
     return {"model": model,
-            "init": {"init_from": str(Path(init).resolve())} if init else {"seed": int(cfg.train.seed)},
+            "init": {"init_from": str(Path(init).resolve()), "weights": weights_stamp(init)} if init
+            else {"seed": int(cfg.train.seed)},
             "precision": str(cfg.train.get("precision", "fp32"))}
+
+
+def weights_stamp(path) -> str:
+    """The files ``train.init_from`` reads, each with its size and modification time (what ``make``
+    trusts; reading every weight to hash it would cost a pass over the model): a directory whose
+    weights were replaced in place no longer matches the stored values."""
+    from omniweave.train import checkpoint
+
+    root = Path(path)
+    if (root / "config.json").is_file():  # a HF directory
+        files = sorted([root / "config.json", *root.glob("*.safetensors")])
+    else:  # an omniweave checkpoint: DCP's metadata and shards
+        try:
+            step = checkpoint.resolve_checkpoint(path)
+        except FileNotFoundError:  # nothing to read: loading the weights says so, naming the key
+            return "missing"
+        files = sorted(f for f in step.iterdir() if f.is_file())
+    return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
 
 
 def pair_layout(records: list[dict]) -> tuple[np.ndarray, np.ndarray]:
@@ -187,7 +207,12 @@ class StoredReference:
         diffs = fingerprint_diff(stored["model"], wanted["model"], "model")
         if stored["init"] != wanted["init"]:
             (sk, sv), (wk, wv) = next(iter(stored["init"].items())), next(iter(wanted["init"].items()))
-            diffs.append(f"train.{sk}={sv!r} stored" + (f", now {wv!r}" if sk == wk else f", now train.{wk}={wv!r}"))
+            if (sk, sv) == (wk, wv):  # the same train.init_from, other weights in it
+                diffs.append(f"train.init_from={sv!r}: " + ("its weight files changed since the values were stored"
+                             if "weights" in stored["init"] else "stored without its weight files' sizes and times "
+                             "(an older omniweave)"))
+            else:
+                diffs.append(f"train.{sk}={sv!r} stored" + (f", now {wv!r}" if sk == wk else f", now train.{wk}={wv!r}"))
         if diffs:
             raise UserError(f"train.dpo.ref_path={self.path} holds another reference model's log-probs; recompute "
                             "them with this recipe (`omniweave dpo precompute-ref`) or fix the recipe: "
