@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from omniweave.parallel.seq_chunks import ChunkKV, ChunkPlan, chunk_batch, media_rows, plan_chunks, row_features
+from omniweave.parallel.seq_chunks import ChunkKV, ChunkPlan, chunk_batch, media_hooks, media_rows, plan_chunks, row_features
 
 
 def check_chunked_pipeline(seq_chunks: int, schedule: str, virtual: int) -> None:
@@ -108,14 +108,8 @@ def forward_chunk(stage, x, position_ids, cu_seqlens, labels, token_valid, chunk
         if c == 0:  # a row's media are encoded afresh by its first chunk (torch runs a first step's first
             for f in state.features[r].values():  # micro-batch once more, to infer the stage's shapes)
                 f.live = f.leaf = None
-        splits = model.media_splits
-        saved = dict(splits)
-        splits.update(state.features[r])
-        try:
+        with media_hooks(model, state.features[r]):
             inputs = model.foundation_inputs(chunk_batch(stage.rows[r], plan, state.media[r]))
-        finally:
-            splits.clear()
-            splits.update(saved)
         h, deepstack = inputs["inputs_embeds"], inputs.get("deepstack")
     else:
         h = x[0]

@@ -328,6 +328,23 @@ def chunk_batch(batch: dict, plan: ChunkPlan, rows: dict[str, torch.Tensor], lab
 
 
 @contextlib.contextmanager
+def media_hooks(model: nn.Module, features: dict[str, RowFeatures]):
+    """``features`` as the model's media hooks (``media_splits``) for the duration of one row (or
+    one chunk: parallel/pipeline_chunks.py); the previous hooks come back after."""
+    splits = model.media_splits if hasattr(model, "media_splits") else {}
+    saved = {name: splits.get(name) for name in features}
+    try:
+        splits.update(features)
+        yield
+    finally:
+        for name, hook in saved.items():
+            if hook is None:
+                splits.pop(name, None)
+            else:
+                splits[name] = hook
+
+
+@contextlib.contextmanager
 def installed(model: nn.Module, store: ChunkKV, features: dict[str, RowFeatures]):
     """The store as every decoder layer's ``attn_fn`` and ``features`` as the model's media hooks,
     for the duration of one row; the previous hooks come back after."""
@@ -335,21 +352,14 @@ def installed(model: nn.Module, store: ChunkKV, features: dict[str, RowFeatures]
     if any(a.attn_fn is not None for a in attns):
         raise ValueError("parallel.seq_chunks: the decoder's attention is already swapped (context "
                          "parallelism, parallel.cp > 1); chunked rows need parallel.cp = 1")
-    splits = getattr(model, "media_splits", {})
-    saved = {name: splits.get(name) for name in features}
     try:
         for i, a in enumerate(attns):
             a.attn_fn = store.attn_fn(i, a.cfg.attn_backend)
-        splits.update(features)
-        yield
+        with media_hooks(model, features):
+            yield
     finally:
         for a in attns:
             a.attn_fn = None
-        for name, hook in saved.items():
-            if hook is None:
-                splits.pop(name, None)
-            else:
-                splits[name] = hook
 
 
 def chunked_forward_backward(model: nn.Module, batch: dict, loss_fn, n_chunks: int, scale: float,
