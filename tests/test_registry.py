@@ -72,3 +72,16 @@ def test_swapping_the_foundation_of_a_recipe_builds_and_runs(tmp_path, monkeypat
     assert not any(p.requires_grad for p in model.parameters())
     family = {"qwen2_5_tiny": "qwen2", "qwen2_tiny": "qwen2", "llama3_tiny": "llama", "qwen3_tiny": "qwen3"}[foundation]
     assert model.foundation.config.family == family
+
+
+def test_every_media_kind_has_exactly_one_modality():
+    """Media kinds map to the modality whose encoder takes them (data/loader.py reads it); an unknown
+    kind is an error naming the known ones."""
+    from omniweave.models.registry import MODALITIES, modality_of
+
+    assert {k: modality_of(k).name for k in ("image", "video", "audio")} == {"image": "vision", "video": "vision",
+                                                                            "audio": "audio"}
+    kinds = [k for m in MODALITIES for k in m.kinds]
+    assert len(kinds) == len(set(kinds))
+    with pytest.raises(ValueError, match=r"kind 'smell'.*'image', 'video', 'audio'"):
+        modality_of("smell")

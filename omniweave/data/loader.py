@@ -148,13 +148,13 @@ def shared_feature_rows(media: list[dict], length: int) -> dict:
     """Per modality, ``feature_rows`` [L] of a row whose descriptors reuse earlier ones (``same_as``):
     every item's placeholder runs take its features, a reusing item's runs the features of the item
     it names (encoded once, in ``media_batch``'s order of the other items)."""
-    from omniweave.models.registry import MODALITIES
+    from omniweave.models.registry import MODALITIES, modality_of
 
     rows = {m.name: torch.full((length,), -1, dtype=torch.int64) for m in MODALITIES}
     counts = dict.fromkeys(rows, 0)
     first: dict[int, int] = {}  # descriptor index -> its first feature
     for i, m in enumerate(media):
-        modality = "audio" if m["kind"] == "audio" else "vision"
+        modality = modality_of(m["kind"]).name
         runs = span_from_record(m).ranges()
         if "same_as" in m:
             offset = first[m["same_as"]]

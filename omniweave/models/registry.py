@@ -49,13 +49,23 @@ class Modality:
     grid: str
     spans: str
     rows: str
+    kinds: tuple[str, ...] = ()  # the media kinds of the data (``span.kind``) whose items it encodes
 
 
 MODALITIES = (
-    Modality("vision", "image_encoder", "projector", "pixel_values", "grid_thw", "media_spans", "feature_rows"),
+    Modality("vision", "image_encoder", "projector", "pixel_values", "grid_thw", "media_spans", "feature_rows",
+             ("image", "video")),
     Modality("audio", "audio_encoder", "audio_projector", "audio_features", "audio_lengths", "audio_spans",
-             "audio_feature_rows"),
+             "audio_feature_rows", ("audio",)),
 )
+
+
+def modality_of(kind: str) -> Modality:
+    """The modality that encodes media of ``kind`` (image, video, audio)."""
+    for m in MODALITIES:
+        if kind in m.kinds:
+            return m
+    raise ValueError(f"no modality encodes media of kind {kind!r}; known: {[k for m in MODALITIES for k in m.kinds]}")
 MODEL_SECTIONS = ("foundation", *(s for m in MODALITIES for s in (m.encoder, m.projector)))
 
 KINDS = (*MODEL_SECTIONS, "hf", "reward")
