@@ -209,7 +209,8 @@ class StageModule(nn.Module):
         """A micro-batch through the stage. The first call is torch.distributed.pipelining's
         metadata inference at the start of the first step (micro-batch 0 on stage 0, empty tensors
         on the others, before any real forward of this stage): what it counted in the MoE layers'
-        router statistics is dropped, so the step's metrics and bias update see the real forwards only."""
+        router statistics and the row loss's statistics is dropped, so the step's metrics and bias
+        update see the real forwards only."""
         out = self._forward(*args, **kwargs)
         if self.metadata_pass:
             from omniweave.models.components.router_loss import RouterStats, router_layers
@@ -217,6 +218,7 @@ class StageModule(nn.Module):
             self.metadata_pass = False
             for m in router_layers(self):
                 m.stats = RouterStats()
+            self.step_stats.clear()
         return out
 
     def _forward(self, x, position_ids, cu_seqlens, labels, token_valid, chunk=None, **row_inputs):
@@ -241,9 +243,8 @@ class StageModule(nn.Module):
             return h[None].clone()
         if self.row_loss is not None:  # e.g. DPO's pair loss (train/dpo.py)
             loss_sum, stats = self.row_loss(model, foundation.norm(h), labels[0], {k: v[0] for k, v in row_inputs.items()})
-            if not self.metadata_pass:
-                for k, v in stats.items():
-                    self.step_stats[k] = self.step_stats.get(k, 0.0) + v.detach().double()
+            for k, v in stats.items():
+                self.step_stats[k] = self.step_stats.get(k, 0.0) + v.detach().double()
             return torch.stack([loss_sum])
         loss_sum, _ = model.ce_sum(foundation.norm(h), foundation.lm_head.weight, labels[0], model.loss_chunk)
         return torch.stack([loss_sum])
@@ -266,7 +267,7 @@ class _Inputs:
     kwargs: dict  # name -> [n, ...]
 
 
-def _stack_rows(rows: list[dict], device) -> _Inputs:
+def stack_rows(rows: list[dict], device) -> _Inputs:
     """The step's per-row metadata stacked on dim 0 (the schedule chunks it per micro-batch)."""
     length = rows[0]["input_ids"].shape[0]
     docs = max(r["cu_seqlens"].numel() for r in rows)
@@ -380,9 +381,9 @@ class Pipeline:
             from omniweave.parallel.pipeline_chunks import chunk_kwargs, plan_rows
 
             plans = plan_rows(rows, self.seq_chunks, self.local.foundation.config.sliding_window)
-            inputs = _Inputs(torch.arange(len(rows) * self.seq_chunks), chunk_kwargs(rows, plans, self.device))
+            inputs = chunk_kwargs(rows, plans, self.device)
         else:
-            inputs = _stack_rows(rows, self.device)
+            inputs = stack_rows(rows, self.device)
         if self.row_loss is not None:
             per_row = [self.row_loss.inputs(r) for r in rows]
             inputs.kwargs.update({k: torch.stack([p[k] for p in per_row]).to(self.device) for k in per_row[0]})

@@ -76,26 +76,16 @@ def plan_rows(rows: list[dict], n_chunks: int, window: int | None) -> list[list[
     return [plan_chunks(r["cu_seqlens"], n_chunks, window) for r in rows]
 
 
-def chunk_kwargs(rows: list[dict], plans: list[list[ChunkPlan]], device) -> dict[str, torch.Tensor]:
-    """The step's per-micro-batch keyword tensors, stacked on dim 0 in micro-batch order (row-major):
-    each chunk's positions, document boundaries (-1 past its own), labels, token_valid, and
-    ``chunk`` = (row, chunk index); ``plans``: :func:`plan_rows`."""
-    per = []
-    for r, (row, row_plans) in enumerate(zip(rows, plans)):
-        length = row["input_ids"].shape[0]
-        pos = row.get("position_ids")
-        pos = torch.arange(length)[None] if pos is None else (pos[None] if pos.dim() == 1 else pos)
-        valid = row.get("token_valid")
-        valid = torch.ones(length, dtype=torch.bool) if valid is None else valid
-        for c, p in enumerate(row_plans):
-            per.append({"position_ids": pos[..., p.start:p.end], "cu_seqlens": torch.tensor(p.cu_q, dtype=torch.int32),
-                        "labels": row["labels"][p.start:p.end], "token_valid": valid[p.start:p.end],
-                        "chunk": torch.tensor([r, c])})
-    docs = max(m["cu_seqlens"].numel() for m in per)
-    for m in per:
-        cu = m["cu_seqlens"]
-        m["cu_seqlens"] = torch.cat([cu, cu.new_full((docs - cu.numel(),), -1)])
-    return {k: torch.stack([m[k] for m in per]).to(device) for k in per[0]}
+def chunk_kwargs(rows: list[dict], plans: list[list[ChunkPlan]], device):
+    """The step's micro-batches (``pipeline._Inputs``): each chunk's positions, document boundaries,
+    labels and token_valid (seq_chunks.chunk_batch) stacked as ``pipeline.stack_rows`` stacks rows,
+    in micro-batch order (row-major), with ``chunk`` = (row, chunk index); ``plans``: :func:`plan_rows`."""
+    from omniweave.parallel.pipeline import stack_rows
+
+    inputs = stack_rows([chunk_batch(row, p, {}) for row, row_plans in zip(rows, plans) for p in row_plans], device)
+    index = [(r, c) for r, row_plans in enumerate(plans) for c in range(len(row_plans))]
+    inputs.kwargs["chunk"] = torch.tensor(index).to(device)
+    return inputs
 
 
 def forward_chunk(stage, x, position_ids, cu_seqlens, labels, token_valid, chunk) -> torch.Tensor:
