@@ -333,13 +333,10 @@ class Engine:
 
         if self.pipeline is None:
             return {"reduce": sum_over(), "replicas": self.dims.tp}
-        stage_groups = [self.meshes.fsdp.get_group(), self.meshes.tp.get_group()]
+        over_dp_cp, over_tp = sum_over(self.meshes.fsdp.get_group()), sum_over(self.meshes.tp.get_group())
 
-        def reduce(t: torch.Tensor) -> torch.Tensor:
-            t = t.clone()
-            for group in stage_groups:
-                dist.all_reduce(t, group=group)
-            return t
+        def reduce(t: torch.Tensor) -> torch.Tensor:  # the ranks holding this rank's stages
+            return over_tp(over_dp_cp(t))
 
         def combine(part: dict | None) -> list:
             parts = [None] * dist.get_world_size(self.pipeline.group)
