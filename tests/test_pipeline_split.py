@@ -162,7 +162,7 @@ def test_recipe_pp_layout():
 @pytest.mark.parametrize("command, expected", [
     (["rl", "demo_grpo"], "parallel.pp=2 does not support train.phase=grpo yet"),
     (["train", "demo_dpo"], "train.dpo.ref=model does not run under parallel.pp > 1 yet"),
-    (["train", "demo_dpo", "train.dpo.ref=none", "parallel.cp=2"], "does not take parallel.cp or parallel.seq_chunks"),
+    (["train", "demo_dpo", "train.dpo.ref=none", "parallel.cp=2"], "train.phase=dpo with parallel.pp > 1 does not take parallel.cp yet"),
 ])
 def test_training_modes_pipelines_cannot_run_yet_are_refused(capsys, command, expected):
     """`omniweave rl` (GRPO), and DPO with a reference model or CP, with `parallel.pp=2`: one line

@@ -66,6 +66,8 @@ def modality_of(kind: str) -> Modality:
         if kind in m.kinds:
             return m
     raise ValueError(f"no modality encodes media of kind {kind!r}; known: {[k for m in MODALITIES for k in m.kinds]}")
+
+
 MODEL_SECTIONS = ("foundation", *(s for m in MODALITIES for s in (m.encoder, m.projector)))
 
 KINDS = (*MODEL_SECTIONS, "hf", "reward")

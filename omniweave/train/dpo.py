@@ -91,8 +91,8 @@ def check_layout(cfg) -> None:
             raise UserError("train.dpo.ref=model does not run under parallel.pp > 1 yet (the reference's forward would "
                             "need a pipeline of its own); store the reference log-probs once with `omniweave dpo "
                             "precompute-ref` and set train.dpo.ref=precomputed, or use train.dpo.ref=none")
-        if int(par.get("cp", 1) or 1) > 1 or int(par.get("seq_chunks", 1) or 1) > 1:
-            raise UserError("train.phase=dpo with parallel.pp > 1 does not take parallel.cp or parallel.seq_chunks yet")
+        if int(par.get("cp", 1) or 1) > 1:  # (parallel.seq_chunks refuses DPO at any pp: seq_chunks.py)
+            raise UserError("train.phase=dpo with parallel.pp > 1 does not take parallel.cp yet")
 
 
 def dpo_loss(policy: Tensor, ref: Tensor, cfg: DPOConfig, lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
