@@ -93,7 +93,9 @@ def user_error_message(e: BaseException) -> str | None:
     """The one line to show for a user's mistake; None for a bug (which keeps its traceback)."""
     from omegaconf.errors import MissingMandatoryValue
 
-    if isinstance(e, UserError):
+    from omniweave.train.watchdog import CollectiveFailure
+
+    if isinstance(e, (UserError, CollectiveFailure)):  # a hang: the rank, the collective, where the stacks are
         return str(e)
     if isinstance(e, MissingMandatoryValue):  # a recipe key read before require() checked it
         from omniweave.config import unset_key_message

@@ -110,6 +110,8 @@ class TrainSchema:
     init_from: Optional[str] = None
     save_interval: int = 0
     keep_last: int = 0
+    async_save: bool = False
+    collective_timeout: float = 600.0
     log_interval: int = 1
     max_bad_steps: int = 5
     eval_interval: int = 0
@@ -129,6 +131,8 @@ class EvalSchema:
 @dataclass
 class ParallelSchema:
     dp: int = -1
+    dp_replicate: int = 1
+    dp_shard: int = -1
     cp: int = 1
     cp_attention: str = "ring"
     cp_ulysses: int = 1

@@ -74,6 +74,8 @@ def test_overrides_may_follow_options():
     (["rl", "demo_grpo", "data.path=nowhere", "model.image_encoder.attn_backend=flash"],
      ["model.image_encoder.attn_backend: attention backend 'flash' is not available on this machine",
       "available here: auto"]),
+    (["train", "demo", "--nproc", "2", "--nnodes", "2"], ["--nnodes 2 needs --rdzv-endpoint HOST:PORT"]),
+    (["rl", "demo_grpo", "--nnodes", "0"], ["--nproc 1 and --nnodes 0 must be >= 1"]),
     (["hf", "export", "nowhere", "--output", "hf"], ["nowhere"]),
     (["hf", "verify", "nowhere"], ["no config.json"]),
 ])

@@ -187,6 +187,27 @@ def test_parallel_dims_bad_cp_layouts_name_the_problem(parallel, match):
         ParallelDims.from_config(parallel, 4)
 
 
+def test_parallel_dims_hsdp_splits_dp_into_replicas_and_shards():
+    """parallel.dp_replicate x parallel.dp_shard (torchtitan's names): dp is their product, given
+    by either factor or by both; the rest of the layout is unchanged."""
+    dims = ParallelDims.from_config({"dp_replicate": 2}, 8)
+    assert (dims.dp, dims.dp_replicate, dims.dp_shard) == (8, 2, 4)
+    dims = ParallelDims.from_config({"dp_replicate": 2, "dp_shard": 2, "cp": 2}, 8)
+    assert (dims.dp, dims.dp_shard, dims.cp, dims.shard_ranks) == (4, 2, 2, 8)
+    assert ParallelDims.from_config({"dp": 4, "dp_replicate": 4, "dp_shard": 1}, 4).dp_shard == 1
+    assert ParallelDims.from_config({}, 4).dp_replicate == 1
+
+
+@pytest.mark.parametrize("parallel,match", [
+    ({"dp_replicate": 3}, r"parallel.dp_replicate=3 must be >= 1 and divide the data-parallel size dp=4"),
+    ({"dp_replicate": 2, "dp_shard": 4}, r"dp=8\(dp_replicate=2 x dp_shard=4\) x cp=1 x tp=1 = 8 != world size 4"),
+    ({"dp": 4, "dp_replicate": 2, "dp_shard": 1}, r"dp_replicate=2 x parallel.dp_shard=1 = 2 != the data-parallel size dp=4"),
+])
+def test_parallel_dims_bad_hsdp_names_the_keys(parallel, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims.from_config(parallel, 4)
+
+
 def test_parallel_dims_global_tp_points_to_per_component_tp():
     with pytest.raises(NotImplementedError, match=r"parallel.tp=2: set tensor parallelism per component"):
         ParallelDims.from_config({"tp": 2}, 4)

@@ -17,6 +17,14 @@ FSDP shards the foundation over the flattened (dp, cp) mesh (the CP ranks of a D
 same packs but different tokens: for the gradients they are just more data-parallel ranks) and
 the encoder + projector over (dp, cp, tp_rep).
 
+HSDP, for several nodes (``parallel.dp_replicate`` x ``parallel.dp_shard``, as torchtitan names
+them): dp = dp_replicate x dp_shard with ``dp_replicate`` outer, so with a node's ranks
+consecutive (torchrun numbers them so) each replica's ranks sit on as few nodes as possible. FSDP
+then shards over (dp_shard, cp) and replicates over ``dp_replicate``: the all-gathers and
+reduce-scatters stay inside a replica, only the gradients' all-reduce crosses replicas. The
+loader, the loss normaliser and every statistic still see dp ranks (``Meshes.dp_cp``: all of
+them); only the weights' placement changes.
+
 Expert parallelism (``parallel.ep``, parallel/expert.py): the experts of every MoE layer are split
 over ``ep`` consecutive ranks of the flattened (dp, cp) mesh, the ranks FSDP shards the foundation
 over (each holds different tokens: other rows, or other shards of a row), so dp x cp = dp x cp /
@@ -48,6 +56,11 @@ class ParallelDims:
     tp_encoder: int = 1  # model.image_encoder.tp (= model.audio_encoder.tp: one for all encoders); divides tp
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep data-parallel ranks
     pp: int = 1  # pipeline stages (ranks), the outermost mesh dim (parallel/pipeline.py)
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard; FSDP shards within a replica, replicates across
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
 
     @classmethod
     def from_config(cls, parallel: Any, world_size: int, model: Any = None) -> "ParallelDims":
@@ -71,12 +84,16 @@ class ParallelDims:
         if pp < 1:
             raise ValueError(f"parallel.pp={pp} must be >= 1")
         pp_names = ("pp*", f"pp={pp} x ") if pp > 1 else ("", "")
+        factors = dp == -1 and int(get("dp_shard", -1)) != -1  # HSDP given by its two factors
+        if factors:
+            dp = int(get("dp_replicate", 1) or 1) * int(get("dp_shard", -1))
         if dp == -1:
             if world_size % (pp * cp * tp):
                 raise ValueError(f"world size {world_size} is not divisible by {pp_names[0]}cp*tp = {pp * cp * tp}")
             dp = world_size // (pp * cp * tp)
         if dp < 1 or pp * dp * cp * tp != world_size:
-            raise ValueError(f"parallel {pp_names[1]}dp={dp} x cp={cp} x tp={tp} = {pp * dp * cp * tp} != world size "
+            dp_name = f"(dp_replicate={get('dp_replicate', 1)} x dp_shard={get('dp_shard', -1)})" if factors else ""
+            raise ValueError(f"parallel {pp_names[1]}dp={dp}{dp_name} x cp={cp} x tp={tp} = {pp * dp * cp * tp} != world size "
                              f"{world_size} (set parallel.dp=-1 to use all remaining ranks)")
         mode = str(get("cp_attention", "ring"))
         if mode not in CP_ATTENTION:
@@ -85,6 +102,7 @@ class ParallelDims:
         if mode == "hybrid" and cp > 1 and not (1 < uly < cp and cp % uly == 0):
             raise ValueError(f"parallel.cp_attention=hybrid needs parallel.cp_ulysses (the Ulysses group size) "
                              f"strictly between 1 and cp={cp} and dividing it; got {uly}")
+        dp_replicate = resolve_hsdp(dp, int(get("dp_replicate", 1) or 1), int(get("dp_shard", -1)))
         ep = int(get("ep", 1) or 1)
         if ep != 1:
             check_ep(ep, dp, cp, (model.get("foundation") or {}) if model is not None else {})
@@ -92,7 +110,7 @@ class ParallelDims:
             check_pp(parallel, pp, dp, cp, tp, ep, model)
         return cls(dp=dp, cp=cp, tp=tp, world_size=world_size, cp_attention=mode,
                    cp_ulysses=uly if mode == "hybrid" else 1, vision_split=bool(get("vision_split", True)),
-                   tp_encoder=tp_enc, ep=ep, pp=pp)
+                   tp_encoder=tp_enc, ep=ep, pp=pp, dp_replicate=dp_replicate)
 
     @property
     def shard_ranks(self) -> int:
@@ -105,31 +123,57 @@ class ParallelDims:
 
         hybrid = self.cp_attention == "hybrid" and self.cp > 1
         cp_dims = [("cp_ring", self.cp // self.cp_ulysses), ("cp_ulysses", self.cp_ulysses)] if hybrid else [("cp", self.cp)]
-        named = [("pp", self.pp), ("dp", self.dp), *cp_dims, ("tp_rep", self.tp // self.tp_encoder),
-                 ("tp_enc", self.tp_encoder)]
+        named = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), *cp_dims,
+                 ("tp_rep", self.tp // self.tp_encoder), ("tp_enc", self.tp_encoder)]
         mesh = init_device_mesh(device_type, tuple(n for _, n in named), mesh_dim_names=tuple(k for k, _ in named))
         cp_names = tuple(k for k, _ in cp_dims)
 
         def flat(names: tuple[str, ...], name: str):
             return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten(name)
 
+        def hsdp(flat_mesh, name: str):
+            """FSDP's mesh over a flattened (dp_replicate, dp_shard, ...) mesh: itself, or under HSDP
+            (replicate, shard), dp_replicate being the outermost of the flattened dims."""
+            if self.dp_replicate == 1:
+                return flat_mesh
+            return flat_mesh._unflatten(0, (self.dp_replicate, flat_mesh.size() // self.dp_replicate),
+                                        (f"{name}_replicate", f"{name}_shard"))
+
         cp_mesh = flat(cp_names, "cp") if hybrid else mesh["cp"]
+        dp_mesh = flat(("dp_replicate", "dp_shard"), "dp")
         ep_mesh = expert_dp = None
         if self.ep > 1:  # the world as (pp, dp x cp / ep, ep, tp): each stage and tp rank has its own EP groups
             ep_world = init_device_mesh(device_type, (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp),
                                         mesh_dim_names=("ep_pp", "expert_dp", "ep", "ep_tp"))
             ep_mesh, expert_dp = ep_world["ep"], ep_world["expert_dp"]
+            if (self.dp_shard * self.cp) % self.ep == 0:  # EP groups inside a replica: experts HSDP-sharded too
+                expert_dp = hsdp(expert_dp, "experts")
         split = (*cp_names, "tp_rep") if self.vision_split else ("tp_rep",)
         split_size = (self.cp if self.vision_split else 1) * (self.tp // self.tp_encoder)
+        dp_cp = flat(("dp_replicate", "dp_shard", *cp_names), "dp_cp")
+        encoder_dp = flat(("dp_replicate", "dp_shard", *cp_names, "tp_rep"), "dp_cp_tprep")
         return Meshes(
-            world=mesh, fsdp=flat(("dp", *cp_names), "dp_cp"), cp=cp_mesh, tp=flat(("tp_rep", "tp_enc"), "tp"),
-            tp_encoder=mesh["tp_enc"], encoder_fsdp=flat(("dp", *cp_names, "tp_rep"), "dp_cp_tprep"),
+            world=mesh, dp_cp=dp_cp, fsdp=hsdp(dp_cp, "fsdp"), cp=cp_mesh, tp=flat(("tp_rep", "tp_enc"), "tp"),
+            tp_encoder=mesh["tp_enc"], encoder_fsdp=hsdp(encoder_dp, "encoder_fsdp"),
             vision_split=flat(split, "vision_split") if split_size > 1 else None,
-            dp_rank=mesh["dp"].get_local_rank(), cp_rank=cp_mesh.get_local_rank(),
+            dp_rank=dp_mesh.get_local_rank(), cp_rank=cp_mesh.get_local_rank(),
             ring_group=mesh["cp_ring"].get_group() if hybrid else None,
             ulysses_group=mesh["cp_ulysses"].get_group() if hybrid else None,
             ep=ep_mesh, expert_dp=expert_dp, pp=mesh["pp"],
         )
+
+
+def resolve_hsdp(dp: int, dp_replicate: int, dp_shard: int) -> int:
+    """``parallel.dp_replicate`` (and ``dp_shard``, -1: dp / dp_replicate) against the resolved dp;
+    returns dp_replicate (errors name the keys)."""
+    if dp_replicate < 1 or dp % dp_replicate:
+        raise ValueError(f"parallel.dp_replicate={dp_replicate} must be >= 1 and divide the data-parallel size "
+                         f"dp={dp} (HSDP: dp = dp_replicate x dp_shard)")
+    if dp_shard != -1 and dp_replicate * dp_shard != dp:
+        raise ValueError(f"parallel.dp_replicate={dp_replicate} x parallel.dp_shard={dp_shard} = "
+                         f"{dp_replicate * dp_shard} != the data-parallel size dp={dp} (set parallel.dp_shard=-1 "
+                         "to take dp / dp_replicate)")
+    return dp_replicate
 
 
 def check_ep(ep: int, dp: int, cp: int, foundation: Any) -> None:
@@ -169,16 +213,17 @@ def check_pp(parallel: Any, pp: int, dp: int, cp: int, tp: int, ep: int, model: 
 @dataclass
 class Meshes:
     world: Any  # DeviceMesh over every rank (dims above)
-    fsdp: Any  # the 1-D mesh the foundation's FSDP shards over: (dp, cp) flattened
+    dp_cp: Any  # 1-D mesh of every dp x cp rank (a tp and pp coordinate's): sums of statistics
+    fsdp: Any  # the mesh the foundation's FSDP shards over: dp_cp, or 2-D (dp_replicate, dp_shard x cp) under HSDP
     cp: Any  # 1-D mesh of this rank's CP group
     tp: Any  # 1-D mesh of the foundation's tp group (tp_rep x tp_enc)
     tp_encoder: Any  # 1-D mesh of the encoder's tp group
-    encoder_fsdp: Any  # the encoder + projector's FSDP mesh: (dp, cp, tp_rep) flattened
+    encoder_fsdp: Any  # the encoder + projector's FSDP mesh: (dp, cp, tp_rep) flattened (2-D under HSDP)
     vision_split: Any  # 1-D mesh whose ranks share the media of a row (None: each rank encodes all)
     dp_rank: int
     cp_rank: int
     ring_group: Any = None  # hybrid only
     ulysses_group: Any = None  # hybrid only
     ep: Any = None  # ep > 1: 1-D mesh of this rank's EP group (ep consecutive dp x cp ranks)
-    expert_dp: Any = None  # ep > 1: 1-D mesh of the dp x cp / ep ranks holding the same experts
+    expert_dp: Any = None  # ep > 1: mesh of the dp x cp / ep ranks holding the same experts (2-D under HSDP)
     pp: Any = None  # 1-D mesh of this rank's pipeline (its ranks hold stages r, r + pp, ...)

@@ -97,7 +97,7 @@ def _shard_experts(experts: list[nn.Module], experts_mesh, extra: dict) -> dict:
     if experts:
         from torch.distributed.tensor import Shard
 
-        def placement(p, n=experts_mesh.size()):
+        def placement(p, n=experts_mesh.size(experts_mesh.ndim - 1)):  # HSDP: its shard dim
             return Shard(0) if (p.to_local() if hasattr(p, "to_local") else p).shape[0] >= n else Shard(1)
 
         for m in experts:

@@ -29,7 +29,7 @@ sequence). Stage 0 takes each row through TP's sequence-parallel batch (``row_fn
 model's forward pre-hook would. The CP and TP collectives in a stage's forward and backward run
 between the ranks holding that stage, which run the same schedule in the same order. The last
 stage's loss is TP's vocab-parallel one (replicated over tp); each CP rank's pipeline reports its
-shard's (the trainer sums them over dp x cp, parallel/dims.py's fsdp mesh).
+shard's (the trainer sums them over dp x cp, parallel/dims.py's dp_cp mesh).
 
 Per-row metadata does not cross a boundary: the schedule hands every stage its micro-batch's
 slice of the step's keyword tensors (checked in torch 2.13: ``step(**kwargs)`` is chunked on dim

@@ -19,7 +19,6 @@ so nothing else needs saving), metrics and evaluation. docs/rl.md has every ``rl
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
 from omniweave.errors import UserError
@@ -38,14 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from omniweave.config import load_recipe
+    from omniweave.launch import relaunch, wants_launch
     from omniweave.train.trainer import check_ready
 
+    launching = wants_launch(args)
     cfg = load_recipe(args.recipe, args.overrides)
     check_ready(cfg, args.resume, kind="prompts")
     settings(cfg)  # bad rl.* values and unknown rewards fail here, before any rank starts
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        from omniweave.launch import relaunch
-
+    if launching:
         return relaunch("rl", args)
     result = train_rl(cfg, resume=args.resume)
     if result["rank"] == 0:
@@ -96,11 +95,16 @@ def train_rl(cfg, resume: str | None = None) -> dict:
 
 
 def _train_rl(cfg, resume) -> dict:
+    engine = Engine(cfg)
+    with engine.watchdog:  # a collective that fails: one line naming the rank and the collective
+        return _rl_loop(engine, cfg, resume)
+
+
+def _rl_loop(engine: Engine, cfg, resume) -> dict:
     from omniweave.data.loader import PackedLoader
     from omniweave.data.tokenize import SampleProcessor
     from omniweave.rl.rollout import TorchRollout, build_rollout_model
 
-    engine = Engine(cfg)
     loader = PackedLoader(cfg.data.path, int(cfg.train.global_batch), dp_rank=engine.meshes.dp_rank,
                           dp_size=engine.dims.dp, seed=int(cfg.train.seed), num_workers=int(cfg.data.num_workers),
                           kind="prompts")

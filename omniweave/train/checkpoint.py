@@ -12,6 +12,8 @@
 A save writes into ``.tmp-step_N``, renames it to ``step_N`` when every rank has finished, and
 only then moves ``latest``; so a run killed at any moment leaves either the previous checkpoint
 or the new one, never a half one that looks whole. ``keep_last`` prunes older complete ones.
+``train.async_save`` writes in the background and publishes the same way once every rank's
+write is done (:class:`Checkpointer`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import re
 import shutil
 import signal
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ from torch import nn
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 FAULT_ENV = "OMNIWEAVE_FAULT_IN_SAVE"  # tests: SIGKILL rank 0 mid-save at this step
+SLOW_WRITE_ENV = "OMNIWEAVE_SLOW_ASYNC_SAVE"  # tests: an asynchronous save's writer waits this many seconds first
 
 
 def _barrier() -> None:
@@ -118,43 +122,112 @@ def check_shapes(path: str | os.PathLike, model_state: dict[str, Any]) -> None:
                         + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""))
 
 
-def save(ckpt_root: str | os.PathLike, step: int, model: nn.Module, optimizer, trainer_state: dict,
-         config_yaml: str, keep_last: int = 0) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
-    import torch.distributed.checkpoint as dcp
+class Checkpointer:
+    """The saves of one run (collective: every rank calls each method).
 
-    root = Path(ckpt_root)
-    name = step_dir_name(step)
-    final, tmp = root / name, root / f".tmp-{name}"
-    rank = _rank()
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():  # e.g. the end-of-run save at a step that was just saved
-            shutil.rmtree(final)
-        tmp.mkdir()
-    _barrier()
-    dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp))
-    torch.save(torch.get_rng_state(), tmp / f"rng_rank{rank}.pt")
-    _barrier()
-    if rank == 0:
+    ``save`` writes ``step_N`` as the module doc says. With ``async_save`` (``train.async_save``)
+    DCP stages this rank's shards to host memory, training goes on while a background thread
+    writes them (over a gloo group of its own, as DCP asks), and the checkpoint is published —
+    trainer state, rename, ``latest`` — only once every rank's write has finished: ``poll`` after
+    each step publishes it when all are done, ``wait`` (the next save, the end of the run) blocks
+    until they are. A run killed meanwhile leaves ``.tmp-step_N``, never read, as a killed
+    synchronous save does."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 0, async_save: bool = False, timeout=None,
+                 device: torch.device | None = None):
+        self.root, self.keep_last = Path(root), keep_last
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
+        self.device = device or torch.device("cpu")  # the default group's collectives (poll) run here
+        self.pending: dict | None = None
+
+    def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict, config_yaml: str) -> Path:
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        name = step_dir_name(step)
+        final, tmp = self.root / name, self.root / f".tmp-{name}"
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            if final.exists():  # e.g. the end-of-run save at a step that was just saved
+                shutil.rmtree(final)
+            tmp.mkdir()
+        _barrier()
+        state = _dcp_state(model, optimizer)
+        if self.group is None:
+            dcp.save(state, checkpoint_id=str(tmp))
+            future = None
+        else:  # staged (copied to host memory) before it returns: the next steps may change the weights
+            future = dcp.async_save(state, storage_writer=_async_writer(tmp), process_group=self.group)
+        torch.save(torch.get_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+        self.pending = {"step": step, "tmp": tmp, "final": final, "future": future, "config": config_yaml,
+                        "state": json.dumps(trainer_state, indent=1)}  # as it is now, not when published
+        if future is None:
+            self.wait()
+        return final
+
+    def poll(self) -> None:
+        """Publish a pending asynchronous save whose writes have finished on every rank."""
+        if self.pending is None:
+            return
+        done = torch.tensor([float(self.pending["future"].done())], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item() == 1.0:
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the pending save is written on every rank, then publish it."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        if pending["future"] is not None:
+            pending["future"].result()
+        _barrier()
+        if _rank() == 0:
+            self._publish(pending)
+        _barrier()
+
+    def _publish(self, pending: dict) -> None:
+        tmp, final, step = pending["tmp"], pending["final"], pending["step"]
         if os.environ.get(FAULT_ENV) == str(step):
             os.kill(os.getpid(), signal.SIGKILL)
-        (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        (tmp / "config.yaml").write_text(pending["config"])
+        (tmp / "trainer_state.json").write_text(pending["state"])
         os.rename(tmp, final)
-        link = root / ".latest.tmp"
+        link = self.root / ".latest.tmp"
         if link.is_symlink() or link.exists():
             link.unlink()
-        link.symlink_to(name)
-        os.replace(link, root / "latest")
-        if keep_last > 0:
-            complete = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
-            for _, old in complete[:-keep_last]:
+        link.symlink_to(final.name)
+        os.replace(link, self.root / "latest")
+        if self.keep_last > 0:
+            complete = sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := STEP_DIR.match(p.name)))
+            for _, old in complete[:-self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+
+
+def _async_writer(path: Path):
+    """DCP's file writer; under ``SLOW_WRITE_ENV`` (tests) one that waits before writing, so that a
+    test can kill the run while the write is still in flight."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    delay = float(os.environ.get(SLOW_WRITE_ENV, 0) or 0)
+    if not delay:
+        return FileSystemWriter(str(path))
+
+    class SlowWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            time.sleep(delay)
+            return super().write_data(plan, planner)
+
+    return SlowWriter(str(path))
+
+
+def save(ckpt_root: str | os.PathLike, step: int, model: nn.Module, optimizer, trainer_state: dict,
+         config_yaml: str, keep_last: int = 0) -> Path:
+    """One synchronous save (collective): :class:`Checkpointer` for a single checkpoint."""
+    return Checkpointer(ckpt_root, keep_last).save(step, model, optimizer, trainer_state, config_yaml)
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:

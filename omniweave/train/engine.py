@@ -36,21 +36,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omniweave.train import checkpoint
+from omniweave.train import checkpoint, watchdog
 from omniweave.train.metrics import SFT_LINE, MetricsLogger, device_peak_flops, model_flop_counts
 from omniweave.train.parallel_model import build, full_model_on_rank0, offload_mode, uses_fsdp
 
 LossFn = Callable[[nn.Module, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
-def init_distributed(info) -> tuple[int, int, int]:
+def init_distributed(info, timeout=None) -> tuple[int, int, int]:
     """(rank, world_size, local_rank). A plain process gets a 1-rank group, so the code path
-    (collectives, DCP) is the same with or without torchrun."""
+    (collectives, DCP) is the same with or without torchrun. ``timeout``: every collective's
+    (train.collective_timeout, train/watchdog.py)."""
     if not dist.is_initialized():
         if "RANK" in os.environ:
-            dist.init_process_group(info.backend)
+            dist.init_process_group(info.backend, timeout=timeout)
         else:
-            dist.init_process_group(info.backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(info.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
 
 
@@ -105,7 +106,11 @@ class Engine:
         from omniweave.train.schedule import build_scheduler
 
         self.cfg, self.info = cfg, detect()
-        self.rank, self.world, local_rank = init_distributed(self.info)
+        self.run_dir = Path(cfg.output_dir)
+        timeout = watchdog.timeout_of(cfg)
+        watchdog.prepare_environment(self.run_dir)  # the flight recorder, before the process group
+        self.rank, self.world, local_rank = init_distributed(self.info, timeout)
+        self.watchdog = watchdog.Watchdog(self.run_dir, self.rank, timeout)
         self.device = self.info.device(local_rank)
         if self.info.module is not None and hasattr(self.info.module, "set_device"):
             self.info.module.set_device(self.device)
@@ -117,7 +122,6 @@ class Engine:
         tc = cfg.train
         self.total = int(tc.steps)
         self.precision, self.fsdp = str(tc.get("precision", "fp32")), uses_fsdp(cfg, self.world, self.dims.pp)
-        self.run_dir = Path(cfg.output_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.config_yaml = OmegaConf.to_yaml(cfg)
         if self.rank == 0:
@@ -138,7 +142,9 @@ class Engine:
         self.step, self.skipped, self.bad_in_row = 0, 0, 0
         self.max_bad = int(tc.get("max_bad_steps", 5))
         self.clip = float(tc.get("grad_clip", 0.0) or 0.0)
-        self.save_interval, self.keep_last = int(tc.get("save_interval", 0) or 0), int(tc.get("keep_last", 0) or 0)
+        self.save_interval = int(tc.get("save_interval", 0) or 0)
+        self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, int(tc.get("keep_last", 0) or 0),
+                                                    bool(tc.get("async_save", False)), timeout, self.device)
         self.eval_interval = int(tc.get("eval_interval", 0) or 0)
         self.log: MetricsLogger | None = None
 
@@ -201,7 +207,8 @@ class Engine:
     def describe(self) -> str:
         d = self.dims
         n = self.trainable
-        return (f"{self.info.type} x{self.world} ({f'pp={d.pp}, ' if d.pp > 1 else ''}dp={d.dp}, cp={d.cp} {d.cp_attention}, tp={d.tp}, "
+        hsdp = f" (HSDP: {d.dp_replicate} replicas x {d.dp_shard} shards)" if d.dp_replicate > 1 else ""
+        return (f"{self.info.type} x{self.world} ({f'pp={d.pp}, ' if d.pp > 1 else ''}dp={d.dp}{hsdp}, cp={d.cp} {d.cp_attention}, tp={d.tp}, "
                 f"encoder tp={d.tp_encoder}{f', ep={d.ep}' if d.ep > 1 else ''}), {n / 1e6:.2f}M trainable parameters"
                 + (", weights + optimizer state offloaded to host memory" if offload_mode(self.cfg) != "none" else ""))
 
@@ -278,8 +285,8 @@ class Engine:
         compute_s = time.perf_counter() - t0
         stats = self.pipeline.last_stats
         totals = torch.tensor([loss * max(normaliser, 1), *stats.values()], dtype=torch.float64, device=self.device)
-        if self.meshes.fsdp.size() > 1:  # each pipeline has its dp share of the rows, its CP share of their tokens
-            dist.all_reduce(totals, group=self.meshes.fsdp.get_group())
+        if self.meshes.dp_cp.size() > 1:  # each pipeline has its dp share of the rows, its CP share of their tokens
+            dist.all_reduce(totals, group=self.meshes.dp_cp.get_group())
         return self._apply_update(totals[0], dict(zip(stats, totals[1:])), normaliser, compute_s, count_step,
                                   reduce=False)
 
@@ -333,7 +340,7 @@ class Engine:
 
         if self.pipeline is None:
             return {"reduce": sum_over(), "replicas": self.dims.tp}
-        over_dp_cp, over_tp = sum_over(self.meshes.fsdp.get_group()), sum_over(self.meshes.tp.get_group())
+        over_dp_cp, over_tp = sum_over(self.meshes.dp_cp.get_group()), sum_over(self.meshes.tp.get_group())
 
         def reduce(t: torch.Tensor) -> torch.Tensor:  # the ranks holding this rank's stages
             return over_tp(over_dp_cp(t))
@@ -359,17 +366,19 @@ class Engine:
             raise RuntimeError(f"step {self.step}: {self.bad_in_row} steps in a row had a non-finite loss or gradient "
                                f"(loss {record['loss']}, grad_norm {record['grad_norm']}); stopping. Lower train.lr "
                                "or check the data.")
+        self.checkpointer.poll()  # publishes an asynchronous save once every rank has written it
         if (self.save_interval and self.step % self.save_interval == 0) or self.step == self.total:
             self.save(state_fn())
         eval_path = self.cfg.get("eval", {}).get("path")
         if self.eval_interval and eval_path and (self.step % self.eval_interval == 0 or self.step == self.total):
             self.evaluate()
+        watchdog.maybe_hang(self.rank, self.step + 1)
 
     def save(self, extra: dict) -> None:
         if not all_finite(self.model):
             raise RuntimeError(f"step {self.step}: weights are not finite; refusing to save a checkpoint")
         state = {"step": self.step, "skipped": self.skipped, "scheduler": self.scheduler.state_dict(), **extra}
-        checkpoint.save(self.ckpt_root, self.step, self.model, self.optimizer, state, self.config_yaml, self.keep_last)
+        self.checkpointer.save(self.step, self.model, self.optimizer, state, self.config_yaml)
 
     def evaluate(self) -> None:
         """Greedy-generation accuracy on ``cfg.eval`` (rank 0, on an unsharded copy under FSDP)."""
@@ -386,12 +395,15 @@ class Engine:
         dist.barrier()
 
     def finish(self) -> float:
-        """Close the logs, export (``train.save_hf``); returns the seconds since logging started."""
+        """Publish a save still being written, close the logs, export (``train.save_hf``); returns the
+        seconds since logging started."""
+        self.checkpointer.wait()
         self.log.close()
         if self.cfg.train.get("save_hf") and self.total > 0:
             self.export_hf(self.run_dir / "hf")
         seconds = time.perf_counter() - self.t_start
         dist.barrier()
+        self.watchdog.close()
         return seconds
 
     def export_hf(self, out: Path) -> None:

@@ -53,7 +53,7 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
     apply_cp(model, dims, meshes, head_groups=int(cfg.get("parallel", {}).get("cp_head_groups", 1) or 1))
     if dims.ep > 1:
         apply_ep(model, meshes.ep)
-    set_router_groups(model, meshes.fsdp, meshes.cp)
+    set_router_groups(model, meshes.dp_cp, meshes.cp)
     apply_ac(model, str(cfg.train.get("ac", "none")))
     if dims.pp == 1 and uses_fsdp(cfg, dims.world_size):  # a pipeline shards its ranks' parts after the cut
         apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")),

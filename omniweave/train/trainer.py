@@ -14,7 +14,6 @@ resume -> loop. With CP and TP the cp x tp ranks of a dp group take the same pac
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from omniweave.launch import add_arguments as launch_arguments, wants_launch
 from omniweave.train import checkpoint
 from omniweave.train.engine import Engine, with_process_group
 from omniweave.train.parallel_model import check_attn_backends
@@ -32,7 +32,7 @@ from omniweave.train.metrics import step_flops
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipe YAML path or built-in recipe name (configs/recipes/)")
     p.add_argument("overrides", nargs="*", help="key=value recipe overrides (Hydra syntax)")
-    p.add_argument("--nproc", type=int, default=1, help="processes on this machine (runs itself under torchrun)")
+    launch_arguments(p)
     p.add_argument("--resume", default=None,
                    help="'auto': continue from the run's latest complete checkpoint, if any; or a checkpoint dir")
 
@@ -40,9 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omniweave.config import load_recipe
 
+    launching = wants_launch(args)
     cfg = load_recipe(args.recipe, args.overrides)  # user mistakes surface here, before any rank starts
     check_ready(cfg, args.resume, kind=phase_kind(cfg))
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+    if launching:
         return launch(args)
     result = train(cfg, resume=args.resume)
     if result["rank"] == 0:
@@ -128,13 +129,18 @@ def train(cfg, resume: str | None = None, fault_hook=None) -> dict:
 
 
 def _train(cfg, resume, fault_hook) -> dict:
+    engine = Engine(cfg)
+    with engine.watchdog:  # a collective that fails: one line naming the rank and the collective
+        return _train_loop(engine, cfg, resume, fault_hook)
+
+
+def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
     from omegaconf import OmegaConf
 
     from omniweave.data.loader import LOADER_ONLY_KEYS, PackedLoader
     from omniweave.device import peak_memory_bytes
     from omniweave.parallel.cost_model import Refitter
 
-    engine = Engine(cfg)
     tc, dims = cfg.train, engine.dims
     gb, seed = int(tc.global_batch), int(tc.seed)
     data_cfg = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in LOADER_ONLY_KEYS}

@@ -60,7 +60,8 @@ def _reference(model, rows: list[dict]) -> tuple[float, dict[str, torch.Tensor]]
     return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-Layout = tuple[int, int, str, int, bool, int, int]  # dp, cp, cp_attention, cp_ulysses, vision_split, tp, tp_encoder
+# dp, cp, cp_attention, cp_ulysses, vision_split, tp, tp_encoder[, dp_replicate (HSDP; default 1)]
+Layout = tuple
 
 
 def _layouts(world: int) -> list[Layout]:
@@ -77,9 +78,10 @@ def _layouts(world: int) -> list[Layout]:
 def _cfg(layout: Layout, recipe: str = "demo"):
     from omniweave.config import load_recipe
 
-    dp, cp, mode, uly, vs, tp, tp_enc = layout
+    dp, cp, mode, uly, vs, tp, tp_enc, *hsdp = layout
     encoders = ["image_encoder", "audio_encoder"] if recipe == "demo_omni" else ["image_encoder"]
-    return load_recipe(recipe, [f"parallel.cp={cp}", f"parallel.cp_attention={mode}", f"parallel.cp_ulysses={uly}",
+    return load_recipe(recipe, [f"parallel.dp_replicate={hsdp[0] if hsdp else 1}",
+                                f"parallel.cp={cp}", f"parallel.cp_attention={mode}", f"parallel.cp_ulysses={uly}",
                                 f"parallel.vision_split={str(vs).lower()}", f"model.foundation.tp={tp}",
                                 *(f"model.{e}.tp={tp_enc}" for e in encoders)])
 
@@ -93,7 +95,7 @@ def _body(rank: int, world: int, packed: str, layouts: list[Layout] | None = Non
     from omniweave.train.parallel_model import build
 
     base = _model(recipe)
-    rows = _rows(packed, 2)
+    rows = _rows(packed, max((layout[0] for layout in layouts or ()), default=2))
     refs: dict[int, tuple] = {}  # dp -> reference over the global batch (dp group g takes row g)
     results = []
     for layout in layouts or _layouts(world):
@@ -117,7 +119,11 @@ def _body(rank: int, world: int, packed: str, layouts: list[Layout] | None = Non
         for name, p in model.named_parameters():
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             worst = max(worst, float((g - ref_grads[name]).abs().max() / ref_grads[name].abs().max().clamp_min(1e-12)))
+        weight = model.foundation.layers[0].mlp.down_proj.weight  # FSDP's placement of a decoder weight
         results.append({"layout": layout, "loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst,
+                        "placements": [str(x) for x in getattr(weight, "placements", ())],
+                        "shard_ranks": dist.get_process_group_ranks(weight.device_mesh.get_group(-1))
+                        if hasattr(weight, "device_mesh") else [],
                         "view_warnings": [str(w.message) for w in caught if "returned a view" in str(w.message)],
                         "encoder_fsdp": isinstance(model.image_encoder, FSDPModule),
                         "audio_items": int(row["audio_lengths"].numel()) if "audio_lengths" in row else 0,
@@ -141,6 +147,23 @@ def _check(results: list[list[dict]]) -> None:
 def test_parallel_layouts_match_single_process(demo_packed, world):
     """Every layout of ``_layouts``: loss and all gradients equal to 1 rank on the same rows."""
     _check(run_ranks(_body, world, str(demo_packed), timeout=600))
+
+
+def test_hsdp_layouts_match_single_process(demo_packed):
+    """HSDP (parallel.dp_replicate = 2) on 4 ranks: 2 replicas x 2 shards; 2 replicas each sharded
+    over its 2 CP ranks; 2 replicas of a foundation at tp 2 over an encoder at tp 1 (the encoder's
+    own mesh is (replicate, tp_rep)). Decoder weights are Replicate x Shard(0) on a (2, 2) mesh
+    whose shard groups are consecutive ranks (one node's), and loss and every gradient equal one
+    process within 1e-5."""
+    layouts = [(4, 1, "ring", 1, True, 1, 1, 2), (2, 2, "ring", 1, True, 1, 1, 2), (2, 1, "ring", 1, True, 2, 1, 2)]
+    results = run_ranks(_body, 4, str(demo_packed), layouts, timeout=600)
+    _check(results)
+    for rank, rank_results in enumerate(results):
+        hsdp_2x2, hsdp_cp, hsdp_tp = rank_results
+        assert hsdp_2x2["placements"] == ["R", "S(0)"], hsdp_2x2
+        assert hsdp_2x2["shard_ranks"] == ([0, 1] if rank < 2 else [2, 3])  # the shards of a replica on one node
+        assert hsdp_cp["placements"] == ["R", "S(0)"] and hsdp_cp["shard_ranks"] == hsdp_2x2["shard_ranks"]
+        assert hsdp_tp["placements"][0] == "R" and hsdp_tp["encoder_fsdp"]
 
 
 def test_fsdp_wrapped_encoder_returns_no_view(demo_packed):

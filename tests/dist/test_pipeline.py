@@ -198,10 +198,10 @@ def _engine_body(rank: int, world: int, packed: str, out: str, layouts: list[lis
         cfg = load_recipe("demo", [f"data.path={packed}", f"data.max_len={CAPACITY}", "model.foundation.num_layers=4",
                                    "train.global_batch=4", f"output_dir={out}/{i}", "parallel.pp=2", *layout])
         engine = Engine(cfg)
-        pipe, fsdp = engine.pipeline, engine.meshes.fsdp
+        pipe, dp_cp = engine.pipeline, engine.meshes.dp_cp
         loss = torch.tensor(pipe.step(pipe.prepare_rows(rows), normaliser=sum(r["num_loss_tokens"] for r in rows)),
                             dtype=torch.float64)
-        dist.all_reduce(loss, group=fsdp.get_group())  # each CP rank's pipeline has its shards' loss
+        dist.all_reduce(loss, group=dp_cp.get_group())  # each CP rank's pipeline has its shards' loss
         grads = {k: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for k, p in pipe.named_parameters()}
         results.append({"loss": float(loss), "grads": grads, "pipeline": dist.get_process_group_ranks(pipe.group),
                         "row_length": pipe.capacity})
