@@ -261,6 +261,7 @@ def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) 
 
 
 _COMPONENT_KEY = re.compile(r"^(model\.(\w+)\.(\w+))=")  # model.<section>.<field>=; sections: registry.MODEL_SECTIONS
+_LORA_KEY = re.compile(r"^model\.(\w+)\.lora\.(\w+)=")  # model.<section>.lora.<field>= (models/lora.py)
 
 
 def _component_fields(kind: str, section: Any) -> list[str]:
@@ -278,8 +279,10 @@ def _component_fields(kind: str, section: Any) -> list[str]:
 def _compose_with_component_fields(path: Path, overrides: list[str]) -> DictConfig:
     """Compose; when Hydra refuses an override ``model.<component>.<field>=V`` because the
     component's YAML leaves ``field`` at its default, compose again with ``+model.…`` for it, so
-    every field of a registered component's config is set the same way. The second compose (and
-    importing the registry) happens only for such an override, not on every load."""
+    every field of a registered component's config is set the same way; likewise for
+    ``model.<component>.lora.<field>=V`` (the LoRA section, models/lora.py, whether the recipe has
+    one or not). The second compose (and importing the registry) happens only for such an
+    override, not on every load."""
     try:
         return _compose(path, overrides)
     except Exception:  # noqa: BLE001 - Hydra raises many types; load_recipe explains what stays wrong
@@ -291,18 +294,30 @@ def _compose_with_component_fields(path: Path, overrides: list[str]) -> DictConf
 
 def _component_field_overrides(path: Path, overrides: list[str]) -> list[str]:
     """``overrides`` with ``+`` added to each ``model.<component>.<field>=V`` whose field is not in
-    the composed YAML but is a field of the component's registered config."""
-    wanted = [(i, m) for i, o in enumerate(overrides) if (m := _COMPONENT_KEY.match(o))]
-    others = [o for i, o in enumerate(overrides) if i not in {j for j, _ in wanted}]
+    the composed YAML but is a field of the component's registered config or ``lora``, and to each
+    ``model.<component>.lora.<field>=V`` of a component whose YAML lacks that LoRA field (an
+    unknown LoRA field is a RecipeError listing the valid ones)."""
+    from omniweave.models.lora import LORA_KEYS
+
+    fields = {i: m for i, o in enumerate(overrides) if (m := _COMPONENT_KEY.match(o))}
+    lora = {i: m for i, o in enumerate(overrides) if (m := _LORA_KEY.match(o))}
+    for m in lora.values():
+        if m.group(2) not in LORA_KEYS:
+            raise RecipeError(f"model.{m.group(1)}.lora.{m.group(2)}: unknown LoRA field; valid: {', '.join(LORA_KEYS)}")
+    others = [o for i, o in enumerate(overrides) if i not in fields and i not in lora]
     try:
         model = OmegaConf.to_container(_compose(path, others).model)
     except Exception:  # noqa: BLE001 - the recipe itself is broken: load_recipe explains it
         return overrides
     out = list(overrides)
-    for i, m in wanted:
+    for i, m in fields.items():
         kind, key = m.group(2), m.group(3)
-        section = model.get(kind) or {}
-        if key not in section and key in _component_fields(kind, section):
+        section = model.get(kind)
+        if isinstance(section, dict) and key not in section and (key == "lora" or key in _component_fields(kind, section)):
+            out[i] = "+" + overrides[i]
+    for i, m in lora.items():
+        section = model.get(m.group(1))
+        if isinstance(section, dict) and m.group(2) not in (section.get("lora") or {}):
             out[i] = "+" + overrides[i]
     return out
 

@@ -96,3 +96,52 @@ def test_an_unknown_offload_mode_is_refused_naming_the_key():
 
     with pytest.raises(ValueError, match=r"train.offload='gpu'; choose one of none, optimizer"):
         apply_fsdp(None, None, offload="gpu")
+
+
+@pytest.mark.parametrize("recipe_lora, alpha_alone", [(None, {"alpha": 4}), ("lora: {r: 16, alpha: 32}", {"r": 16, "alpha": 4}),
+                                                     ("lora: null", {"alpha": 4})])
+def test_dotted_lora_keys_work_like_the_dict_form(configs, recipe_lora, alpha_alone):
+    """``model.<component>.lora.<field>=V`` on the command line: whether the recipe has no lora
+    section, one, or ``lora: null``, the section is the one the dict form gives (with or without
+    Hydra's ``+``); one dotted field changes that field of the recipe's section and only it."""
+    if recipe_lora:
+        _write(configs / "recipes/r.yaml", f"""\
+            defaults:
+              - foundation@model.foundation: tiny
+              - _self_
+            model:
+              foundation:
+                {recipe_lora}
+            """)
+    lora = lambda overrides: config.to_dict(config.load_recipe("r", overrides).model)["foundation"]["lora"]  # noqa: E731
+    dotted = ["model.foundation.lora.r=8", "model.foundation.lora.alpha=16", "model.foundation.lora.dropout=0.1",
+              "model.foundation.lora.targets=[q_proj,v_proj]"]
+    want = {"r": 8, "alpha": 16, "dropout": 0.1, "targets": ["q_proj", "v_proj"]}
+    assert lora(dotted) == want
+    if recipe_lora is None:  # the dict form, with Hydra's '+' for a key the recipe lacks or without
+        for plus in ("+", ""):
+            assert lora([plus + "model.foundation.lora={r: 8, alpha: 16, dropout: 0.1, targets: [q_proj, v_proj]}"]) == want
+    assert lora(["model.foundation.lora.alpha=4"]) == alpha_alone
+
+
+def test_a_dotted_rank_alone_takes_the_lora_defaults(configs):
+    """Only ``r`` given: alpha = r (scaling 1), no dropout, every Linear (models/lora.py's defaults);
+    the other fields alone leave the rank missing, which the model build names."""
+    from omniweave.errors import UserError
+    from omniweave.models.lora import ALL_LINEAR, LoraConfig, lora_configs
+
+    model = config.to_dict(config.load_recipe("r", ["model.foundation.lora.r=8"]).model)
+    assert lora_configs(model) == {"foundation": LoraConfig(r=8, alpha=8.0, dropout=0.0, targets=ALL_LINEAR)}
+    model = config.to_dict(config.load_recipe("r", ["model.foundation.lora.alpha=8"]).model)
+    with pytest.raises(UserError, match=r"^model.foundation.lora.r is required"):
+        lora_configs(model)
+
+
+@pytest.mark.parametrize("recipe_lora", [None, "lora: {r: 16}"])
+def test_an_unknown_dotted_lora_field_names_the_valid_ones(configs, recipe_lora):
+    if recipe_lora:
+        _write(configs / "recipes/r.yaml", f"defaults:\n  - foundation@model.foundation: tiny\n  - _self_\n"
+                                           f"model:\n  foundation:\n    {recipe_lora}\n")
+    with pytest.raises(RecipeError) as e:
+        config.load_recipe("r", ["model.foundation.lora.rank=8"])
+    assert str(e.value) == "model.foundation.lora.rank: unknown LoRA field; valid: r, alpha, dropout, targets"
