@@ -161,3 +161,183 @@ def test_text_model_adapter_over_its_init_from_base(family, tmp_path):
     with torch.no_grad():
         got = peft.PeftModel.from_pretrained(hf.eval(), str(tmp_path / "out/adapter")).eval()(input_ids=ids[None]).logits[0]
     assert float((got - want).abs().max()) <= ATOL
+
+
+# ----------------------------------------------------------------------------- mixed runs
+# A run that started from a HF directory (``train.init_from``) with some components adapted, some
+# trained in full and some frozen. Real gradient steps move the trained ones away from the base,
+# so an adapter that leaves them out (or that PEFT cannot load) fails the comparison.
+
+ADAPT = {"foundation": {"lora": {"r": 4, "alpha": 8}},
+         "image_encoder": {"lora": {"r": 2, "alpha": 6, "targets": ["qkv", "fc1"]}}}
+FREEZE = {"freeze": True}
+MIXES = {  # id: (recipe model sections, tied embeddings, modules_to_save)
+    "foundation_lora_vision_trained": ({"foundation": ADAPT["foundation"]}, False, ["model.visual"]),
+    "foundation_lora_vision_frozen": ({"foundation": ADAPT["foundation"], "image_encoder": FREEZE, "projector": FREEZE},
+                                      False, None),
+    "lora_on_both_projector_trained": (ADAPT, False, ["model.visual.merger"]),
+    "foundation_lora_vit_trained_merger_frozen": ({"foundation": ADAPT["foundation"], "projector": FREEZE}, False,
+                                                  ["model.visual.blocks.0", "model.visual.blocks.1",  # a ModuleList: PEFT
+                                                   "model.visual.patch_embed"]),                      # keeps its children
+    "vision_lora_tied_foundation_trained": ({"image_encoder": ADAPT["image_encoder"], "projector": FREEZE}, True,
+                                            ["lm_head", "model.language_model"]),
+}
+
+
+def _trained_checkpoint(src, sections: dict, ckpt, steps: int = 3):
+    """A checkpoint of ``src`` trained ``steps`` AdamW steps with the recipe's ``sections`` (freeze,
+    lora), its recipe naming ``src`` as ``train.init_from`` (so ``hf export --adapter`` takes src as the base)."""
+    import yaml
+
+    from omniweave.models.hf.loading import adapter_for, load_hf_into, read_hf_config
+    from omniweave.models.registry import build_model
+
+    cfg = adapter_for(read_hf_config(src)["model_type"]).model_config(read_hf_config(src))
+    for section, extra in sections.items():
+        cfg[section].update(copy.deepcopy(extra))
+    torch.manual_seed(0)
+    model = build_model(cfg)  # the recipe's freezing and adapters
+    load_hf_into(model, src)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(steps):
+        sample = make_sample(SAMPLE, seed=10 + step)
+        batch = {k: v for k, v in sample.items() if k != "kinds"}
+        torch.nn.functional.cross_entropy(model.logits(batch), sample["labels"], ignore_index=-100).backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint_dir(model, cfg, ckpt)
+    recipe = yaml.safe_load((ckpt / "config.yaml").read_text())
+    (ckpt / "config.yaml").write_text(yaml.safe_dump({**recipe, "train": {"init_from": str(src)}}, sort_keys=False))
+    return model
+
+
+def _export_mix(mix: str, root):
+    """``root/src`` (the base), ``root/ckpt`` trained as ``MIXES[mix]`` says, ``root/peft/adapter``; returns src."""
+    sections, tie, _ = MIXES[mix]
+    src = save_tiny("qwen2_vl", root / "src", tie=tie)
+    _trained_checkpoint(src, sections, root / "ckpt")
+    assert _export(root / "ckpt", root / "peft", "--adapter") == 0
+    return src
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_mixed_run_adapter_gives_the_merged_export_through_peft(mix, tmp_path):
+    """``hf export --adapter`` of a mixed run: modules_to_save holds each fully trained part at its
+    outermost module (no nesting, nothing frozen or adapted in it), and PEFT over the untouched base
+    gives the merged export's logits (transformers) within 1e-4; so does our own loader."""
+    from omniweave.models.hf.peft_adapter import load_adapter
+
+    src = _export_mix(mix, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["adapter"]  # the base is src
+    want_saved = MIXES[mix][2]
+    config = json.loads((tmp_path / "peft/adapter/adapter_config.json").read_text())
+    assert config["modules_to_save"] == want_saved
+    assert _export(tmp_path / "ckpt", tmp_path / "merged") == 0
+
+    sample = make_sample(SAMPLE, seed=2)
+    hf = hf_class("qwen2_vl")
+    merged = hf.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
+    base = hf.from_pretrained(src, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = merged(**hf_inputs(sample)).logits[0]
+        assert float((base(**hf_inputs(sample)).logits[0] - want).abs().max()) > 100 * ATOL  # training moved it
+        got = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft/adapter")).eval()(**hf_inputs(sample)).logits[0]
+    diff = float((got - want).abs().max())
+    print(f"{mix}: PEFT over the base vs the merged export: max |Δlogits| = {diff:.2e}")
+    assert diff <= ATOL
+
+    ours, _ = load_hf(src)
+    load_adapter(ours, tmp_path / "peft/adapter")
+    _, mine = _logits(merged, ours.eval(), sample)
+    assert float((mine - want).abs().max()) <= ATOL
+
+
+def test_modules_to_save_are_the_outermost_wholly_trained_modules():
+    """The choice alone (names only): a module is kept when everything in it trains in full (buffers
+    aside), the outermost such; never the model itself, a container PEFT cannot wrap, or anything
+    holding a frozen or adapted tensor."""
+    from omniweave.models.hf.peft_adapter import ADAPTED, BUFFER, FROZEN, TRAINED, modules_to_save
+
+    status = {"model.visual.patch_embed.proj.weight": TRAINED, "model.visual.blocks.0.attn.qkv.weight": TRAINED,
+              "model.visual.blocks.1.norm.weight": TRAINED, "model.visual.rope.inv_freq": BUFFER,
+              "model.visual.merger.mlp.0.weight": TRAINED, "model.lm.layers.0.q.weight": ADAPTED,
+              "model.lm.layers.0.q.bias": ADAPTED, "model.lm.norm.weight": FROZEN, "lm_head.weight": FROZEN}
+    assert modules_to_save(status) == ["model.visual"]  # not model.visual.merger again inside it
+    status["model.visual.merger.mlp.0.weight"] = FROZEN
+    assert modules_to_save(status) == ["model.visual.blocks", "model.visual.patch_embed"]
+    assert modules_to_save(status, {"model.visual.blocks"}) == ["model.visual.blocks.0", "model.visual.blocks.1",
+                                                                 "model.visual.patch_embed"]
+    status["model.lm.norm.weight"] = status["lm_head.weight"] = TRAINED
+    assert modules_to_save(status) == ["lm_head", "model.lm.norm", "model.visual.blocks", "model.visual.patch_embed"]
+    assert modules_to_save({k: FROZEN for k in status}) == []
+
+
+@pytest.mark.parametrize("status, message", [
+    ({"model.proj.weight": "trained in full", "model.proj.bias": "frozen", "model.other.weight": "frozen"},
+     "model.proj.weight is trained in full, but PEFT's modules_to_save keeps whole modules and every module holding it "
+     "also holds model.proj.bias (frozen); export this run merged (without --adapter), or train that module's "
+     "components alike (all in full, adapters or frozen)"),
+    ({"model.block.scale": "trained in full", "model.block.fc.weight": "LoRA-adapted"},
+     "model.block.scale is trained in full, but PEFT's modules_to_save keeps whole modules and every module holding it "
+     "also holds model.block.fc.weight (LoRA-adapted); export"),
+    ({"scale": "trained in full", "model.fc.weight": "frozen"},
+     "scale is trained in full but is a tensor of the model itself, in no module PEFT's modules_to_save can keep; "
+     "export this run merged (without --adapter)"),
+])
+def test_a_mix_peft_cannot_express_is_refused_in_one_line(status, message):
+    from omniweave.models.hf.peft_adapter import modules_to_save
+
+    with pytest.raises(UserError) as e:
+        modules_to_save(status)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def vision_trained(tmp_path_factory):
+    """The reported run: adapters on the foundation, the vision tower and projector trained in full."""
+    root = tmp_path_factory.mktemp("vision_trained")
+    return _export_mix("foundation_lora_vision_trained", root), root / "peft/adapter"
+
+
+def _edited(adapter, tmp_path, **config):
+    """A copy of ``adapter`` with ``config`` changed in its adapter_config.json."""
+    import shutil
+
+    out = shutil.copytree(adapter, tmp_path / "edited")
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+    return out
+
+
+@pytest.mark.parametrize("saved, message", [
+    (["model.visual", "model.visual.merger"],  # what omniweave wrote before: PEFT fails with a KeyError
+     "modules_to_save keeps model.visual.merger inside model.visual, which PEFT cannot load; export the checkpoint "
+     "again (omniweave hf export CKPT --output DIR --adapter)"),
+    (["merger"], "tensor model.visual.blocks.0.attn.proj.bias is in no module of modules_to_save (merger): PEFT would "
+                 "not load it"),
+])
+def test_hf_verify_refuses_an_adapter_peft_cannot_load_in_one_line(vision_trained, tmp_path, capsys, saved, message):
+    from omniweave.cli import main as cli
+
+    src, adapter = vision_trained
+    edited = _edited(adapter, tmp_path, modules_to_save=saved)
+    capsys.readouterr()
+    assert cli(["hf", "verify", str(src), "--adapter", str(edited)]) == 2
+    err = capsys.readouterr().err  # transformers' loading bars, then our one line
+    assert err.strip().splitlines()[-1] == f"omniweave hf verify: error: {edited}: {message}"
+    assert "Traceback" not in err
+
+
+def test_hf_verify_turns_what_peft_raises_into_one_line(vision_trained, tmp_path, capsys):
+    """An adapter our loader reads but peft refuses (its target_modules name no module of the base)."""
+    from omniweave.cli import main as cli
+
+    src, adapter = vision_trained
+    edited = _edited(adapter, tmp_path, target_modules=["no_such_proj"])
+    capsys.readouterr()
+    assert cli(["hf", "verify", str(src), "--adapter", str(edited)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(f"omniweave hf verify: error: {edited}: peft cannot load this "
+                                                   f"adapter over {src}: NoMatchingPeftModuleError: No modules were "
+                                                   "targeted for adaptation.")
+    assert "Traceback" not in err

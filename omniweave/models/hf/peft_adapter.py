@@ -5,7 +5,8 @@
     DIR/adapter/adapter_config.json        peft_type LORA, r / lora_alpha (per-module ranks and alphas
                                            that differ in rank_pattern / alpha_pattern), target_modules
                                            (the adapted modules' full transformers names),
-                                           modules_to_save (components trained in full)
+                                           modules_to_save (what trains in full, each part at its outermost
+                                           module that holds nothing frozen or adapted: :func:`modules_to_save`)
     DIR/adapter/adapter_model.safetensors  base_model.model.<transformers module>.lora_A.weight / lora_B.weight,
                                            base_model.model.<tensor> of each module to save
     DIR/base/                              the base weights as a HF directory (export.py), unless the
@@ -16,7 +17,8 @@ computes what omniweave computed. Names are the transformers model's own module 
 load-time renaming of the family adapter's checkpoint names: :class:`TransformersNames`), as peft
 writes them itself (the PEFT round-trip tests compare). :func:`load_adapter` puts such a directory back onto an
 omniweave model of its base (``hf verify --adapter``); an adapter of another base is an error
-that names the tensors that do not fit.
+that names the tensors that do not fit, and one PEFT cannot load (nested ``modules_to_save``, as
+omniweave wrote before it chose the outermost module) an error that says so.
 """
 
 from __future__ import annotations
@@ -56,9 +58,16 @@ class TransformersNames:
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
-        meta = model.state_dict()
+        meta = model.state_dict(keep_vars=True)
         self.hf_adapter, self.present = hf_adapter, set(meta)
         self._rename = lambda n: rename_source_key(n, renamings, converters, model.base_model_prefix, meta)[0]
+        shared: dict[int, list[str]] = {}  # tied tensors (lm_head.weight = embed_tokens.weight): one object
+        for n, t in meta.items():
+            shared.setdefault(id(t), []).append(n)
+        self._ties = {n: group for group in shared.values() for n in group}
+        # modules PEFT's modules_to_save refuses to wrap (they have no forward of their own)
+        containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+        self.containers = {n for n, m in model.named_modules() if isinstance(m, containers)}
 
     def tensor(self, name: str) -> str | None:
         """The transformers name of our tensor ``name``; None if the model has no such tensor."""
@@ -67,6 +76,12 @@ class TransformersNames:
             return None
         renamed = self._rename(hf)
         return renamed if renamed in self.present else None
+
+    def tensors(self, name: str) -> list[str]:
+        """Every transformers name of our tensor ``name``: its own and those tied to it (a tied
+        head is one tensor under two names); [] if the model has no such tensor."""
+        hf = self.tensor(name)
+        return [] if hf is None else self._ties[hf]
 
     def module(self, name: str) -> str:
         """The transformers module name of our Linear ``name``."""
@@ -77,33 +92,64 @@ class TransformersNames:
         return hf[: -len(".weight")]
 
 
-def _saved_modules(model: nn.Module, names: TransformersNames) -> dict[str, list[str]]:
-    """HF module prefix -> our tensor names under it, for each component trained in full next to
-    adapters (PEFT's modules_to_save): a component none of whose weights is frozen or an adapter."""
+# What each tensor of the transformers model is in an adapted model, for PEFT's modules_to_save
+TRAINED, FROZEN, ADAPTED, BUFFER = "trained in full", "frozen", "LoRA-adapted", "a buffer"
+
+
+def tensor_status(model: nn.Module, names: TransformersNames) -> dict[str, str]:
+    """Transformers tensor name -> TRAINED, ADAPTED (weight or bias of a Linear with an adapter),
+    FROZEN or BUFFER, for every tensor of the transformers model (tied names included; one that
+    omniweave's model lacks keeps transformers' own value: FROZEN)."""
     adapted = {name for name, _ in adapted_linears(model)}
-    out = {}
-    for section, component in model.named_children():
-        params = [(n, p) for n, p in component.named_parameters() if not is_adapter_name(n)]
-        if not params or not all(p.requires_grad for _, p in params):
+    status = dict.fromkeys(names.present, FROZEN)
+    for n, t in model.state_dict(keep_vars=True).items():
+        if is_adapter_name(n):
             continue
-        hf = [names.tensor(f"{section}.{n}") for n, _ in params]
-        prefix = ".".join(_common_prefix([n.split(".") for n in hf if n is not None]))
-        inside = [n for n in model.state_dict() if not is_adapter_name(n)
-                  and (h := names.tensor(n)) is not None and h.startswith(prefix + ".")]
-        if not prefix or any(n.rsplit(".", 1)[0] in adapted for n in inside):
-            raise UserError(f"the {section} was trained in full but its transformers module ({prefix or 'the whole model'}) "
-                            "also holds adapters or other components; export this model merged (without --adapter)")
-        out[prefix] = inside
-    return out
+        if n.rsplit(".", 1)[0] in adapted:
+            s = ADAPTED
+        elif isinstance(t, nn.Parameter):
+            s = TRAINED if t.requires_grad else FROZEN
+        else:
+            s = BUFFER
+        status.update(dict.fromkeys(names.tensors(n), s))
+    return status
 
 
-def _common_prefix(parts: list[list[str]]) -> list[str]:
-    prefix = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        prefix.append(level[0])
-    return prefix
+def _modules_of(tensor: str) -> list[str]:
+    """The modules holding ``tensor``, outermost first (``a.b.weight`` -> ``a``, ``a.b``; the model
+    itself, which PEFT cannot save, is not one)."""
+    parts = tensor.split(".")[:-1]
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def modules_to_save(status: dict[str, str], containers: set[str] = frozenset()) -> list[str]:
+    """PEFT's ``modules_to_save`` for tensors of ``status`` (:func:`tensor_status`): for each tensor
+    trained in full, the outermost module that holds nothing but such tensors (and buffers) and is
+    not one of ``containers`` (ModuleList / ModuleDict, which PEFT refuses to wrap: their children
+    are kept instead). PEFT keeps whole modules: an adapted Linear inside a kept one would lose its
+    adapter, a frozen tensor would be copied for nothing, and a module inside a kept one cannot be
+    listed again (PEFT fails to load that). A trained tensor every module of which also holds
+    frozen or adapted tensors is a UserError naming both."""
+    held: dict[str, set[str]] = {}
+    for name, s in status.items():
+        for module in _modules_of(name):
+            held.setdefault(module, set()).add(s)
+    saved = set()
+    for name, s in status.items():
+        if s != TRAINED:
+            continue
+        module = next((m for m in _modules_of(name) if held[m] <= {TRAINED, BUFFER} and m not in containers), None)
+        if module is None and not _modules_of(name):
+            raise UserError(f"{name} is trained in full but is a tensor of the model itself, in no module PEFT's "
+                            "modules_to_save can keep; export this run merged (without --adapter)")
+        if module is None:
+            owner = _modules_of(name)[-1] + "."
+            other = next(o for o, so in status.items() if so in (FROZEN, ADAPTED) and o.startswith(owner))
+            raise UserError(f"{name} is trained in full, but PEFT's modules_to_save keeps whole modules and every "
+                            f"module holding it also holds {other} ({status[other]}); export this run merged (without "
+                            "--adapter), or train that module's components alike (all in full, adapters or frozen)")
+        saved.add(module)
+    return sorted(saved)
 
 
 def adapter_state(model: nn.Module, names: TransformersNames) -> tuple[dict[str, torch.Tensor], dict]:
@@ -117,11 +163,11 @@ def adapter_state(model: nn.Module, names: TransformersNames) -> tuple[dict[str,
         dropouts.append(float(getattr(m.lora_dropout, "p", 0.0)))
     if not ranks:
         raise UserError("the checkpoint's model has no LoRA adapters (model.<component>.lora); export it without --adapter")
-    saved = _saved_modules(model, names)
-    sd = model.state_dict()
-    for inside in saved.values():
-        for n in inside:
-            tensors[PREFIX + names.tensor(n)] = sd[n].detach().cpu().contiguous().clone()
+    saved = modules_to_save(tensor_status(model, names), names.containers)
+    for n, t in model.state_dict().items():  # the saved modules' tensors, each under all its names
+        for hf in names.tensors(n):
+            if any(m in saved for m in _modules_of(hf)):
+                tensors[PREFIX + hf] = t.detach().cpu().contiguous().clone()
     r = Counter(ranks.values()).most_common(1)[0][0]
     alpha = Counter(alphas.values()).most_common(1)[0][0]
     fields = {"r": r, "lora_alpha": _number(alpha), "lora_dropout": max(dropouts),
@@ -209,10 +255,14 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> int:
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / CONFIG).is_file() or not (adapter_dir / WEIGHTS).is_file():
         raise UserError(f"{adapter_dir}: not a PEFT adapter directory (expected {CONFIG} and {WEIGHTS})")
-    cfg = json.loads((adapter_dir / CONFIG).read_text())
-    if cfg.get("peft_type") != "LORA":
-        raise UserError(f"{adapter_dir}: peft_type {cfg.get('peft_type')!r}; only LORA adapters are supported")
-    tensors = load_file(str(adapter_dir / WEIGHTS))
+    try:
+        cfg = json.loads((adapter_dir / CONFIG).read_text())
+        tensors = load_file(str(adapter_dir / WEIGHTS))
+    except (ValueError, OSError) as e:  # JSONDecodeError and SafetensorError are ValueErrors / OSErrors
+        raise UserError(f"{adapter_dir}: cannot read the adapter: {e}") from None
+    peft_type = cfg.get("peft_type") if isinstance(cfg, dict) else None
+    if peft_type != "LORA":
+        raise UserError(f"{adapter_dir}: peft_type {peft_type!r}; only LORA adapters are supported")
     hf_adapter = adapter_for(hf_model_type(model))
     names = TransformersNames(hf_adapter, hf_adapter.model_config_to_hf(model))
     ours = {}
@@ -224,7 +274,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> int:
     wrong = []
     plan = []
     for key in sorted(k for k in tensors if k.endswith(".lora_A.weight")):
-        hf = key[len(PREFIX) : -len(".lora_A.weight")]
+        hf = key.removeprefix(PREFIX)[: -len(".lora_A.weight")]
         b = tensors.get(f"{PREFIX}{hf}.lora_B.weight")
         linear = model.get_submodule(ours[hf]) if hf in ours else None
         a = tensors[key]
@@ -237,6 +287,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> int:
         raise UserError(f"{adapter_dir}: this adapter does not fit the model (it was exported for another base model: "
                         f"{base}): " + ("; ".join(wrong[:4]) + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else "")
                                         if wrong else "no lora_A tensors"))
+    saved = _saved_tensors(model, names, cfg, tensors, adapter_dir)
     for linear, hf, a, b in plan:
         r = a.shape[0]
         alpha = _pattern_value(cfg.get("alpha_pattern") or {}, hf, cfg.get("lora_alpha", 8))
@@ -244,7 +295,9 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> int:
         with torch.no_grad():
             linear.lora_A.weight.copy_(a)
             linear.lora_B.weight.copy_(b)
-    _load_saved_modules(model, names, tensors, adapter_dir)
+    with torch.no_grad():
+        for target, value in saved:
+            target.copy_(value)
     return len(plan)
 
 
@@ -252,17 +305,30 @@ def _all_linears(model: nn.Module) -> list[str]:
     return [f"{section}.{n}" for section, c in model.named_children() for n in candidate_linears(c)]
 
 
-def _load_saved_modules(model: nn.Module, names: TransformersNames, tensors: dict, adapter_dir: Path) -> None:
-    """The adapter's full tensors (modules_to_save) into the model; their shapes must fit."""
-    full = {k[len(PREFIX) :]: v for k, v in tensors.items() if not is_adapter_name(k)}
-    if not full:
-        return
+def _saved_tensors(model: nn.Module, names: TransformersNames, cfg: dict, tensors: dict,
+                   adapter_dir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(our tensor, its value) for each full tensor of the adapter (PEFT's modules_to_save), checked
+    as PEFT loads them: the modules that ``modules_to_save`` names (PEFT keeps each module whose
+    name ends with an entry) are not nested and hold every full tensor, and each fits the model."""
+    entries = cfg.get("modules_to_save") or []
+    kept = sorted(m for m in {m for hf in names.present for m in _modules_of(hf)} if any(m.endswith(e) for e in entries))
+    nested = [(outer, inner) for outer in kept for inner in kept if inner.startswith(outer + ".")]
+    if nested:
+        raise UserError(f"{adapter_dir}: modules_to_save keeps {nested[0][1]} inside {nested[0][0]}, which PEFT cannot "
+                        "load; export the checkpoint again (omniweave hf export CKPT --output DIR --adapter)")
     sd = model.state_dict()
-    ours = {names.tensor(n): n for n in sd if not is_adapter_name(n)}
-    for hf, t in full.items():
+    ours = {hf: n for n in sd if not is_adapter_name(n) for hf in names.tensors(n)}
+    out = []
+    for key, t in sorted(tensors.items()):
+        if is_adapter_name(key):
+            continue
+        hf = key.removeprefix(PREFIX)
         n = ours.get(hf)
         if n is None or tuple(sd[n].shape) != tuple(t.shape):
             raise UserError(f"{adapter_dir}: saved module tensor {hf} {list(t.shape)} does not fit the model "
                             "(an adapter exported for another base model?)")
-        with torch.no_grad():
-            sd[n].copy_(t)
+        if not any(m in kept for m in _modules_of(hf)):
+            raise UserError(f"{adapter_dir}: tensor {hf} is in no module of modules_to_save ({', '.join(entries) or 'none'}): "
+                            "PEFT would not load it")
+        out.append((sd[n], t))
+    return out

@@ -23,7 +23,8 @@ any other model type refuses that flag, exit 2).
 
 ``--adapter ADAPTER_DIR`` (a PEFT LoRA adapter of HF_DIR, e.g. from ``hf export --adapter``): the
 transformers side is peft's ``PeftModel`` over HF_DIR, ours the same base with the adapter loaded
-(hf/peft_adapter.py); an adapter of another base model is refused, naming the tensors.
+(hf/peft_adapter.py); an adapter of another base model is refused, naming the tensors, and one
+peft cannot load is one line, not peft's traceback.
 
 It exits 1 when any difference exceeds ``--atol`` (ids and grids must be equal), 0 otherwise.
 
@@ -55,6 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omniweave.errors import UserError
 from omniweave.models.hf.loading import load_hf, read_hf_config
 
 
@@ -252,7 +254,11 @@ def load_pair(args, hf_dir: Path, hf_cfg: dict):
             from peft import PeftModel
         except ImportError:
             raise SystemExit("error: --adapter needs peft (pip install peft: the dev extra)") from None
-        hf_model = PeftModel.from_pretrained(hf_model, str(args.adapter)).eval()
+        try:
+            hf_model = PeftModel.from_pretrained(hf_model, str(args.adapter)).eval()
+        except (KeyError, ValueError, RuntimeError) as e:  # what peft raises for an adapter it cannot apply
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise UserError(f"{args.adapter}: peft cannot load this adapter over {hf_dir}: {type(e).__name__}: {first}") from None
     return hf_model, ours.eval()
 
 
