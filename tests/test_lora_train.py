@@ -1,7 +1,8 @@
 """LoRA through the trainer on 1 rank: ``train.init_from`` a HF directory (the base) with adapters on
 the foundation, the base weights stay exactly the HF ones while the adapters learn, the checkpoint's
 optimizer state holds only the adapters (and the unfrozen projector), and a run resumed from its
-step-2 checkpoint continues with the same losses and weights."""
+step-2 checkpoint continues with the same losses and weights; a run given its adapters by dotted
+keys (``model.foundation.lora.r=8``) with the vision side in full exports an adapter peft loads."""
 
 from __future__ import annotations
 
@@ -100,3 +101,22 @@ def test_trained_adapter_exports_over_its_init_from_base(lora_run, base_hf, tmp_
     capsys.readouterr()
     assert cli(["hf", "verify", str(base_hf), "--adapter", str(tmp_path / "out/adapter")]) == 0
     print(capsys.readouterr().out)
+
+
+def test_dotted_lora_keys_train_and_export_with_the_vision_side_in_full(demo_packed, base_hf, tmp_path, capsys):
+    """The case users hit first: the demo recipe with ``model.foundation.lora.r=8
+    model.foundation.lora.alpha=16`` (the dotted form) and its vision tower and projector training
+    in full. The adapter keeps them as one module, ``model.visual`` (the merger inside it is not
+    listed again), and ``hf verify BASE --adapter`` (peft over the untouched base) passes."""
+    pytest.importorskip("peft")
+    from omniweave.cli import main as cli
+
+    run = tmp_path / "run"
+    train_in_process(demo_packed, run, steps=2, train__init_from=base_hf,
+                     **{"model.foundation.lora.r": 8, "model.foundation.lora.alpha": 16})
+    assert cli(["hf", "export", str(run), "--output", str(tmp_path / "out"), "--adapter"]) == 0
+    config = json.loads((tmp_path / "out/adapter/adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["modules_to_save"]) == (8, 16, ["model.visual"])
+    capsys.readouterr()
+    assert cli(["hf", "verify", str(base_hf), "--adapter", str(tmp_path / "out/adapter")]) == 0
+    assert "OK: all differences within atol" in capsys.readouterr().out
