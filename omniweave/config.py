@@ -303,7 +303,8 @@ def _component_field_overrides(path: Path, overrides: list[str]) -> list[str]:
     lora = {i: m for i, o in enumerate(overrides) if (m := _LORA_KEY.match(o))}
     for m in lora.values():
         if m.group(2) not in LORA_KEYS:
-            raise RecipeError(f"model.{m.group(1)}.lora.{m.group(2)}: unknown LoRA field; valid: {', '.join(LORA_KEYS)}")
+            raise RecipeError(f"model.{m.group(1)}.lora.{m.group(2)}: unknown LoRA field; "
+                              f"valid: {', '.join(LORA_KEYS)}")
     others = [o for i, o in enumerate(overrides) if i not in fields and i not in lora]
     try:
         model = OmegaConf.to_container(_compose(path, others).model)
@@ -313,7 +314,8 @@ def _component_field_overrides(path: Path, overrides: list[str]) -> list[str]:
     for i, m in fields.items():
         kind, key = m.group(2), m.group(3)
         section = model.get(kind)
-        if isinstance(section, dict) and key not in section and (key == "lora" or key in _component_fields(kind, section)):
+        settable = key == "lora" or key in _component_fields(kind, section)
+        if isinstance(section, dict) and key not in section and settable:
             out[i] = "+" + overrides[i]
     for i, m in lora.items():
         section = model.get(m.group(1))

@@ -184,11 +184,17 @@ MIXES = {  # id: (recipe model sections, tied embeddings, modules_to_save)
 }
 
 
+def _with_init_from(ckpt, src) -> None:
+    """Name ``src`` as the checkpoint's ``train.init_from`` (its base for ``hf export --adapter``)."""
+    import yaml
+
+    recipe = yaml.safe_load((ckpt / "config.yaml").read_text())
+    (ckpt / "config.yaml").write_text(yaml.safe_dump({**recipe, "train": {"init_from": str(src)}}, sort_keys=False))
+
+
 def _trained_checkpoint(src, sections: dict, ckpt, steps: int = 3):
     """A checkpoint of ``src`` trained ``steps`` AdamW steps with the recipe's ``sections`` (freeze,
     lora), its recipe naming ``src`` as ``train.init_from`` (so ``hf export --adapter`` takes src as the base)."""
-    import yaml
-
     from omniweave.models.hf.loading import adapter_for, load_hf_into, read_hf_config
     from omniweave.models.registry import build_model
 
@@ -206,8 +212,7 @@ def _trained_checkpoint(src, sections: dict, ckpt, steps: int = 3):
         opt.step()
         opt.zero_grad()
     save_checkpoint_dir(model, cfg, ckpt)
-    recipe = yaml.safe_load((ckpt / "config.yaml").read_text())
-    (ckpt / "config.yaml").write_text(yaml.safe_dump({**recipe, "train": {"init_from": str(src)}}, sort_keys=False))
+    _with_init_from(ckpt, src)
     return model
 
 
@@ -341,3 +346,68 @@ def test_hf_verify_turns_what_peft_raises_into_one_line(vision_trained, tmp_path
                                                    f"adapter over {src}: NoMatchingPeftModuleError: No modules were "
                                                    "targeted for adaptation.")
     assert "Traceback" not in err
+
+
+def test_a_tensor_transformers_stores_split_is_saved_in_its_pieces(tmp_path):
+    """Qwen2.5-Omni's vision attention is one ``qkv`` Linear of ours and ``q``, ``k``, ``v`` in
+    transformers: with the vision tower trained in full next to decoder adapters, the adapter holds
+    the three pieces, so PEFT over the base, merged, equals the merged export tensor for tensor,
+    and our loader puts the fused tensor back."""
+    import transformers
+
+    from omniweave.models.hf.peft_adapter import load_adapter
+    from tests.test_hf_qwen2_5_omni import tiny_thinker
+
+    tiny_thinker().save_pretrained(tmp_path / "src")
+    model, cfg = load_hf(tmp_path / "src")
+    cfg = copy.deepcopy(cfg)
+    cfg["foundation"]["lora"] = {"r": 2}
+    for section in ("audio_encoder", "audio_projector"):
+        cfg[section]["freeze"] = True
+    lora.apply_lora(model, cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for _, m in lora.adapted_linears(model):
+            m.lora_B.weight.normal_(std=0.05)
+        for p in [*model.image_encoder.parameters(), *model.projector.parameters()]:  # "trained"
+            p.add_(0.05 * torch.randn_like(p))
+    save_checkpoint_dir(model, cfg, tmp_path / "ckpt")
+    _with_init_from(tmp_path / "ckpt", tmp_path / "src")
+    assert _export(tmp_path / "ckpt", tmp_path / "peft", "--adapter") == 0
+    assert _export(tmp_path / "ckpt", tmp_path / "merged") == 0
+    assert json.loads((tmp_path / "peft/adapter/adapter_config.json").read_text())["modules_to_save"] == ["model.visual"]
+
+    cls = transformers.Qwen2_5OmniThinkerForConditionalGeneration
+    want = cls.from_pretrained(tmp_path / "merged").state_dict()
+    got = peft.PeftModel.from_pretrained(cls.from_pretrained(tmp_path / "src"), str(tmp_path / "peft/adapter"))
+    got = got.merge_and_unload().state_dict()
+    assert got.keys() == want.keys()
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-6
+    ours, _ = load_hf(tmp_path / "src")
+    load_adapter(ours, tmp_path / "peft/adapter")
+    lora.merge_adapters(ours)
+    merged, _ = load_hf(tmp_path / "merged")
+    assert max(float((t - merged.state_dict()[k]).abs().max()) for k, t in ours.state_dict().items()) <= 1e-6
+
+
+def test_a_trained_tensor_peft_cannot_carry_is_refused_at_export(tmp_path, capsys):
+    """Qwen3-VL-MoE with its decoder trained in full next to vision adapters: transformers fuses the
+    experts its own way, which modules_to_save cannot carry; ``hf export --adapter`` says so in one
+    line (exit 2) and writes nothing."""
+    from omniweave.cli import main as cli
+    from tests.qwen3_vl_factory import save_tiny as save_qwen3_vl
+
+    src, _ = save_qwen3_vl("qwen3_vl_moe", tmp_path / "src")
+    model, cfg = load_hf(src)
+    cfg = copy.deepcopy(cfg)
+    cfg["image_encoder"]["lora"] = {"r": 2}
+    lora.apply_lora(model, cfg)
+    save_checkpoint_dir(model, cfg, tmp_path / "ckpt")
+    capsys.readouterr()
+    assert cli(["hf", "export", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out"), "--adapter"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        "omniweave hf export: error: foundation.layers.0.mlp.experts.gate_up_proj is trained in full, but the "
+        "transformers model holds it in another layout, which PEFT's modules_to_save cannot carry; export this run "
+        "merged (without --adapter)")
+    assert "Traceback" not in err and not (tmp_path / "out").exists()

@@ -60,6 +60,7 @@ class TransformersNames:
         converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
         meta = model.state_dict(keep_vars=True)
         self.hf_adapter, self.present = hf_adapter, set(meta)
+        self._shapes = {n: tuple(t.shape) for n, t in meta.items()}
         self._rename = lambda n: rename_source_key(n, renamings, converters, model.base_model_prefix, meta)[0]
         shared: dict[int, list[str]] = {}  # tied tensors (lm_head.weight = embed_tokens.weight): one object
         for n, t in meta.items():
@@ -77,11 +78,26 @@ class TransformersNames:
         renamed = self._rename(hf)
         return renamed if renamed in self.present else None
 
-    def tensors(self, name: str) -> list[str]:
-        """Every transformers name of our tensor ``name``: its own and those tied to it (a tied
-        head is one tensor under two names); [] if the model has no such tensor."""
-        hf = self.tensor(name)
-        return [] if hf is None else self._ties[hf]
+    def pieces(self, name: str, t: torch.Tensor) -> list[tuple[list[str], torch.Tensor]] | None:
+        """Our tensor ``name`` (value ``t``) as tensors of the transformers model: (its names, the
+        piece) for each, consecutive row blocks of ``t``; usually one, several where the family
+        stores it split (Qwen2.5-Omni's fused vision ``qkv`` as ``q``, ``k``, ``v``; the family
+        adapter's ``model_tensors_to_hf``), a tied tensor under each of its names. [] if the model
+        has no such tensor (a tied head); None if the pieces are not whole tensors of the model
+        (MoE experts the transformers model fuses its own way)."""
+        if hasattr(self.hf_adapter, "model_tensors_to_hf"):
+            pairs = self.hf_adapter.model_tensors_to_hf(name, t)
+        else:
+            pairs = [] if (hf := self.hf_adapter.model_name_to_hf(name)) is None else [(hf, t)]
+        out = []
+        for hf, piece in pairs:
+            renamed = self._rename(hf)
+            if renamed not in self.present:
+                continue
+            if self._shapes[renamed] != tuple(piece.shape):
+                return None
+            out.append((self._ties[renamed], piece))
+        return out
 
     def module(self, name: str) -> str:
         """The transformers module name of our Linear ``name``."""
@@ -111,7 +127,12 @@ def tensor_status(model: nn.Module, names: TransformersNames) -> dict[str, str]:
             s = TRAINED if t.requires_grad else FROZEN
         else:
             s = BUFFER
-        status.update(dict.fromkeys(names.tensors(n), s))
+        pieces = names.pieces(n, t.detach())
+        if pieces is None and s == TRAINED:
+            raise UserError(f"{n} is trained in full, but the transformers model holds it in another layout, which "
+                            "PEFT's modules_to_save cannot carry; export this run merged (without --adapter)")
+        for hf_names, _ in pieces or []:
+            status.update(dict.fromkeys(hf_names, s))
     return status
 
 
@@ -165,9 +186,10 @@ def adapter_state(model: nn.Module, names: TransformersNames) -> tuple[dict[str,
         raise UserError("the checkpoint's model has no LoRA adapters (model.<component>.lora); export it without --adapter")
     saved = modules_to_save(tensor_status(model, names), names.containers)
     for n, t in model.state_dict().items():  # the saved modules' tensors, each under all its names
-        for hf in names.tensors(n):
-            if any(m in saved for m in _modules_of(hf)):
-                tensors[PREFIX + hf] = t.detach().cpu().contiguous().clone()
+        for hf_names, piece in (names.pieces(n, t) or []) if not is_adapter_name(n) else []:
+            for hf in hf_names:
+                if any(m in saved for m in _modules_of(hf)):
+                    tensors[PREFIX + hf] = piece.detach().cpu().contiguous().clone()
     r = Counter(ranks.values()).most_common(1)[0][0]
     alpha = Counter(alphas.values()).most_common(1)[0][0]
     fields = {"r": r, "lora_alpha": _number(alpha), "lora_dropout": max(dropouts),
@@ -307,28 +329,39 @@ def _all_linears(model: nn.Module) -> list[str]:
 
 def _saved_tensors(model: nn.Module, names: TransformersNames, cfg: dict, tensors: dict,
                    adapter_dir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(our tensor, its value) for each full tensor of the adapter (PEFT's modules_to_save), checked
-    as PEFT loads them: the modules that ``modules_to_save`` names (PEFT keeps each module whose
-    name ends with an entry) are not nested and hold every full tensor, and each fits the model."""
+    """(our tensor, its value) for each of our tensors the adapter's full tensors (PEFT's
+    modules_to_save) hold, checked as PEFT loads them: the modules that ``modules_to_save`` names
+    (PEFT keeps each module whose name ends with an entry) are not nested and hold every full
+    tensor, and those fit the model (a tensor stored split: every piece there)."""
     entries = cfg.get("modules_to_save") or []
-    kept = sorted(m for m in {m for hf in names.present for m in _modules_of(hf)} if any(m.endswith(e) for e in entries))
+    modules = {m for hf in names.present for m in _modules_of(hf)}
+    kept = sorted(m for m in modules if any(m.endswith(e) for e in entries))
     nested = [(outer, inner) for outer in kept for inner in kept if inner.startswith(outer + ".")]
     if nested:
         raise UserError(f"{adapter_dir}: modules_to_save keeps {nested[0][1]} inside {nested[0][0]}, which PEFT cannot "
                         "load; export the checkpoint again (omniweave hf export CKPT --output DIR --adapter)")
     sd = model.state_dict()
-    ours = {hf: n for n in sd if not is_adapter_name(n) for hf in names.tensors(n)}
-    out = []
+    where = {}  # transformers name -> (our tensor, piece index, the piece's shape)
+    for n, t in sd.items():
+        for i, (hf_names, piece) in enumerate((names.pieces(n, t) or []) if not is_adapter_name(n) else []):
+            where.update({hf: (n, i, tuple(piece.shape)) for hf in hf_names})
+    parts: dict[str, dict[int, torch.Tensor]] = {}
     for key, t in sorted(tensors.items()):
         if is_adapter_name(key):
             continue
         hf = key.removeprefix(PREFIX)
-        n = ours.get(hf)
-        if n is None or tuple(sd[n].shape) != tuple(t.shape):
+        if hf not in where or where[hf][2] != tuple(t.shape):
             raise UserError(f"{adapter_dir}: saved module tensor {hf} {list(t.shape)} does not fit the model "
                             "(an adapter exported for another base model?)")
         if not any(m in kept for m in _modules_of(hf)):
-            raise UserError(f"{adapter_dir}: tensor {hf} is in no module of modules_to_save ({', '.join(entries) or 'none'}): "
-                            "PEFT would not load it")
-        out.append((sd[n], t))
+            raise UserError(f"{adapter_dir}: tensor {hf} is in no module of modules_to_save "
+                            f"({', '.join(entries) or 'none'}): PEFT would not load it")
+        parts.setdefault(where[hf][0], {})[where[hf][1]] = t
+    out = []
+    for n, got in parts.items():
+        pieces = names.pieces(n, sd[n])
+        missing = [hf_names[0] for i, (hf_names, _) in enumerate(pieces) if i not in got]
+        if missing:
+            raise UserError(f"{adapter_dir}: saved module tensors of {n} lack {', '.join(missing)}")
+        out.append((sd[n], torch.cat([got[i] for i in range(len(pieces))])))
     return out

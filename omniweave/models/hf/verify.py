@@ -258,7 +258,8 @@ def load_pair(args, hf_dir: Path, hf_cfg: dict):
             hf_model = PeftModel.from_pretrained(hf_model, str(args.adapter)).eval()
         except (KeyError, ValueError, RuntimeError) as e:  # what peft raises for an adapter it cannot apply
             first = (str(e).strip().splitlines() or [""])[0]
-            raise UserError(f"{args.adapter}: peft cannot load this adapter over {hf_dir}: {type(e).__name__}: {first}") from None
+            raise UserError(f"{args.adapter}: peft cannot load this adapter over {hf_dir}: "
+                            f"{type(e).__name__}: {first}") from None
     return hf_model, ours.eval()
 
 
