@@ -3,7 +3,12 @@ adapters on the decoder (every Linear) and the vision tower (qkv, fc1), the proj
 full (PEFT's modules_to_save). ``hf export --adapter`` -> transformers model of ``DIR/base`` +
 ``peft.PeftModel.from_pretrained(…, DIR/adapter)`` gives omniweave's logits within 1e-4; the
 tensor names and config are the ones peft writes itself for the same adapters; the merged export
-equals the adapted model; ``hf verify --adapter`` passes, and refuses an adapter of another base."""
+equals the adapted model; ``hf verify --adapter`` passes, and refuses an adapter of another base.
+
+Mixed runs (components adapted, trained in full, frozen; trained a few real steps from a HF base):
+modules_to_save holds each fully trained part at its outermost module and PEFT over the base gives
+the merged export's logits; a tensor transformers stores split is saved in pieces; what PEFT
+cannot carry is refused at export, and what PEFT cannot load at ``hf verify``, in one line."""
 
 from __future__ import annotations
 
@@ -34,20 +39,28 @@ def exported(tmp_path_factory):
     """(adapted omniweave model, export dir, source HF dir): the checkpoint exported with --adapter."""
     root = tmp_path_factory.mktemp("peft")
     src = save_tiny("qwen2_vl", root / "src")
+    model = _adapted_checkpoint(src, {s: {"lora": spec} for s, spec in LORA.items()}, ("projector",), root / "ckpt")
+    assert _export(root / "ckpt", root / "out", "--adapter") == 0
+    return model.eval(), root / "out", src
+
+
+def _adapted_checkpoint(src, sections: dict, trained: tuple[str, ...], ckpt, seed: int = 7):
+    """``src`` with the recipe's ``sections`` (lora, freeze), its adapters' B random and the
+    ``trained`` components moved as training in full would, saved as the checkpoint ``ckpt``."""
     model, cfg = load_hf(src)
     cfg = copy.deepcopy(cfg)
-    for section, spec in LORA.items():
-        cfg[section]["lora"] = spec
+    for section, extra in sections.items():
+        cfg[section].update(copy.deepcopy(extra))
     lora.apply_lora(model, cfg)
-    torch.manual_seed(7)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for _, m in lora.adapted_linears(model):
             m.lora_B.weight.normal_(std=0.05)
-        for p in model.projector.parameters():  # trained in full next to the adapters
-            p.add_(0.05 * torch.randn_like(p))
-    save_checkpoint_dir(model, cfg, root / "ckpt")
-    assert _export(root / "ckpt", root / "out", "--adapter") == 0
-    return model.eval(), root / "out", src
+        for section in trained:
+            for p in getattr(model, section).parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    save_checkpoint_dir(model, cfg, ckpt)
+    return model
 
 
 def _export(ckpt, out, *flags) -> int:
@@ -359,19 +372,8 @@ def test_a_tensor_transformers_stores_split_is_saved_in_its_pieces(tmp_path):
     from tests.test_hf_qwen2_5_omni import tiny_thinker
 
     tiny_thinker().save_pretrained(tmp_path / "src")
-    model, cfg = load_hf(tmp_path / "src")
-    cfg = copy.deepcopy(cfg)
-    cfg["foundation"]["lora"] = {"r": 2}
-    for section in ("audio_encoder", "audio_projector"):
-        cfg[section]["freeze"] = True
-    lora.apply_lora(model, cfg)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for _, m in lora.adapted_linears(model):
-            m.lora_B.weight.normal_(std=0.05)
-        for p in [*model.image_encoder.parameters(), *model.projector.parameters()]:  # "trained"
-            p.add_(0.05 * torch.randn_like(p))
-    save_checkpoint_dir(model, cfg, tmp_path / "ckpt")
+    sections = {"foundation": {"lora": {"r": 2}}, "audio_encoder": {"freeze": True}, "audio_projector": {"freeze": True}}
+    _adapted_checkpoint(tmp_path / "src", sections, ("image_encoder", "projector"), tmp_path / "ckpt")
     _with_init_from(tmp_path / "ckpt", tmp_path / "src")
     assert _export(tmp_path / "ckpt", tmp_path / "peft", "--adapter") == 0
     assert _export(tmp_path / "ckpt", tmp_path / "merged") == 0
@@ -398,11 +400,7 @@ def test_a_trained_tensor_peft_cannot_carry_is_refused_at_export(tmp_path, capsy
     from tests.qwen3_vl_factory import save_tiny as save_qwen3_vl
 
     src, _ = save_qwen3_vl("qwen3_vl_moe", tmp_path / "src")
-    model, cfg = load_hf(src)
-    cfg = copy.deepcopy(cfg)
-    cfg["image_encoder"]["lora"] = {"r": 2}
-    lora.apply_lora(model, cfg)
-    save_checkpoint_dir(model, cfg, tmp_path / "ckpt")
+    _adapted_checkpoint(src, {"image_encoder": {"lora": {"r": 2}}}, (), tmp_path / "ckpt")
     capsys.readouterr()
     assert cli(["hf", "export", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out"), "--adapter"]) == 2
     err = capsys.readouterr().err
