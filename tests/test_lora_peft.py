@@ -299,14 +299,18 @@ def test_modules_to_save_are_the_outermost_wholly_trained_modules():
      "model.block.scale is trained in full, but PEFT's modules_to_save keeps whole modules and every module holding it "
      "also holds model.block.fc.weight (LoRA-adapted); export"),
     ({"scale": "trained in full", "model.fc.weight": "frozen"},
-     "scale is trained in full but is a tensor of the model itself, in no module PEFT's modules_to_save can keep; "
-     "export this run merged (without --adapter)"),
+     "scale is trained in full but in no module PEFT's modules_to_save can keep (it belongs to the model itself or "
+     "to a container); export this run merged (without --adapter)"),
+    ({"model.scales.0": "trained in full", "model.fc.weight": "frozen"},  # model.scales: a ParameterList
+     "model.scales.0 is trained in full, but PEFT's modules_to_save keeps whole modules and every module holding it "
+     "also holds model.fc.weight (frozen)"),
+    ({"scales.0": "trained in full", "scales.1": "trained in full"}, "scales.0 is trained in full but in no module"),
 ])
 def test_a_mix_peft_cannot_express_is_refused_in_one_line(status, message):
     from omniweave.models.hf.peft_adapter import modules_to_save
 
     with pytest.raises(UserError) as e:
-        modules_to_save(status)
+        modules_to_save(status, containers={"model.scales", "scales"})
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 

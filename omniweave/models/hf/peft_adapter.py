@@ -27,6 +27,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -99,6 +100,14 @@ class TransformersNames:
             out.append((self._ties[renamed], piece))
         return out
 
+    def placed(self, state_dict: dict) -> Iterator[tuple[str, int, list[str], torch.Tensor]]:
+        """(our name, piece index, transformers names, piece) for the pieces of every tensor of our
+        ``state_dict`` (adapters aside) that the transformers model holds (:meth:`pieces`)."""
+        for n, t in state_dict.items():
+            if not is_adapter_name(n):
+                for i, (hf_names, piece) in enumerate(self.pieces(n, t) or []):
+                    yield n, i, hf_names, piece
+
     def module(self, name: str) -> str:
         """The transformers module name of our Linear ``name``."""
         hf = self.tensor(f"{name}.weight")
@@ -160,11 +169,12 @@ def modules_to_save(status: dict[str, str], containers: set[str] = frozenset()) 
         if s != TRAINED:
             continue
         module = next((m for m in _modules_of(name) if held[m] <= {TRAINED, BUFFER} and m not in containers), None)
-        if module is None and not _modules_of(name):
-            raise UserError(f"{name} is trained in full but is a tensor of the model itself, in no module PEFT's "
-                            "modules_to_save can keep; export this run merged (without --adapter)")
+        owners = [m for m in _modules_of(name) if m not in containers]
+        if module is None and not owners:
+            raise UserError(f"{name} is trained in full but in no module PEFT's modules_to_save can keep (it belongs to "
+                            "the model itself or to a container); export this run merged (without --adapter)")
         if module is None:
-            owner = _modules_of(name)[-1] + "."
+            owner = owners[-1] + "."
             other = next(o for o, so in status.items() if so in (FROZEN, ADAPTED) and o.startswith(owner))
             raise UserError(f"{name} is trained in full, but PEFT's modules_to_save keeps whole modules and every "
                             f"module holding it also holds {other} ({status[other]}); export this run merged (without "
@@ -185,11 +195,10 @@ def adapter_state(model: nn.Module, names: TransformersNames) -> tuple[dict[str,
     if not ranks:
         raise UserError("the checkpoint's model has no LoRA adapters (model.<component>.lora); export it without --adapter")
     saved = modules_to_save(tensor_status(model, names), names.containers)
-    for n, t in model.state_dict().items():  # the saved modules' tensors, each under all its names
-        for hf_names, piece in (names.pieces(n, t) or []) if not is_adapter_name(n) else []:
-            for hf in hf_names:
-                if any(m in saved for m in _modules_of(hf)):
-                    tensors[PREFIX + hf] = piece.detach().cpu().contiguous().clone()
+    for _, _, hf_names, piece in names.placed(model.state_dict()):  # the saved modules' tensors, all names
+        for hf in hf_names:
+            if any(m in saved for m in _modules_of(hf)):
+                tensors[PREFIX + hf] = piece.detach().cpu().contiguous().clone()
     r = Counter(ranks.values()).most_common(1)[0][0]
     alpha = Counter(alphas.values()).most_common(1)[0][0]
     fields = {"r": r, "lora_alpha": _number(alpha), "lora_dropout": max(dropouts),
@@ -341,10 +350,8 @@ def _saved_tensors(model: nn.Module, names: TransformersNames, cfg: dict, tensor
         raise UserError(f"{adapter_dir}: modules_to_save keeps {nested[0][1]} inside {nested[0][0]}, which PEFT cannot "
                         "load; export the checkpoint again (omniweave hf export CKPT --output DIR --adapter)")
     sd = model.state_dict()
-    where = {}  # transformers name -> (our tensor, piece index, the piece's shape)
-    for n, t in sd.items():
-        for i, (hf_names, piece) in enumerate((names.pieces(n, t) or []) if not is_adapter_name(n) else []):
-            where.update({hf: (n, i, tuple(piece.shape)) for hf in hf_names})
+    where = {hf: (n, i, tuple(piece.shape))  # transformers name -> (our tensor, piece index, the piece's shape)
+             for n, i, hf_names, piece in names.placed(sd) for hf in hf_names}
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for key, t in sorted(tensors.items()):
         if is_adapter_name(key):
