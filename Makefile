@@ -21,11 +21,11 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/omniweave demo --out runs/demo
 
-# the demo with a Mixture-of-Experts decoder of the same active size (configs/recipes/demo_moe.yaml)
+# the demo with a Mixture-of-Experts decoder of the same active size (omniweave/configs/recipes/demo_moe.yaml)
 demo-moe: install
 	$(VENV)/bin/omniweave demo --recipe demo_moe --out runs/demo_moe
 
-# the demo with an audio tower added by YAML and listening tasks in the data (configs/recipes/demo_omni.yaml)
+# the demo with an audio tower added by YAML and listening tasks in the data (omniweave/configs/recipes/demo_omni.yaml)
 demo-omni: install
 	$(VENV)/bin/omniweave demo --recipe demo_omni --out runs/demo_omni
 

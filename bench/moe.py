@@ -20,7 +20,7 @@ Three measurements, each against its baseline in the same run:
     ``--tokens`` tokens on every rank (all-to-all included; the slowest rank's median). The box has
     2 cores: EP = 4 puts 4 ranks on them, so its time says little.
 
-(c) **demo_moe vs demo**: ``omniweave train`` of ``configs/recipes/demo_moe.yaml`` and
+(c) **demo_moe vs demo**: ``omniweave train`` of ``omniweave/configs/recipes/demo_moe.yaml`` and
     ``demo.yaml`` (equal active parameters: top-2 of 8 experts of width 64 vs a dense MLP of 128)
     on the same packed demo data (the same batches), each run a fresh process, round-robin
     ``--repeats`` times: the median over the steps after ``--warmup`` of the step's tokens per

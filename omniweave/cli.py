@@ -26,6 +26,7 @@ COMMANDS: dict[tuple[str, str | None], tuple[str, str]] = {
     ("data", "inspect"): ("omniweave.data.inspect", "summarise raw shards or a packed dataset"),
     ("data", "pack"): ("omniweave.data.pack", "raw shards -> packed dataset"),
     ("train", None): ("omniweave.train.trainer", "train a recipe"),
+    ("recipes", None): ("omniweave.recipes", "list the built-in recipes"),
     ("dpo", "precompute-ref"): ("omniweave.train.dpo_ref", "DPO reference log-probs of a pairs dataset, once"),
     ("rl", None): ("omniweave.rl.trainer", "reinforcement learning (GRPO) on packed RL prompts"),
     ("hf", "verify"): ("omniweave.models.hf.verify", "compare a HF model directory against omniweave"),

@@ -1,7 +1,7 @@
 """Recipes: one YAML per run, composed with Hydra over one shared schema, overridable with ``key=value``.
 
 A recipe names its components with a Hydra defaults list; the component groups live in
-``configs/models/<kind>/`` and are on the search path, e.g.::
+``omniweave/configs/models/<kind>/`` and are on the search path, e.g.::
 
     defaults:
       - image_encoder@model.image_encoder: qwen2_5_vit_tiny
@@ -34,7 +34,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from omniweave.errors import UserError
 
-CONFIGS_DIR = Path(os.environ.get("OMNIWEAVE_CONFIGS", Path(__file__).resolve().parents[1] / "configs"))
+# the built-in recipes and component configs: package data, found from any working directory
+CONFIGS_DIR = Path(os.environ.get("OMNIWEAVE_CONFIGS", Path(__file__).resolve().parent / "configs"))
 SCHEMA_NODE = "_omniweave_schema"  # the schema's name in Hydra's ConfigStore
 _ROOT = "_omniweave_root"  # the wrapper config: schema first, then the recipe, then the overrides
 
@@ -200,8 +201,29 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def builtin_recipes() -> dict[str, str]:
+    """Every built-in recipe's name -> what it is (the first sentence of its leading comment)."""
+    out = {}
+    for path in sorted((CONFIGS_DIR / "recipes").glob("*.yaml")):
+        lines = path.read_text().splitlines()
+        comment = " ".join(ln.lstrip("# ").strip() for ln in lines[: next((i for i, ln in enumerate(lines)
+                                                                            if not ln.startswith("#")), len(lines))])
+        first = re.split(r"\.\s| \(", comment, maxsplit=1)[0].rstrip(".")  # its first sentence, no asides
+        out[path.stem] = first if len(first) <= 110 else first[:109].rstrip() + "…"
+    return out
+
+
+def recipes_listing() -> str:
+    """``omniweave recipes`` / ``omniweave train --list``: the built-in recipes, one a line."""
+    recipes = builtin_recipes()
+    width = max(map(len, recipes), default=0)
+    return "\n".join(f"{name:<{width}}  {what}" for name, what in recipes.items()) + (
+        f"\n\n{len(recipes)} built-in recipes in {CONFIGS_DIR / 'recipes'}; use one by name "
+        "(omniweave train NAME, data pack --recipe NAME) or copy it and pass the YAML path")
+
+
 def recipe_path(name_or_path: str | os.PathLike) -> Path:
-    """A recipe file path, or the name of a built-in recipe in ``configs/recipes/``."""
+    """A recipe file path, or the name of a built-in recipe in ``omniweave/configs/recipes/``."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") and p.exists():
         return p.resolve()
@@ -212,7 +234,7 @@ def recipe_path(name_or_path: str | os.PathLike) -> Path:
     close = difflib.get_close_matches(p.stem, names, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     raise RecipeError(f"recipe {str(name_or_path)!r} not found: not a YAML file, nor a built-in recipe; {hint}"
-                      f"built-in: {', '.join(names)}")
+                      f"built-in: {', '.join(names)} (omniweave recipes describes them)")
 
 
 def _register_schema() -> None:

@@ -7,8 +7,8 @@
 The demo dataset's questions can only be answered by looking at the media, so the gap between
 ``accuracy`` (model trained and evaluated with real media) and ``control_accuracy`` (same recipe,
 media replaced by flat grey files of the same size and length) measures what the model learned to
-see. Recipe: ``configs/recipes/demo.yaml`` (a tiny Qwen2.5-VL-shaped model); ``--recipe demo_moe``
-(``make demo-moe``) runs it with the Mixture-of-Experts decoder of ``configs/recipes/demo_moe.yaml``,
+see. Recipe: ``omniweave/configs/recipes/demo.yaml`` (a tiny Qwen2.5-VL-shaped model); ``--recipe demo_moe``
+(``make demo-moe``) runs it with the Mixture-of-Experts decoder of ``omniweave/configs/recipes/demo_moe.yaml``,
 ``--recipe demo_omni`` (``make demo-omni``) with an audio tower added by YAML and the listening
 tasks in the data (``demo.audio: true``), the audio silenced in the control.
 """

@@ -184,14 +184,14 @@ def test_bad_audio_input_raises_clearly():
 @pytest.mark.parametrize("tower,projector", [("qwen2_audio", "linear"), ("qwen2_5_omni", "identity")])
 @pytest.mark.parametrize("size", ["_tiny", ""])
 def test_shipped_yamls_build_and_fit_together(tower, projector, size):
-    """configs/models/audio_{encoder,projector}: every key is a config field, and the projector's
+    """omniweave/configs/models/audio_{encoder,projector}: every key is a config field, and the projector's
     width follows the encoder and the foundation through interpolation."""
     import yaml
     from omegaconf import OmegaConf
 
     from omniweave.models.registry import build_config
 
-    models = Path(__file__).resolve().parents[1] / "configs/models"
+    models = Path(__file__).resolve().parents[1] / "omniweave/configs/models"
     cfg = OmegaConf.create({"model": {
         "foundation": yaml.safe_load((models / "foundation/qwen2_tiny.yaml").read_text()),
         "audio_encoder": yaml.safe_load((models / f"audio_encoder/{tower}{size}.yaml").read_text()),

@@ -14,7 +14,7 @@ from omniweave.parallel.balance import (NUM_FEATURES, CostModel, Refitter, assig
                                         round_robin)
 from tests.fakes_data import build_packed
 
-# Qwen2.5-VL-7B shapes (configs/models/foundation/qwen2_5_7b.yaml, image_encoder/qwen2_5_vit.yaml)
+# Qwen2.5-VL-7B shapes (omniweave/configs/models/foundation/qwen2_5_7b.yaml, image_encoder/qwen2_5_vit.yaml)
 QWEN25_VL_7B = {
     "foundation": {"hidden_size": 3584, "intermediate_size": 18944, "num_layers": 28, "num_heads": 28,
                    "num_kv_heads": 4, "vocab_size": 152064, "qkv_bias": True},

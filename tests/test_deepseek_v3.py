@@ -196,7 +196,7 @@ def test_inconsistent_config_is_named(bad, message):
 def test_mrope_positions_reach_the_rope_dims():
     """[3, L] positions: row 0 without mrope_section (equal to 1-D positions); with mrope_section over
     the rope dims, equal rows give the 1-D result and a differing h / w row changes the logits."""
-    cfg = yaml.safe_load((REPO / "configs/models/foundation/deepseek_v3_tiny.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "omniweave/configs/models/foundation/deepseek_v3_tiny.yaml").read_text())
     torch.manual_seed(0)
     model = build_model({"foundation": cfg})
     ids = torch.randint(0, 1024, (12,))
@@ -233,7 +233,7 @@ def test_kv_cache_greedy_equals_recompute(pair):
 
 
 def test_tiny_yaml_builds_trains_a_step_and_counts_flops():
-    cfg = yaml.safe_load((REPO / "configs/models/foundation/deepseek_v3_tiny.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "omniweave/configs/models/foundation/deepseek_v3_tiny.yaml").read_text())
     dec = build_component("foundation", cfg)
     assert [type(layer.mlp) for layer in dec.layers] == [SwiGLU, MoE, MoE]
     model = build_model({"foundation": cfg})
@@ -253,7 +253,7 @@ def test_tiny_yaml_builds_trains_a_step_and_counts_flops():
 
 def test_real_size_yaml_has_the_published_parameter_count():
     """671B without the 14B multi-token-prediction layer (685B in the released safetensors)."""
-    cfg = yaml.safe_load((REPO / "configs/models/foundation/deepseek_v3.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "omniweave/configs/models/foundation/deepseek_v3.yaml").read_text())
     with torch.device("meta"):
         dec = build_component("foundation", cfg)
     n = sum(p.numel() for p in dec.parameters())

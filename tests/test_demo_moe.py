@@ -1,4 +1,4 @@
-"""configs/recipes/demo_moe.yaml: the demo recipe with only its foundation swapped for a Qwen3-MoE
+"""omniweave/configs/recipes/demo_moe.yaml: the demo recipe with only its foundation swapped for a Qwen3-MoE
 decoder of the same active size, training on the demo's packs (``make demo-moe``)."""
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def model_keys() -> set[str]:
     from omniweave.models import registry
 
     keys = set()
-    for f in (REPO / "configs/models").glob("*/*.yaml"):
+    for f in (REPO / "omniweave/configs/models").glob("*/*.yaml"):
         keys |= {f"model.{f.parent.name}.{k}" for k in (yaml.safe_load(f.read_text()) or {})}
     from omniweave.models.lora import LORA_KEYS
 
@@ -75,7 +75,7 @@ def valid_key(key: str, schema: set[str], models: set[str]) -> bool:
     if key in schema or key in models or any(k.startswith(key + ".") for k in schema | models):
         return True
     if "@" in key:  # a component swap: group@package=option
-        return (REPO / "configs/models" / key.split("@")[0]).is_dir()
+        return (REPO / "omniweave/configs/models" / key.split("@")[0]).is_dir()
     return False
 
 
@@ -190,7 +190,7 @@ def demo_workspace(tmp_path_factory) -> Path:
     return root
 
 
-LINKED = ("omniweave", "bench", "tests", "configs", "Makefile", "pyproject.toml")  # the checkout, in the workspace
+LINKED = ("omniweave", "bench", "tests", "Makefile", "pyproject.toml")  # the checkout, in the workspace
 
 
 def _workspace(demo_workspace: Path, tmp_path: Path) -> Path:

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _model(**foundation):
-    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    f = yaml.safe_load((REPO / "omniweave/configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
     f.update(foundation)
     return OmegaConf.create({"foundation": f})
 
@@ -47,7 +47,7 @@ def test_ep_needs_moe_layers():
         _dims(2, model=_model(num_experts=0), ep=2)
     with pytest.raises(ValueError, match="no MoE layers"):  # every layer dense
         _dims(2, model=_model(mlp_only_layers=[0, 1]), ep=2)
-    dense = OmegaConf.create({"foundation": yaml.safe_load((REPO / "configs/models/foundation/qwen3_tiny.yaml").read_text())})
+    dense = OmegaConf.create({"foundation": yaml.safe_load((REPO / "omniweave/configs/models/foundation/qwen3_tiny.yaml").read_text())})
     with pytest.raises(ValueError, match="no MoE layers"):
         _dims(2, model=dense, ep=2)
 

@@ -34,7 +34,7 @@ from omniweave.models.hf.export import export_hf
 from omniweave.models.hf.loading import load_hf
 from omniweave.models.hf.processor_files import PROCESSOR_CLASSES
 
-DEMO_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "recipes" / "demo.yaml"
+DEMO_RECIPE = Path(__file__).resolve().parents[1] / "omniweave" / "configs" / "recipes" / "demo.yaml"
 ROPE = {"qwen2_5_vl": "mrope_qwen25", "qwen2_vl": "mrope"}
 PROMPT = "Describe the picture."
 

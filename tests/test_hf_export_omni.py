@@ -43,7 +43,7 @@ CLIP = encode(signal(2.5, 22050, 2, seed=4), 22050, "wav")  # resampled and mixe
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """(export dir, our model, the recipe's data section): configs/recipes/tiny_qwen2_5_omni.yaml
+    """(export dir, our model, the recipe's data section): omniweave/configs/recipes/tiny_qwen2_5_omni.yaml
     built at random and exported with its data section."""
     from omniweave.config import load_recipe, to_dict
     from omniweave.models.hf.export import export_hf

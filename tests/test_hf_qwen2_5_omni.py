@@ -195,7 +195,7 @@ def test_a_full_qwen2_5_omni_directory_loads_its_thinker_only(saved, ours, tmp_p
 
 
 def test_7b_recipe_builds_on_meta_with_the_thinker_parameter_count():
-    """configs/recipes/qwen2_5_omni_7b.yaml = the Qwen2.5-Omni-7B thinker: 8,931,813,888 tensors
+    """omniweave/configs/recipes/qwen2_5_omni_7b.yaml = the Qwen2.5-Omni-7B thinker: 8,931,813,888 tensors
     (transformers' thinker state dict on its released config; the 10.7B of the full checkpoint
     add the talker and token2wav), rope mrope_omni (the data side's TMRoPE kind)."""
     from omniweave.config import load_recipe
@@ -213,7 +213,7 @@ TEMPLATE_IDS = IDS | dict(image_token_index=697, video_token_index=698, vision_s
 
 
 def test_tiny_recipe_trains_and_exports_as_a_thinker_with_its_template_token_ids(tmp_path):
-    """configs/recipes/tiny_qwen2_5_omni.yaml builds, a row with every modality back-propagates
+    """omniweave/configs/recipes/tiny_qwen2_5_omni.yaml builds, a row with every modality back-propagates
     into both towers, and the export (with the recipe's data section) is a thinker directory
     transformers loads with the ids of the media tokens the recipe's template writes and equal
     logits (≤ 1e-5)."""

@@ -278,7 +278,7 @@ def test_export_with_its_recipe_is_a_whole_qwen2_audio_directory(ours, tmp_path)
 
 
 def test_tiny_recipe_trains_on_a_pipeline_batch_and_exports_as_qwen2_audio(tmp_path):
-    """configs/recipes/tiny_qwen2_audio.yaml composes, builds (foundation + audio_encoder +
+    """omniweave/configs/recipes/tiny_qwen2_audio.yaml composes, builds (foundation + audio_encoder +
     audio_projector), takes the loader's audio batch of a conversation with a 35 s clip (two
     encoder items) with gradients reaching the tower, and exports as a directory transformers loads."""
     from omniweave.config import load_recipe, to_dict

@@ -106,7 +106,7 @@ def test_load_into_materialised_model(pair):
 
 
 def test_tiny_yaml_builds_and_trains_a_step():
-    cfg = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "omniweave/configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
     dec = build_component("foundation", cfg)
     assert [type(layer.mlp) for layer in dec.layers] == [MoE, SwiGLU]
     model = build_model({"foundation": cfg})
@@ -125,7 +125,7 @@ def test_tiny_yaml_builds_and_trains_a_step():
 
 
 def test_dense_model_is_unchanged():
-    cfg = yaml.safe_load((REPO / "configs/models/foundation/qwen3_tiny.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "omniweave/configs/models/foundation/qwen3_tiny.yaml").read_text())
     dec = build_component("foundation", cfg)
     assert all(type(layer.mlp) is SwiGLU for layer in dec.layers)
     assert not any("experts" in n or ".gate." in n for n in dec.state_dict())
@@ -137,7 +137,7 @@ def test_tp_plan_keeps_moe_layers_whole():
     layers' MLPs are split, so only their width must divide tp."""
     from omniweave.parallel.tp import MOE_UNDER_TP, decoder_plan
 
-    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    f = yaml.safe_load((REPO / "omniweave/configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
     plan = decoder_plan(build_component("foundation", f).config, 2)  # layer 0 MoE, layer 1 dense
     assert plan["layers.0.mlp"] is MOE_UNDER_TP and "layers.0.mlp.gate_proj" not in plan
     assert "layers.1.mlp.gate_proj" in plan and "layers.1.mlp.down_proj" in plan
@@ -157,7 +157,7 @@ def test_checkpoint_with_another_expert_count_is_refused(tmp_path):
     from omniweave.models.registry import build_model
     from omniweave.train import checkpoint
 
-    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    f = yaml.safe_load((REPO / "omniweave/configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
     model = build_model({"foundation": f})
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -178,7 +178,7 @@ def test_flop_counts_use_active_parameters():
     from omniweave.parallel.cost_model import decoder_params
     from omniweave.train.metrics import model_flop_counts
 
-    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    f = yaml.safe_load((REPO / "omniweave/configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
     model = build_model({"foundation": f})
     moe = model.foundation
     routed = sum(m.experts.gate_up_proj.numel() + m.experts.down_proj.numel() for m in moe.modules()
@@ -200,7 +200,7 @@ def test_cost_model_counts_what_mfu_counts(name):
     from omniweave.parallel.cost_model import decoder_params
     from omniweave.train.metrics import foundation_flop_counts
 
-    f = yaml.safe_load((REPO / f"configs/models/foundation/{name}.yaml").read_text())
+    f = yaml.safe_load((REPO / f"omniweave/configs/models/foundation/{name}.yaml").read_text())
     with torch.device("meta"):
         counts = foundation_flop_counts(build_component("foundation", f))
     assert decoder_params(f) == counts[0]
@@ -213,7 +213,7 @@ def test_qwen3_30b_a3b_yaml_has_the_published_sizes():
     (3.04B through the layers and LM head, plus the 0.31B embedding row lookup)."""
     from omniweave.train.metrics import foundation_flop_counts
 
-    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_30b_a3b.yaml").read_text())
+    f = yaml.safe_load((REPO / "omniweave/configs/models/foundation/qwen3_30b_a3b.yaml").read_text())
     with torch.device("meta"):
         dec = build_component("foundation", f)
     assert sum(p.numel() for p in dec.parameters()) == 30_532_122_624

@@ -12,7 +12,7 @@ from omniweave.models.registry import build_component, build_config, build_model
 from omniweave.models.text import CausalLM
 
 TINY = dict(name="decoder", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
-REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+REPO_CONFIGS = Path(__file__).resolve().parents[1] / "omniweave" / "configs"
 
 
 def test_hf_adapters_live_in_the_same_registry():

@@ -48,7 +48,7 @@ def _one_thread():
 
 def _model(foundation: str, encoder: str | None = None, projector: str | None = None, seed: int = 0,
            projector_fields: dict | None = None, **fields):
-    """A tiny model from configs/models (``fields`` override the foundation's, ``projector_fields``
+    """A tiny model from omniweave/configs/models (``fields`` override the foundation's, ``projector_fields``
     the projector's), non-trivial norms and biases."""
     models = CONFIGS_DIR / "models"
     spec = {"foundation": OmegaConf.merge(OmegaConf.load(models / f"foundation/{foundation}.yaml"), fields)}

@@ -38,8 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omniweave.config import load_recipe
     from omniweave.launch import relaunch, wants_launch
-    from omniweave.train.trainer import check_ready
+    from omniweave.train.trainer import check_ready, listed
 
+    if listed(args):
+        return 0
     launching = wants_launch(args)
     cfg = load_recipe(args.recipe, args.overrides)
     check_ready(cfg, args.resume, kind="prompts")

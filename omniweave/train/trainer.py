@@ -30,7 +30,8 @@ from omniweave.train.metrics import step_flops
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe YAML path or built-in recipe name (configs/recipes/)")
+    p.add_argument("recipe", nargs="?", help="recipe YAML path or built-in recipe name (--list shows them)")
+    p.add_argument("--list", action="store_true", help="list the built-in recipes and exit")
     p.add_argument("overrides", nargs="*", help="key=value recipe overrides (Hydra syntax)")
     launch_arguments(p)
     p.add_argument("--resume", default=None,
@@ -40,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omniweave.config import load_recipe
 
+    if listed(args):
+        return 0
     launching = wants_launch(args)
     cfg = load_recipe(args.recipe, args.overrides)  # user mistakes surface here, before any rank starts
     check_ready(cfg, args.resume, kind=phase_kind(cfg))
@@ -50,6 +53,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"trained {result['steps']} steps in {result['seconds']:.1f} s, final loss {result['loss']:.4f}; "
               f"run dir {result['run_dir']}")
     return 0
+
+
+def listed(args: argparse.Namespace) -> bool:
+    """``--list``: the built-in recipes printed (True); without it a recipe must be named."""
+    from omniweave.config import recipes_listing
+    from omniweave.errors import UserError
+
+    if args.list:
+        print(recipes_listing())
+        return True
+    if not args.recipe:
+        raise UserError("name a recipe: a YAML path or a built-in recipe (--list shows them)")
+    return False
 
 
 def phase_kind(cfg) -> str:

@@ -1,5 +1,5 @@
 """The context-parallel vision split (omniweave.parallel.context.vision) on gloo ranks against the
-single process (tiny Qwen2.5-VL ViT + PatchMerger + decoder from configs/, fp32):
+single process (tiny Qwen2.5-VL ViT + PatchMerger + decoder from omniweave/configs/, fp32):
 
 - VisionSplit on 2 and 4 ranks: features equal ``encode(pixel_values, grid_thw)``; the parameter
   gradients of sum(features · W) (each rank's loss takes a disjoint share of the features),

@@ -109,7 +109,7 @@ def _cfg(ep: int, ac: str = "none", name: str = "qwen3_moe_tiny"):
     import yaml
     from omegaconf import OmegaConf
 
-    foundation = yaml.safe_load((REPO / f"configs/models/foundation/{name}.yaml").read_text())
+    foundation = yaml.safe_load((REPO / f"omniweave/configs/models/foundation/{name}.yaml").read_text())
     foundation.update(FOUNDATIONS[name])
     return OmegaConf.create({"model": {"foundation": foundation}, "parallel": {"ep": ep},
                              "train": {"seed": 0, "precision": "fp32", "ac": ac, "lr": 1e-2,

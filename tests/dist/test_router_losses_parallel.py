@@ -39,7 +39,7 @@ def _cfg(ep: int, cp: int, level: str, tp: int = 1):
     import yaml
     from omegaconf import OmegaConf
 
-    f = yaml.safe_load((REPO / "configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
+    f = yaml.safe_load((REPO / "omniweave/configs/models/foundation/qwen3_moe_tiny.yaml").read_text())
     f.update(num_layers=3, mlp_only_layers=[1], router_aux_loss_coef=0.05, aux_loss_level=level,
              router_z_loss_coef=0.01, tp=tp)
     return OmegaConf.create({"model": {"foundation": f}, "parallel": {"ep": ep, "cp": cp},
