@@ -41,8 +41,6 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-import omniweave  # noqa: E402,F401  before transformers (omniweave/torchvision_compat.py)
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # bench/quick.py, also when imported as bench.train
 from figure import pyplot, save  # noqa: E402
@@ -199,6 +197,9 @@ def hf_child(hf_dir: str, packed: str, global_batch: int, steps: int, seed: int)
     import logging
 
     import torch
+    from omniweave.models.hf.torchvision_guard import torchvision_loads
+
+    torchvision_loads()  # where torchvision's ops do not load beside this torch, transformers is told it is absent
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -2,7 +2,9 @@
 
 import pytest
 
-import omniweave  # noqa: F401  first: lets torchvision import before a test module imports transformers
+from tests import torchvision_shim
+
+torchvision_shim.install()  # first: torchvision's transforms importable beside the dev venv's CPU torch
 
 
 @pytest.fixture(scope="session")

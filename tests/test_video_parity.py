@@ -8,7 +8,7 @@ the frames itself from the stream metadata); ours reads the same file (``video_s
 ``frame_sampling: transformers``). With our default placement (qwen-vl-utils') transformers is fed
 the frames qwen-vl-utils would pick, as Qwen's model cards do.
 
-transformers' video processors need torchvision (imported through omniweave.torchvision_compat);
+transformers' video processors need torchvision (importable beside the CPU torch through tests/torchvision_shim.py);
 where it is not installed these tests skip.
 """
 

@@ -48,6 +48,9 @@ class TransformersNames:
     family adapter's checkpoint name; a name it does not hold is an error."""
 
     def __init__(self, hf_adapter, hf_cfg: dict):
+        from omniweave.models.hf.torchvision_guard import torchvision_loads
+
+        torchvision_loads()  # a broken torchvision would make transformers' VL classes fail to import
         import transformers
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key

@@ -157,12 +157,13 @@ def _hf_video_inputs(hf_dir: Path, hf_cfg: dict, raw, sample) -> tuple[tuple | N
     (its video_preprocessor_config.json), frames decoded by transformers' PyAV reader, or None and
     why not. With ``do_sample_frames`` (an omniweave export) it picks the frames itself; without,
     it is given the frames we picked, as Qwen's model cards give it qwen-vl-utils' frames."""
-    import importlib.util
     import tempfile
 
+    from omniweave.models.hf.torchvision_guard import torchvision_loads, why_not
+
     spans = [s for s in sample.media if s.kind == "video"]
-    if importlib.util.find_spec("torchvision") is None:
-        return None, "HF given ours (its video processor needs torchvision: pip install torchvision)"
+    if not torchvision_loads():
+        return None, f"HF given ours (its video processor needs torchvision; {why_not()})"
     if hf_cfg["model_type"] in QWEN3_VL:
         return None, "HF given ours (Qwen3-VL's video processor is not compared)"
     if not (hf_dir / "video_preprocessor_config.json").exists():
@@ -286,7 +287,9 @@ def verify_text(args, hf_dir: Path, hf_cfg: dict) -> int:
 
 
 def verify(args) -> int:
+    from omniweave.models.hf.torchvision_guard import torchvision_loads
 
+    torchvision_loads()  # before transformers first looks for it: a broken one is hidden, with a warning
     hf_dir = Path(args.hf_dir)
     hf_cfg = read_hf_config(hf_dir)
     omni = hf_cfg.get("model_type") in ("qwen2_5_omni_thinker", "qwen2_5_omni")

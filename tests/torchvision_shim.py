@@ -1,21 +1,24 @@
-"""Let torchvision's Python transforms import beside a CPU build of torch.
+"""Tests only: let torchvision's Python transforms import beside the CPU build of torch of our dev venv.
 
 transformers' Qwen2-VL / Qwen2.5-VL video processors (the reference our video pipeline is tested
-against, and what ``hf verify`` compares video pixels with) run on torchvision's transforms, which
-are plain torch ops. But PyPI's torchvision wheel for a given torch is a CUDA build: its compiled
-detection ops (``_C.so``) link ``libtorch_cuda``, so beside the CPU build of torch they fail to
-load, and ``import torchvision`` then dies registering fake kernels for ``torchvision::nms`` and
-``torchvision::qnms`` ("operator torchvision::nms does not exist"); transformers, which sees the
-package installed, fails with it.
+against) run on torchvision's transforms, which are plain torch ops. But PyPI's torchvision for a
+given torch is a CUDA build: its compiled ops link ``libtorch_cuda``, so beside the CPU build of
+torch they fail to load, and ``import torchvision`` dies registering fake kernels for
+``torchvision::nms`` ("operator torchvision::nms does not exist").
 
-:func:`make_torchvision_importable` runs just before the first ``import torchvision`` of a
-process that imported omniweave (:func:`install`, called by ``import omniweave``, puts a finder
-first on ``sys.meta_path`` that calls it; torch is not imported before then). Where torchvision is
-not installed, or its compiled ops load (a matching torch build), it does nothing. Otherwise it
-defines just those two operator schemas, without kernels, so the import succeeds: resize,
-normalise and the other transforms work; calling ``torchvision.ops.nms`` raises (no kernel), as it
-should. A script that imports transformers before omniweave on such a machine still fails inside
-torchvision: import omniweave first (tests/conftest.py and the bench scripts do).
+:func:`install` (tests/conftest.py, before any test module imports transformers) puts a finder
+first on ``sys.meta_path``; on the first ``import torchvision`` it runs
+:func:`make_torchvision_importable`: where torchvision is not installed, or its compiled ops load
+(a matching torch build), nothing is done. Otherwise it defines just those two operator schemas,
+without kernels, so the import succeeds: resize, normalise and the other transforms work; calling
+``torchvision.ops.nms`` raises (no kernel), as it should.
+
+The probe loads the compiled ops the way torchvision does: ``_C.so`` up to 0.28, ``_C_stable.so``
+(built against torch's stable ABI) from 0.29. Probing ``_C.so`` alone — what omniweave's import
+once did, from the package — fails in a healthy torch 2.14 + torchvision 0.29 environment, and the
+schemas it then defined made torchvision's own registration abort the process. The library itself
+never does this: it only hides a torchvision that does not load from transformers, at the point of
+use (omniweave/models/hf/torchvision_guard.py).
 """
 
 from __future__ import annotations
@@ -45,12 +48,12 @@ def make_torchvision_importable() -> str:
         return "absent"
     import torch
 
-    compiled = Path(spec.origin).parent / "_C.so"
-    try:
-        torch.ops.load_library(str(compiled))  # what torchvision itself does first; idempotent
-        return "native"
-    except (OSError, ImportError, RuntimeError):
-        pass
+    for compiled in sorted(Path(spec.origin).parent.glob("_C*.so")):  # _C.so (<= 0.28), _C_stable.so (0.29+)
+        try:
+            torch.ops.load_library(str(compiled))  # what torchvision itself does first; idempotent
+            return "native"
+        except (OSError, ImportError, RuntimeError):
+            pass
     _LIBRARY = torch.library.Library("torchvision", "DEF")
     for schema in _SCHEMAS:
         _LIBRARY.define(schema)
