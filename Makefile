@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install demo demo-moe demo-omni demo-rl demo-dpo test bench clean
+.PHONY: install demo demo-moe demo-omni demo-rl demo-dpo test test-cuda-env bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ demo-dpo: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# CI's second leg: the wheel in a GPU user's environment (the newest CUDA builds of torch +
+# torchvision, run on the CPU), smoke-tested from outside the checkout (.ci/cuda_env.sh)
+test-cuda-env:
+	bash .ci/cuda_env.sh
 
 clean:
 	rm -rf runs build *.egg-info
