@@ -41,6 +41,9 @@ LAYOUT_WEIGHT_ATOL = 3e-5
 # pp 2 x cp 2 after 6 steps: 3.1e-5 at one LM-head weight whose step-1 gradient equals the 1-rank one within
 # 2e-6 relative (tests/dist/test_pipeline.py compares every gradient at 1e-5); AdamW's noise, as above
 PP_CP_WEIGHT_ATOL = 5e-5
+# pp 2 x foundation tp 2: 5.6e-5 on this project's 2-core machines (the same at 936b481, before HSDP;
+# CI's machine gave less), losses and grad norms within 1e-5 of one rank: AdamW's noise, as above
+PP_TP_WEIGHT_ATOL = 1e-4
 
 _RUNS: dict = {}
 
@@ -125,7 +128,7 @@ def test_parallel_layouts_train_like_single_process(demo_packed, tmp_path_factor
     (4, {"parallel__pp": 2}),
     (4, {"parallel__pp": 2, "parallel__pp_schedule": "interleaved_1f1b", "parallel__pp_virtual": 2,
          "train__global_batch": 8}),
-    (4, {"parallel__pp": 2, "model__foundation__tp": 2}),
+    (4, {"parallel__pp": 2, "model__foundation__tp": 2, "weight_atol": PP_TP_WEIGHT_ATOL}),
     (4, {"parallel__pp": 2, "parallel__cp": 2, "weight_atol": PP_CP_WEIGHT_ATOL}),
     (2, {"parallel__pp": 2, "parallel__pp_schedule": "gpipe", "parallel__seq_chunks": 4}),
     (4, {"parallel__pp": 2, "parallel__pp_schedule": "gpipe", "parallel__seq_chunks": 4}),
