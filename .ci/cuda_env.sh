@@ -31,7 +31,7 @@ if [ ! -f "$VENV/.complete" ]; then
   "$VENV/bin/pip" install -q "torch==$TORCH" "torchvision==$TORCHVISION"
   "$VENV/bin/pip" install -q "torch==$TORCH" "torchvision==$TORCHVISION" "$WORK/src"  # + omniweave's runtime deps
   touch "$VENV/.complete"
-  ls -d "$CACHE"/cuda-env-* | grep -v "$VENV" | xargs -r rm -rf  # older keys
+  for old in "$CACHE"/cuda-env-*; do [ "$old" = "$VENV" ] || rm -rf "$old"; done  # older keys
 fi
 "$VENV/bin/pip" wheel -q --no-deps -w "$WORK/dist" "$WORK/src"
 "$VENV/bin/pip" install -q --no-deps --force-reinstall "$WORK"/dist/omniweave-*.whl
