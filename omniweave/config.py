@@ -201,25 +201,9 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def builtin_recipes() -> dict[str, str]:
-    """Every built-in recipe's name -> what it is (the first sentence of its leading comment)."""
-    out = {}
-    for path in sorted((CONFIGS_DIR / "recipes").glob("*.yaml")):
-        lines = path.read_text().splitlines()
-        comment = " ".join(ln.lstrip("# ").strip() for ln in lines[: next((i for i, ln in enumerate(lines)
-                                                                            if not ln.startswith("#")), len(lines))])
-        first = re.split(r"\.\s| \(", comment, maxsplit=1)[0].rstrip(".")  # its first sentence, no asides
-        out[path.stem] = first if len(first) <= 110 else first[:109].rstrip() + "…"
-    return out
-
-
-def recipes_listing() -> str:
-    """``omniweave recipes`` / ``omniweave train --list``: the built-in recipes, one a line."""
-    recipes = builtin_recipes()
-    width = max(map(len, recipes), default=0)
-    return "\n".join(f"{name:<{width}}  {what}" for name, what in recipes.items()) + (
-        f"\n\n{len(recipes)} built-in recipes in {CONFIGS_DIR / 'recipes'}; use one by name "
-        "(omniweave train NAME, data pack --recipe NAME) or copy it and pass the YAML path")
+def builtin_recipe_paths() -> list[Path]:
+    """The built-in recipes' files, sorted by name (``omniweave recipes`` describes them)."""
+    return sorted((CONFIGS_DIR / "recipes").glob("*.yaml"))
 
 
 def recipe_path(name_or_path: str | os.PathLike) -> Path:
@@ -230,7 +214,7 @@ def recipe_path(name_or_path: str | os.PathLike) -> Path:
     builtin = CONFIGS_DIR / "recipes" / f"{p.stem}.yaml"
     if builtin.exists():
         return builtin
-    names = sorted(q.stem for q in (CONFIGS_DIR / "recipes").glob("*.yaml"))
+    names = [q.stem for q in builtin_recipe_paths()]
     close = difflib.get_close_matches(p.stem, names, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     raise RecipeError(f"recipe {str(name_or_path)!r} not found: not a YAML file, nor a built-in recipe; {hint}"

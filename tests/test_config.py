@@ -145,3 +145,47 @@ def test_an_unknown_dotted_lora_field_names_the_valid_ones(configs, recipe_lora)
     with pytest.raises(RecipeError) as e:
         config.load_recipe("r", ["model.foundation.lora.rank=8"])
     assert str(e.value) == "model.foundation.lora.rank: unknown LoRA field; valid: r, alpha, dropout, targets"
+
+
+# ---------------------------------------------------------------------------- omniweave recipes
+
+def test_recipe_listing_describes_each_recipe_by_its_first_sentence_or_its_wiring(configs):
+    """A leading comment gives its first sentence without (asides, even (nested) ones); no comment:
+    what the defaults list wires, a parent recipe as ``on NAME``; the listing ends with the folder."""
+    from omniweave import recipes
+
+    _write(configs / "recipes/commented.yaml", """\
+        # Tiny stack (one layer (no MoE)) on a toy backbone: for tests. Second sentence.
+        # More comment.
+        defaults:
+          - r
+          - _self_
+        """)
+    _write(configs / "recipes/child.yaml", """\
+        defaults:
+          - r
+          - override foundation@model.foundation: other
+          - _self_
+        train:
+          steps: 4
+        """)
+    assert recipes.builtin_recipes() == {
+        "child": "on r, foundation other",
+        "commented": "Tiny stack on a toy backbone: for tests",
+        "r": "foundation tiny",
+    }
+    assert recipes.listing().splitlines() == [
+        "child      on r, foundation other",
+        "commented  Tiny stack on a toy backbone: for tests",
+        "r          foundation tiny",
+        "",
+        f"3 built-in recipes in {configs / 'recipes'}; use one by name (omniweave train NAME, "
+        "data pack --recipe NAME) or copy it and pass the YAML path"]
+
+
+def test_a_long_first_sentence_is_cut_at_110_characters_with_an_ellipsis(configs):
+    from omniweave import recipes
+
+    _write(configs / "recipes/long.yaml", "# " + "word " * 40 + "\ntrain:\n  steps: 1\n")
+    text = recipes.description(configs / "recipes/long.yaml")
+    assert len(text) == 110 and text == ("word " * 22)[:109].rstrip() + "…"

@@ -57,11 +57,13 @@ def run(args: argparse.Namespace) -> int:
 
 def listed(args: argparse.Namespace) -> bool:
     """``--list``: the built-in recipes printed (True); without it a recipe must be named."""
-    from omniweave.config import recipes_listing
+    from omniweave.recipes import listing
     from omniweave.errors import UserError
 
     if args.list:
-        print(recipes_listing())
+        if args.recipe or args.overrides:  # `train demo --list` would otherwise drop the recipe unseen
+            raise UserError("--list takes no recipe or overrides: it only lists the built-in recipes")
+        print(listing())
         return True
     if not args.recipe:
         raise UserError("name a recipe: a YAML path or a built-in recipe (--list shows them)")
