@@ -26,7 +26,8 @@ RECIPE = "demo"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", default=RECIPE, help="a recipe that trains on the demo's packs, e.g. demo_moe (default: demo)")
+    p.add_argument("--recipe", default=None,
+                   help="a recipe that trains on the demo's packs, e.g. demo_moe (default: demo; not with --rl, --dpo)")
     p.add_argument("--out", default=None, help="output folder (default: runs/<recipe>, with --rl runs/demo_rl)")
     p.add_argument("--rl", action="store_true", help="the GRPO demo instead (omniweave/demo_rl.py)")
     p.add_argument("--dpo", action="store_true", help="the DPO demo instead (omniweave/demo_dpo.py)")
@@ -194,7 +195,10 @@ def load_trained_model(run_dir: Path, cfg):
 def run(args: argparse.Namespace) -> int:
     from omniweave.config import load_recipe, recipe_path
     from omniweave.data.demo import generate
+    from omniweave.errors import UserError
 
+    if args.recipe and (args.rl or args.dpo):  # those demos run their own recipes; say so, don't drop it
+        raise UserError(f"--recipe is for the SFT demo; --{'rl' if args.rl else 'dpo'} runs its own recipes")
     if args.dpo:
         from omniweave import demo_dpo
 
@@ -205,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
         args.out = args.out or "runs/demo_rl"
         return demo_rl.run(args)
-    recipe = recipe_path(args.recipe)
+    recipe = recipe_path(args.recipe or RECIPE)
     args.out = args.out or f"runs/{recipe.stem}"
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ import argparse  # noqa: E402
 
 import pytest  # noqa: E402
 
+from omniweave.config import builtin_recipe_paths  # noqa: E402
 from tests.train_factory import child_env  # noqa: E402
 
 
@@ -78,6 +79,17 @@ def test_overrides_may_follow_options():
     (["rl", "demo_grpo", "--nnodes", "0"], ["--nproc 1 and --nnodes 0 must be >= 1"]),
     (["hf", "export", "nowhere", "--output", "hf"], ["nowhere"]),
     (["hf", "verify", "nowhere"], ["no config.json"]),
+    # every command that takes a recipe resolves it the same way: a name neither built in nor a file
+    # lists the built-in names (issue 30)
+    *[(argv, ["recipe 'no_such_recipe' not found",
+              f"built-in: {', '.join(p.stem for p in builtin_recipe_paths())} (omniweave recipes describes them)"])
+      for argv in (["train", "no_such_recipe"], ["rl", "no_such_recipe"], ["dpo", "precompute-ref", "no_such_recipe"],
+                   ["demo", "--recipe", "no_such_recipe"],
+                   ["data", "pack", "--input", "raw", "--output", "p", "--recipe", "no_such_recipe"])],
+    (["demo", "--rl", "--recipe", "demo_moe"], ["--recipe is for the SFT demo; --rl runs its own recipes"]),
+    (["demo", "--dpo", "--recipe", "demo_moe"], ["--recipe is for the SFT demo; --dpo runs its own recipes"]),
+    (["train", "demo", "--list"], ["--list takes no recipe or overrides"]),
+    (["train"], ["name a recipe: a YAML path or a built-in recipe (--list shows them)"]),
 ])
 def test_ordinary_mistakes_are_one_line_and_exit_2(tmp_path, argv, fragments):
     assert_one_line_error(omniweave(*argv, cwd=tmp_path), *fragments)
