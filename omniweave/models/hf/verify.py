@@ -289,9 +289,9 @@ def verify_text(args, hf_dir: Path, hf_cfg: dict) -> int:
 def verify(args) -> int:
     from omniweave.models.hf.torchvision_guard import torchvision_loads
 
-    torchvision_loads()  # before transformers first looks for it: a broken one is hidden, with a warning
     hf_dir = Path(args.hf_dir)
-    hf_cfg = read_hf_config(hf_dir)
+    hf_cfg = read_hf_config(hf_dir)  # a wrong path is one error line, before any warning
+    torchvision_loads()  # before transformers first looks for it: a broken one is hidden, with a warning
     omni = hf_cfg.get("model_type") in ("qwen2_5_omni_thinker", "qwen2_5_omni")
     if args.use_audio_in_video and not omni:
         print(f"error: --use-audio-in-video is Qwen2.5-Omni's; {hf_dir} is {hf_cfg.get('model_type')}", file=sys.stderr)
