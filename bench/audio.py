@@ -254,6 +254,9 @@ def paired_bars(ax, rows: list[dict], ticks: list[str], title: str, labels: tupl
 
 
 def main() -> int:
+    from omniweave.models.hf.torchvision_guard import torchvision_loads
+
+    torchvision_loads()  # where torchvision's ops do not load beside this torch, transformers is told it is absent
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--files", type=int, default=24, help="audio files generated (formats, rates, channels cycled)")
     p.add_argument("--seconds", type=float, default=8.0, help="mean length of a file (0.8x to 1.2x)")

@@ -175,6 +175,9 @@ def child(impl: str, hf_dir: str, size: int, device_name: str, repeats: int, clo
 
 
 def main() -> int:
+    from omniweave.models.hf.torchvision_guard import torchvision_loads
+
+    torchvision_loads()  # where torchvision's ops do not load beside this torch, transformers is told it is absent
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192, 16384])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
