@@ -6,6 +6,7 @@
         trainer_state.json    step, scheduler, loader (epoch, cursor), counters
         rng_rank{r}.pt        each rank's torch RNG state
         config.yaml           the full recipe (``omniweave hf export`` rebuilds the model from it)
+        checksums.json        SHA-256 and size of every file above, verified before loading
       latest -> step_000200   symlink, replaced atomically only after the directory is complete
       .tmp-step_000300/       a save in progress (or killed): never read, removed on the next save
 
@@ -13,7 +14,9 @@ A save writes into ``.tmp-step_N``, renames it to ``step_N`` when every rank has
 only then moves ``latest``; so a run killed at any moment leaves either the previous checkpoint
 or the new one, never a half one that looks whole. ``keep_last`` prunes older complete ones.
 ``train.async_save`` writes in the background and publishes the same way once every rank's
-write is done (:class:`Checkpointer`).
+write is done (:class:`Checkpointer`). Loading reads no pickle that could run code and verifies the
+checksums first (checkpoint_io.py); ``--resume auto`` passes over a damaged checkpoint to the newest
+one that verifies, saying so.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from omniweave.train import checkpoint_io
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 FAULT_ENV = "OMNIWEAVE_FAULT_IN_SAVE"  # tests: SIGKILL rank 0 mid-save at this step
@@ -54,18 +59,40 @@ def is_complete(path: Path) -> bool:
     return path.is_dir() and (path / ".metadata").exists() and (path / "trainer_state.json").exists()
 
 
-def find_latest(ckpt_root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint: ``latest`` if it is whole, else the highest complete step."""
+def complete_checkpoints(ckpt_root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints under ``ckpt_root``, newest first (``latest`` first if it is whole)."""
     root = Path(ckpt_root)
     if not root.is_dir():
-        return None
+        return []
+    steps = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))), reverse=True)
+    found = [p for _, p in steps if is_complete(p)]
     latest = root / "latest"
     if latest.is_symlink() and is_complete(latest.resolve()):
-        return latest.resolve()
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
-    for _, p in reversed(steps):
-        if is_complete(p):
-            return p
+        found = [latest.resolve(), *(p for p in found if p != latest.resolve())]
+    return found
+
+
+def find_latest(ckpt_root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint: ``latest`` if it is whole, else the highest complete step."""
+    found = complete_checkpoints(ckpt_root)
+    return found[0] if found else None
+
+
+def newest_undamaged(ckpt_root: str | os.PathLike, say=print) -> Path | None:
+    """Collective: ``--resume auto``'s checkpoint, the newest complete one whose files match their
+    checksums; each damaged one passed over is ``say``-ed. None when there is none at all; a
+    ``CheckpointDamaged`` naming them when every one is damaged."""
+    found, damaged = complete_checkpoints(ckpt_root), []
+    for ckpt in found:
+        problem = checkpoint_io.find_damage(ckpt)
+        if problem is None:
+            if damaged:
+                say(f"--resume auto: passed over {len(damaged)} damaged checkpoint(s) ({damaged[0]}); "
+                    f"resuming from {ckpt.name}")
+            return ckpt
+        damaged.append(problem)
+    if damaged:
+        raise checkpoint_io.CheckpointDamaged("--resume auto: every checkpoint is damaged: " + "; ".join(damaged))
     return None
 
 
@@ -97,19 +124,15 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, flat_o
 def _flat_optim(path: Path) -> bool:
     """Whether the checkpoint's optimizer hyperparameters are per parameter (older checkpoints
     saved lists of groups)."""
-    import torch.distributed.checkpoint as dcp
-
-    return "optim.param_groups.0.params" not in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return "optim.param_groups.0.params" not in checkpoint_io.read_metadata(path).state_dict_metadata
 
 
 def check_shapes(path: str | os.PathLike, model_state: dict[str, Any]) -> None:
     """Refuse, naming the tensors, a checkpoint whose weights have other shapes than the recipe's
     model (e.g. another ``num_experts``, vocabulary or width) before DCP reads anything."""
-    import torch.distributed.checkpoint as dcp
-
     from omniweave.errors import UserError
 
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = checkpoint_io.read_metadata(path).state_dict_metadata
     wrong = []
     for name, t in model_state.items():
         meta = saved.get(f"model.{name}")
@@ -185,6 +208,8 @@ class Checkpointer:
         if pending["future"] is not None:
             pending["future"].result()
         _barrier()
+        checkpoint_io.hash_share(pending["tmp"])  # the ranks hash the written files between them
+        _barrier()
         if _rank() == 0:
             self._publish(pending)
         _barrier()
@@ -195,6 +220,7 @@ class Checkpointer:
             os.kill(os.getpid(), signal.SIGKILL)
         (tmp / "config.yaml").write_text(pending["config"])
         (tmp / "trainer_state.json").write_text(pending["state"])
+        checkpoint_io.write_checksums(tmp, ["config.yaml", "trainer_state.json"])
         os.rename(tmp, final)
         link = self.root / ".latest.tmp"
         if link.is_symlink() or link.exists():
@@ -230,16 +256,18 @@ def save(ckpt_root: str | os.PathLike, step: int, model: nn.Module, optimizer, t
     return Checkpointer(ckpt_root, keep_last).save(step, model, optimizer, trainer_state, config_yaml)
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
-    """Collective: restores model (+ optimizer) and this rank's RNG; returns trainer_state."""
-    import torch.distributed.checkpoint as dcp
+def load(path: str | os.PathLike, model: nn.Module, optimizer=None, verified: bool = False) -> dict:
+    """Collective: restores model (+ optimizer) and this rank's RNG; returns trainer_state.
+    ``verified``: the checksums were just checked (:func:`newest_undamaged`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     path = Path(path)
+    if not verified:
+        checkpoint_io.verify(path)
     flat = _flat_optim(path)
     state = _dcp_state(model, optimizer, flat)
     check_shapes(path, state["model"])
-    dcp.load(state, checkpoint_id=str(path))
+    checkpoint_io.dcp_load(state, path)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
@@ -254,20 +282,18 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
 def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
     """Collective: only the model weights of a checkpoint into ``model`` (any parallel layout); LoRA
     adapters the checkpoint does not hold keep their values."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from omniweave.models.lora import is_adapter_name
 
+    checkpoint_io.verify(path)
     state = _dcp_state(model, None)
     check_shapes(path, state["model"])
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = checkpoint_io.read_metadata(path).state_dict_metadata
     fresh = [n for n in state["model"] if is_adapter_name(n) and f"model.{n}" not in saved]
     for n in fresh:  # LoRA on a run trained without it: its adapters keep their fresh initialisation
         del state["model"][n]
-    dcp.load(state, checkpoint_id=str(path))
+    checkpoint_io.dcp_load(state, path)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not fresh))
 
 
@@ -275,12 +301,12 @@ def load_model(path: str | os.PathLike, model_cfg=None) -> tuple[nn.Module, dict
     """(model on CPU, model_cfg) from a checkpoint dir, a checkpoints dir or a run dir, without a
     process group: ``omniweave hf export`` and evaluation. The model config comes from the
     checkpoint's ``config.yaml`` unless given."""
-    import torch.distributed.checkpoint as dcp
     import yaml
 
     from omniweave.models.registry import build_model
 
     ckpt = resolve_checkpoint(path)
+    checkpoint_io.verify(ckpt, collective=False)
     if model_cfg is None:
         model_cfg = yaml.safe_load((ckpt / "config.yaml").read_text())["model"]
     from omniweave.config import to_dict
@@ -293,7 +319,7 @@ def load_model(path: str | os.PathLike, model_cfg=None) -> tuple[nn.Module, dict
     check_shapes(ckpt, state["model"])
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process")
-        dcp.load(state, checkpoint_id=str(ckpt))
+        checkpoint_io.dcp_load(state, ckpt)
     model.load_state_dict(state["model"])
     if hasattr(model, "foundation") and hasattr(model.foundation, "tie_weights"):
         model.foundation.tie_weights()

@@ -184,11 +184,12 @@ class Engine:
     def resume(self, resume: str | None) -> dict | None:
         """``--resume auto|PATH``: model, optimizer and schedule restored; the checkpoint's trainer
         state (the mode's loader / RNG / … entries included) returned, None when starting fresh."""
-        ckpt = checkpoint.find_latest(self.ckpt_root) if resume == "auto" else (
+        say = (lambda msg: print(msg, flush=True)) if self.rank == 0 else (lambda msg: None)
+        ckpt = checkpoint.newest_undamaged(self.ckpt_root, say) if resume == "auto" else (
             checkpoint.resolve_checkpoint(resume) if resume else None)
         if ckpt is None:
             return None
-        state = checkpoint.load(ckpt, self.model, self.optimizer)
+        state = checkpoint.load(ckpt, self.model, self.optimizer, verified=resume == "auto")
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.skipped = int(state["step"]), int(state.get("skipped", 0))
         if self.rank == 0:
