@@ -127,22 +127,66 @@ def _flat_optim(path: Path) -> bool:
     return "optim.param_groups.0.params" not in checkpoint_io.read_metadata(path).state_dict_metadata
 
 
-def check_shapes(path: str | os.PathLike, model_state: dict[str, Any]) -> None:
-    """Refuse, naming the tensors, a checkpoint whose weights have other shapes than the recipe's
-    model (e.g. another ``num_experts``, vocabulary or width) before DCP reads anything."""
+def _family_differences(path: Path, model_cfg) -> list[str]:
+    """Components whose ``name`` / ``family`` differ between the checkpoint's recipe and ``model_cfg``."""
+    import yaml
+
+    from omniweave.config import to_dict
+
+    saved = (yaml.safe_load((path / "config.yaml").read_text()) or {}).get("model") or {}
+    out = []
+    for comp, mine in to_dict(model_cfg).items():
+        theirs = saved.get(comp)
+        if not isinstance(mine, dict) or not isinstance(theirs, dict):
+            continue
+        for key in ("name", "family"):
+            if key in theirs and theirs.get(key) != mine.get(key):
+                out.append(f"model.{comp}.{key}: checkpoint {theirs.get(key)!r}, recipe {mine.get(key)!r}")
+    return out
+
+
+def _all_ranks_names(names: set[str]) -> set[str]:
+    """The union of every rank's parameter names (a pipeline rank holds some of the model's)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return names
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(names))
+    return set().union(*map(set, everyone))
+
+
+def _listed(label: str, items: list[str]) -> str:
+    return f"{label}: " + ", ".join(items[:4]) + (f" (and {len(items) - 4} more)" if len(items) > 4 else "")
+
+
+def check_fits(path: str | os.PathLike, model_state: dict[str, Any], model_cfg=None, fresh: set[str] = frozenset(),
+               collective: bool = True) -> None:
+    """Refuse in one line, before DCP reads anything, a checkpoint that does not hold the recipe's
+    model: another family, a tensor one has and the other lacks (q/k/v biases, LoRA adapters, a
+    component), another shape (``num_experts``, vocabulary, width). ``fresh``: names the recipe
+    may lack in the checkpoint (adapters ``init_from`` starts fresh). ``collective``: every rank
+    calls it (``model_state`` is this rank's part under pipeline parallelism)."""
     from omniweave.errors import UserError
 
-    saved = checkpoint_io.read_metadata(path).state_dict_metadata
-    wrong = []
-    for name, t in model_state.items():
-        meta = saved.get(f"model.{name}")
-        if isinstance(t, torch.Tensor) and meta is not None and hasattr(meta, "size") and tuple(meta.size) != tuple(t.shape):
-            wrong.append(f"{name}: checkpoint {list(meta.size)}, recipe {list(t.shape)}")
+    path = Path(path)
+    saved = {k[len("model."):]: m for k, m in checkpoint_io.read_metadata(path).state_dict_metadata.items()
+             if k.startswith("model.")}
+    problems = _family_differences(path, model_cfg) if model_cfg is not None else []
+    missing = sorted(n for n in model_state if n not in saved and n not in fresh)
+    mine = _all_ranks_names(set(model_state)) if collective else set(model_state)
+    extra = sorted(n for n in saved if n not in mine)
+    wrong = [f"{name}: checkpoint {list(saved[name].size)}, recipe {list(t.shape)}"
+             for name, t in model_state.items()
+             if isinstance(t, torch.Tensor) and hasattr(saved.get(name), "size") and tuple(saved[name].size) != tuple(t.shape)]
+    if missing:
+        problems.append(_listed("the recipe's model has, the checkpoint lacks", missing))
+    if extra:
+        problems.append(_listed("the checkpoint has, the recipe's model lacks", extra))
     if wrong:
+        problems.append(_listed("other shapes", wrong))
+    if problems:
         hint = (" — the MoE layers' expert count (model.foundation.num_experts) differs"
                 if any(".experts." in w or ".gate." in w for w in wrong) else "")
-        raise UserError(f"checkpoint {path} does not fit the recipe's model{hint}: " + "; ".join(wrong[:4])
-                        + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""))
+        raise UserError(f"checkpoint {path} does not fit the recipe's model{hint}: " + "; ".join(problems))
 
 
 class Checkpointer:
@@ -256,9 +300,10 @@ def save(ckpt_root: str | os.PathLike, step: int, model: nn.Module, optimizer, t
     return Checkpointer(ckpt_root, keep_last).save(step, model, optimizer, trainer_state, config_yaml)
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer=None, verified: bool = False) -> dict:
+def load(path: str | os.PathLike, model: nn.Module, optimizer=None, verified: bool = False, model_cfg=None) -> dict:
     """Collective: restores model (+ optimizer) and this rank's RNG; returns trainer_state.
-    ``verified``: the checksums were just checked (:func:`newest_undamaged`)."""
+    ``verified``: the checksums were just checked; ``model_cfg``: the recipe's (its families are
+    checked against the checkpoint's)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     path = Path(path)
@@ -266,7 +311,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, verified: bo
         checkpoint_io.verify(path)
     flat = _flat_optim(path)
     state = _dcp_state(model, optimizer, flat)
-    check_shapes(path, state["model"])
+    check_fits(path, state["model"], model_cfg)
     checkpoint_io.dcp_load(state, path)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
@@ -279,7 +324,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, verified: bo
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
+def load_weights(path: str | os.PathLike, model: nn.Module, model_cfg=None) -> None:
     """Collective: only the model weights of a checkpoint into ``model`` (any parallel layout); LoRA
     adapters the checkpoint does not hold keep their values."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -288,9 +333,9 @@ def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
 
     checkpoint_io.verify(path)
     state = _dcp_state(model, None)
-    check_shapes(path, state["model"])
     saved = checkpoint_io.read_metadata(path).state_dict_metadata
     fresh = [n for n in state["model"] if is_adapter_name(n) and f"model.{n}" not in saved]
+    check_fits(path, state["model"], model_cfg, fresh=set(fresh))
     for n in fresh:  # LoRA on a run trained without it: its adapters keep their fresh initialisation
         del state["model"][n]
     checkpoint_io.dcp_load(state, path)
@@ -316,7 +361,7 @@ def load_model(path: str | os.PathLike, model_cfg=None) -> tuple[nn.Module, dict
         model = build_model(model_cfg)
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
-    check_shapes(ckpt, state["model"])
+    check_fits(ckpt, state["model"], model_cfg, collective=False)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process")
         checkpoint_io.dcp_load(state, ckpt)

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omniweave.train import checkpoint, watchdog
+from omniweave.train import checkpoint, checkpoint_io, watchdog
+from omniweave.train.resume_keys import check_resume_keys, describe_applied
 from omniweave.train.metrics import SFT_LINE, MetricsLogger, device_peak_flops, model_flop_counts
 from omniweave.train.parallel_model import build, full_model_on_rank0, offload_mode, uses_fsdp
 
@@ -189,12 +190,35 @@ class Engine:
             checkpoint.resolve_checkpoint(resume) if resume else None)
         if ckpt is None:
             return None
-        state = checkpoint.load(ckpt, self.model, self.optimizer, verified=resume == "auto")
+        if resume != "auto":  # newest_undamaged has verified the automatic choice
+            checkpoint_io.verify(ckpt)
+        changes = check_resume_keys(ckpt, self.cfg)  # before loading: a refused change loads nothing
+        state = checkpoint.load(ckpt, self.model, self.optimizer, verified=True, model_cfg=self.cfg.model)
         self.scheduler.load_state_dict(state["scheduler"])
+        self.apply_schedule()
         self.step, self.skipped = int(state["step"]), int(state.get("skipped", 0))
         if self.rank == 0:
             print(f"resumed from {ckpt} at step {self.step}", flush=True)
+            if describe_applied(changes):
+                print(describe_applied(changes), flush=True)
         return state
+
+    def apply_schedule(self) -> None:
+        """The recipe's learning rate, schedule and AdamW hyperparameters on the restored optimizer
+        (a resume may change them: resume_keys.py): the rate of the current step is ``lr ×
+        factor(step)`` of the recipe's schedule, exactly what the scheduler computes when it steps,
+        so an unchanged recipe resumes bit-identically."""
+        from omniweave.train.optim import param_groups
+
+        tc = self.cfg.train
+        lr = float(tc.lr)
+        fresh = param_groups(self.model, float(tc.get("weight_decay", 0.0)))
+        self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group, want in zip(self.optimizer.param_groups, fresh, strict=True):
+            group.update(initial_lr=lr, lr=lr * factor, weight_decay=want["weight_decay"],
+                         betas=tuple(tc.get("betas", (0.9, 0.95))), eps=float(tc.get("eps", 1e-8)))
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def start_logging(self, line=SFT_LINE) -> None:
         """Metrics from the current step on; ``line``: the console fields (metrics.SFT_LINE format)."""

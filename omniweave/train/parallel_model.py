@@ -66,7 +66,7 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
         model.init_weights()
         reset_adapters(model)  # init_weights drew the adapters' Linears like any other
     if cfg.train.get("init_from"):
-        init_weights_from(model, str(cfg.train.init_from))
+        init_weights_from(model, str(cfg.train.init_from), cfg.model)
     return model
 
 
@@ -102,7 +102,7 @@ def check_attn_backends(model_cfg: dict) -> None:
             check_backend(str(component["attn_backend"]), f"model.{name}.attn_backend")
 
 
-def init_weights_from(model: nn.Module, path: str) -> None:
+def init_weights_from(model: nn.Module, path: str, model_cfg=None) -> None:
     """``train.init_from``: a HF model directory (each rank reads only its own slices of the
     safetensors) or an omniweave training checkpoint (a run, checkpoints/ or step dir: its model
     weights through DCP, resharded to this layout; its optimizer and schedule are not taken).
@@ -112,7 +112,7 @@ def init_weights_from(model: nn.Module, path: str) -> None:
 
         load_hf_into(model, path)
     else:
-        checkpoint.load_weights(checkpoint.resolve_checkpoint(path), model)
+        checkpoint.load_weights(checkpoint.resolve_checkpoint(path), model, model_cfg)
 
 
 def full_model_on_rank0(model: nn.Module, cfg, pp_group=None) -> nn.Module | None:
