@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omniweave.data import shards as sh
-from omniweave.data.formats import FormatError, parse_row
+from omniweave.data.formats import FormatError, decode_row, parse_row
 from omniweave.data.mapping import COLUMN_FIELDS, TAG_FIELDS, Mapping, detect_format, mapping_from_yaml
 from omniweave.data.media_files import load_media, media_extension, source_name
 from omniweave.data.preference import REJECT_REASONS as PREFERENCE_REJECTS
@@ -41,7 +41,7 @@ from omniweave.data.preference import is_preference_row, split_preference_row
 # the fixed reasons; parameterised ones are "unsupported_modality:<kind>", "unknown_content_part:<type>",
 # "unknown_media_column:<column>" (docs/data.md, "Reject reasons")
 REJECT_REASONS = (
-    "malformed_json", "bad_schema", "missing_media", "unreadable_media", "undecodable_media",
+    "malformed_json", "bad_json", "bad_text", "bad_schema", "missing_media", "unreadable_media", "undecodable_media",
     "placeholder_mismatch", "empty_conversation", "no_assistant_turn", "unknown_role", "bad_turn_order",
     "media_path_escapes", "absolute_path_outside", "bad_data_url",
     # audio whose header does not read (audio.probe_audio's MediaError reasons)
@@ -102,7 +102,7 @@ def read_rows(path: str) -> list[Row]:
     if not path.endswith(".jsonl") and data.lstrip().startswith(b"{") and data.count(b"\n") > 1:
         try:  # a pretty-printed single object is not JSONL
             single = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep: read as JSONL
             single = None
         if isinstance(single, dict):
             raise SystemExit(f"{path}: a .json input must hold a list of conversations (or use JSONL)")
@@ -119,7 +119,7 @@ def read_rows(path: str) -> list[Row]:
         return rows
     try:
         parsed = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # not JSON / not UTF-8 / a row nested past Python's recursion limit
         raise SystemExit(f"{path} is not valid JSON ({e}); one bad row in a JSON array makes the whole "
                          "file unreadable, JSONL keeps going") from e
     if not isinstance(parsed, list):
@@ -139,8 +139,8 @@ def resolve_mapping(rows: list[Row], mapping: Mapping) -> Mapping:
     sample = []
     for row in rows[:64]:
         try:
-            sample.append(json.loads(row.raw) if isinstance(row.raw, (str, bytes)) else row.raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            sample.append(decode_row(row.raw))
+        except FormatError:  # rejected with its reason when the row is converted
             continue
     return mapping.resolved(detect_format(sample, mapping))
 
@@ -150,14 +150,7 @@ def resolve_mapping(rows: list[Row], mapping: Mapping) -> Mapping:
 
 def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: bool):
     """-> (Conversation with part names, media dict); raises FormatError."""
-    raw = row.raw
-    if isinstance(raw, bytes):
-        raise FormatError("malformed_json", "the line is not valid UTF-8")
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise FormatError("malformed_json", str(e)) from e
+    raw = decode_row(row.raw)
     stem = Path(row.file).stem
     rejected = None
     if is_preference_row(raw, mapping):  # a DPO pair: prompt + chosen answer, the rejected answer in meta
