@@ -106,5 +106,16 @@ def test_resume_from_before_the_skip_equals_the_uninterrupted_run(damaged, whole
     shutil.copytree(whole_run / step2, tmp_path / "cut" / step2)
     train_in_process(damaged[0], tmp_path / "cut", resume="auto", steps=STEPS, global_batch=GB, train__save_interval=2)
     keys = ("step", "loss", "grad_norm", "loss_tokens", "media_skipped", "media_skipped_total", "media_skips")
-    pick = lambda ms: [{k: m.get(k) for k in keys} for m in ms]  # noqa: E731
-    assert pick(read_metrics(tmp_path / "cut")) == pick(read_metrics(whole_run)[2:])
+    resumed, whole = ([{k: m.get(k) for k in keys} for m in read_metrics(run)] for run in (tmp_path / "cut", whole_run))
+    assert resumed == whole[2:]
+
+
+def test_dropping_a_document_zeroes_its_per_token_data_too():
+    import torch
+
+    mb = {"labels": torch.tensor([5, 6, -100, 7, 8, -100]), "num_loss_tokens": 4,
+          "token_data": {"pair_slot": torch.tensor([1, 1, 0, 2, 2, 0])}}
+    (out,) = drop_skipped_docs([mb], [{"row": 0, "tokens": [3, 6]}])
+    assert out["labels"].tolist() == [5, 6, -100, -100, -100, -100] and out["num_loss_tokens"] == 2
+    assert out["token_data"]["pair_slot"].tolist() == [1, 1, 0, 0, 0, 0]
+    assert mb["labels"].tolist() == [5, 6, -100, 7, 8, -100]  # the loader's batch is left as it was

@@ -55,7 +55,7 @@ def _resolve_media(path: str, media_dir: str) -> tuple[str, str]:
     if not _inside(real, root_real):
         if os.path.isabs(path) and not _inside(full, root):
             raise FormatError("absolute_path_outside", f"{path} is outside the media dir {media_dir}")
-        raise FormatError("media_path_escapes", f"{path} is a symlink to {real}, outside the media dir {media_dir}")
+        raise FormatError("media_path_escapes", f"{path} resolves (through a symlink) to {real}, outside the media dir {media_dir}")
     return root_real, real
 
 
