@@ -22,6 +22,46 @@ def png_bytes(height: int, width: int, mode: str = "RGB", seed: int = 0) -> byte
     return buf.getvalue()
 
 
+def png_with_garbage_pixels(data: bytes, seed: int = 0) -> bytes:
+    """A PNG whose image data (IDAT) is replaced by random bytes of the same length, every chunk CRC
+    recomputed: its header reads and Pillow's ``verify`` passes, its pixels do not decode."""
+    import struct
+    import zlib
+
+    out, pos, rng = bytearray(data[:8]), 8, np.random.default_rng(seed)
+    while pos < len(data):
+        (length,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IDAT":
+            body = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+        out += struct.pack(">I", length) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        pos += 12 + length
+    return bytes(out)
+
+
+def truncated_jpeg(height: int = 64, width: int = 64, keep: float = 0.6) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()[: int(len(buf.getvalue()) * keep)]
+
+
+def blank_png(side: int) -> bytes:
+    """A valid grey ``side`` x ``side`` PNG (12000 px: ~140 KB on disk, 144 MB of pixels), written
+    row by row so making it costs no more memory than the file."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    z, row, parts = zlib.compressobj(9), b"\0" * (side + 1), []
+    for _ in range(side):
+        parts.append(z.compress(row))
+    parts.append(z.flush())
+    header = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b"")
+
+
 def video_frames(num_frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
     """uint8 [N, H, W, 3]: smooth moving gradients (compress well, frames clearly differ)."""
     yy, xx = np.mgrid[0:height, 0:width]

@@ -30,7 +30,7 @@ BAD_ROWS = [
     ("malformed_json", '{"messages": "NOT_UTF8"}'),
     ("bad_schema", "[1, 2]"),
     ("missing_media", json.dumps({**GOOD, "images": ["nope.png"]})),
-    ("unreadable_media", json.dumps({**GOOD, "images": ["folder.png"]})),
+    ("not_a_regular_file", json.dumps({**GOOD, "images": ["folder.png"]})),
     ("undecodable_media", json.dumps({**GOOD, "images": ["garbage.png"]})),
     ("undecodable_media", json.dumps({**GOOD, "videos": ["garbage.mp4"]})),
     ("placeholder_mismatch", json.dumps({**GOOD, "images": ["a.png", "a.png"]})),

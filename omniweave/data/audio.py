@@ -372,6 +372,6 @@ def audio_items(data: PathOrBytes, cfg: AudioConfig, num_samples: int | None = N
     ``num_samples``: the planned length, checked against the decoded one."""
     samples = load_audio(data)
     if num_samples is not None and len(samples) != num_samples:
-        raise AssertionError(f"decoded {len(samples)} samples, planned {num_samples}")
+        raise MediaError("media_changed", f"decoded {len(samples)} samples, planned {num_samples} (the bytes changed since pack)")
     bounds = np.cumsum([0, *encoder_items(len(samples), cfg.family)])
     return [samples[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

@@ -2,12 +2,14 @@
 
     omniweave data convert --input train.jsonl --media-dir media/ --output RAW \
         [--maxcount N] [--maxsize BYTES] [--workers W] [--strict] [--format F] [--mapping YAML]
+        [--max-media-size BYTES] [--max-image-pixels N]
 
 Every input row is either written (sample key ``s{global_row:09d}``, the row's 0-based position
 across all inputs) or rejected with a reason into ``RAW/rejects.jsonl``; ``RAW/convert_report.json``
 holds the counts (``input == written + rejected``). Media bytes are copied unchanged, after a
-header check (Pillow open + verify for images, the PyAV stream header for videos, ``probe_audio``
-for audio: wav, flac, mp3, m4a/aac, ogg); a ``data:`` URL's bytes are stored as a file like any other.
+check (``media_files``: a regular file inside the media dir; an image fully decoded, the PyAV stream
+header for videos, ``probe_audio`` for audio: wav, flac, mp3, m4a/aac, ogg); a ``data:`` URL's bytes
+are stored as a file like any other.
 
 Parallelism and crash safety: rows are cut into blocks of ``--maxcount`` consecutive rows; each
 block is one job that a worker turns into shard(s) under ``RAW/.work/`` (temporary name, renamed
@@ -32,18 +34,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omniweave.data import shards as sh
-from omniweave.data.formats import FormatError, parse_row
+from omniweave.data.formats import FormatError, decode_row, parse_row
 from omniweave.data.mapping import COLUMN_FIELDS, TAG_FIELDS, Mapping, detect_format, mapping_from_yaml
-from omniweave.data.media_files import load_media, media_extension, source_name
+from omniweave.data.media import DEFAULT_MAX_IMAGE_PIXELS, IMAGE_PIXELS_CEILING
+from omniweave.data.media_files import DEFAULT_MAX_MEDIA_BYTES, MediaLimits, load_media, media_extension, source_name
 from omniweave.data.preference import REJECT_REASONS as PREFERENCE_REJECTS
 from omniweave.data.preference import is_preference_row, split_preference_row
 
 # the fixed reasons; parameterised ones are "unsupported_modality:<kind>", "unknown_content_part:<type>",
 # "unknown_media_column:<column>" (docs/data.md, "Reject reasons")
 REJECT_REASONS = (
-    "malformed_json", "bad_schema", "missing_media", "unreadable_media", "undecodable_media",
+    "malformed_json", "bad_json", "bad_text", "bad_schema", "missing_media", "unreadable_media", "undecodable_media",
     "placeholder_mismatch", "empty_conversation", "no_assistant_turn", "unknown_role", "bad_turn_order",
-    "media_path_escapes", "absolute_path_outside", "bad_data_url",
+    "media_path_escapes", "absolute_path_outside", "not_a_regular_file", "media_too_large", "image_too_large",
+    "bad_data_url",
     # audio whose header does not read (audio.probe_audio's MediaError reasons)
     "not_audio", "no_audio_stream", "empty_audio", "audio_truncated", "bad_audio",
     *PREFERENCE_REJECTS,  # preference pairs: a missing side, identical sides (data/preference.py)
@@ -65,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--maxcount", type=int, default=1000, help="rows per job; a shard holds at most this many samples")
     p.add_argument("--maxsize", type=parse_size, default=parse_size("1G"), help="start a new shard past this size (e.g. 512M)")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="worker processes")
+    p.add_argument("--max-media-size", type=parse_size, default=DEFAULT_MAX_MEDIA_BYTES,
+                   help="reject a media file larger than this (media_too_large; e.g. 256M)")
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help=f"reject an image or video frame with more pixels (image_too_large; at most {IMAGE_PIXELS_CEILING})")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any row is rejected")
     p.add_argument("--format", choices=("auto", "openai", "sharegpt"), default="auto")
     p.add_argument("--mapping", help="YAML with formatting/columns/tags (LLaMA-Factory dataset_info style)")
@@ -102,7 +110,7 @@ def read_rows(path: str) -> list[Row]:
     if not path.endswith(".jsonl") and data.lstrip().startswith(b"{") and data.count(b"\n") > 1:
         try:  # a pretty-printed single object is not JSONL
             single = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep: read as JSONL
             single = None
         if isinstance(single, dict):
             raise SystemExit(f"{path}: a .json input must hold a list of conversations (or use JSONL)")
@@ -119,7 +127,7 @@ def read_rows(path: str) -> list[Row]:
         return rows
     try:
         parsed = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # not JSON / not UTF-8 / a row nested past Python's recursion limit
         raise SystemExit(f"{path} is not valid JSON ({e}); one bad row in a JSON array makes the whole "
                          "file unreadable, JSONL keeps going") from e
     if not isinstance(parsed, list):
@@ -139,8 +147,8 @@ def resolve_mapping(rows: list[Row], mapping: Mapping) -> Mapping:
     sample = []
     for row in rows[:64]:
         try:
-            sample.append(json.loads(row.raw) if isinstance(row.raw, (str, bytes)) else row.raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            sample.append(decode_row(row.raw))
+        except FormatError:  # rejected with its reason when the row is converted
             continue
     return mapping.resolved(detect_format(sample, mapping))
 
@@ -148,16 +156,9 @@ def resolve_mapping(rows: list[Row], mapping: Mapping) -> Mapping:
 # ---------------------------------------------------------------------------- one row
 
 
-def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: bool):
+def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: bool, limits: MediaLimits):
     """-> (Conversation with part names, media dict); raises FormatError."""
-    raw = row.raw
-    if isinstance(raw, bytes):
-        raise FormatError("malformed_json", "the line is not valid UTF-8")
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise FormatError("malformed_json", str(e)) from e
+    raw = decode_row(row.raw)
     stem = Path(row.file).stem
     rejected = None
     if is_preference_row(raw, mapping):  # a DPO pair: prompt + chosen answer, the rejected answer in meta
@@ -171,7 +172,7 @@ def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: b
     for kind, paths, prefix in sources:
         for i, path in enumerate(paths):
             name = f"{prefix}{i}.{media_extension(path)}"
-            media[name] = load_media(path, media_dir, kind)
+            media[name] = load_media(path, media_dir, kind, limits)
             names[kind].append(name)
     conv.meta = {"source": Path(row.file).name, "index": row.index,
                  "source_images": conv.images, "source_videos": conv.videos,
@@ -194,6 +195,7 @@ class Job:
     maxcount: int
     maxsize: int
     auto_placeholders: bool
+    limits: MediaLimits
 
 
 _rows_done_in_process = 0
@@ -222,7 +224,8 @@ def run_job(job: Job) -> dict:
     for offset, row in enumerate(job.rows):
         g = job.first + offset
         try:
-            conv, media = convert_row(row, job.mappings[row.file], job.media_dirs[row.file], job.auto_placeholders)
+            conv, media = convert_row(row, job.mappings[row.file], job.media_dirs[row.file], job.auto_placeholders,
+                                      job.limits)
         except FormatError as e:
             rejects.append({"row": g, "file": row.file, "index": row.index, "line": row.line,
                             "reason": e.reason, "message": e.message})
@@ -274,6 +277,10 @@ def run(args) -> int:
     t0 = time.perf_counter()
     out = Path(args.output)
     files = list(args.input)
+    if not 0 < args.max_image_pixels <= IMAGE_PIXELS_CEILING or args.max_media_size <= 0:
+        print(f"omniweave data convert: --max-image-pixels must be in 1..{IMAGE_PIXELS_CEILING} (training decodes "
+              "up to that) and --max-media-size positive", file=sys.stderr)
+        return 2
     for f in files:
         if not Path(f).is_file():
             print(f"omniweave data convert: input {f} not found", file=sys.stderr)
@@ -299,8 +306,10 @@ def run(args) -> int:
         stale.unlink()
 
     B = max(1, args.maxcount)
+    limits = MediaLimits(args.max_media_size, args.max_image_pixels)
     jobs = [
-        Job(j, j * B, rows[j * B:(j + 1) * B], mappings, media_dirs, str(work), B, args.maxsize, args.auto_placeholders)
+        Job(j, j * B, rows[j * B:(j + 1) * B], mappings, media_dirs, str(work), B, args.maxsize, args.auto_placeholders,
+            limits)
         for j in range((len(rows) + B - 1) // B)
     ]
     done: dict[int, dict] = {}

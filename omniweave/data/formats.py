@@ -69,6 +69,53 @@ class FormatError(ValueError):
         self.message = message
 
 
+MAX_ROW_DEPTH = 100  # nesting of objects / lists in a row; deeper is bad_json (a chat row nests ~6 deep)
+
+
+def decode_row(raw: Any) -> Any:
+    """A row as convert reads it (a JSONL line's text, its bytes when not UTF-8, or an object of a
+    JSON array) -> the parsed object, checked so everything after it may recurse into the row and
+    encode its text: ``malformed_json`` (not UTF-8, not JSON, a number Python will not convert),
+    ``bad_json`` (nested deeper than ``MAX_ROW_DEPTH``), ``bad_text`` (a string holding a lone UTF-16
+    surrogate such as ``"\\ud800"``, which no UTF-8 file can hold)."""
+    if isinstance(raw, bytes):
+        raise FormatError("malformed_json", "the line is not valid UTF-8")
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except RecursionError:
+            raise FormatError("bad_json", f"nested deeper than {MAX_ROW_DEPTH} levels") from None
+        except ValueError as e:  # JSONDecodeError, or an integer literal past Python's digit limit
+            raise FormatError("malformed_json", str(e)) from e
+    _check_values(raw)
+    return raw
+
+
+def _check_values(row: Any) -> None:
+    """Depth and text of every value (keys included), iteratively: a deep row cannot recurse here."""
+    todo = [(row, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_ROW_DEPTH:
+                raise FormatError("bad_json", f"nested deeper than {MAX_ROW_DEPTH} levels")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    _check_text(key)
+                todo.append((item, depth + 1))
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise FormatError("bad_text", f"a string holds {text[e.start:e.end]!r} (a lone UTF-16 surrogate), which "
+                          f"is not text; near {text[max(0, e.start - 20):e.start]!r}") from None
+
+
 def _media_list(row: dict, key: str, kind: str) -> list[str]:
     value = row.get(key)
     if value is None:
@@ -198,6 +245,8 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
         if not isinstance(turn, dict):
             raise FormatError("bad_schema", f"turn {i} is not an object")
         raw_role = turn.get(m.role_tag)
+        if raw_role is not None and not isinstance(raw_role, str):
+            raise FormatError("bad_schema", f"turn {i}: '{m.role_tag}' must be a string, got {type(raw_role).__name__}")
         if raw_role not in roles:
             raise FormatError("unknown_role", f"turn {i} has role {raw_role!r}; known: {sorted(roles, key=str)}")
         role = roles[raw_role]

@@ -40,6 +40,7 @@ from omniweave.parallel.balance import CostModel, assign, imbalance, pack_featur
 LOADER_ONLY_KEYS = ("path", "num_workers", "balance", "balance_refit")
 
 _PROCESSORS: dict[str, object] = {}
+SKIPS_KEY = "_media_skips"  # how a pack's skip records travel from a loader worker (never leaves the loader)
 
 
 def _processor(data_cfg: dict):
@@ -62,9 +63,11 @@ def span_from_record(m: dict) -> MediaSpan:
                      second_per_grid=m["second_per_grid"], pieces=pieces)
 
 
-def media_batch(proc, items: list[tuple[MediaSpan, bytes]]) -> dict:
+def media_batch(proc, items: list[tuple[MediaSpan, bytes]], failed: list | None = None) -> dict:
     """The media tensors of one row from its media spans (positions in the row) and their bytes: the
-    one place they are built, for packed micro-batches and evaluation prompts alike.
+    one place they are built, for packed micro-batches and evaluation prompts alike. ``failed``: a
+    list to tolerate media that do not decode (``MediaError``): such an item gets zeros of its planned
+    shape and ``(item index, error)`` is appended; None: the error propagates.
 
         pixel_values    float32 [P, C*t*p*p]   patches of the images / videos, in order
         grid_thw        int64 [M, 3]           one row per image / video
@@ -81,30 +84,46 @@ def media_batch(proc, items: list[tuple[MediaSpan, bytes]]) -> dict:
                                                video's sound track interleaved with it); an item's
                                                runs sum to audio.encoder_tokens(audio_lengths[i])
     """
-    vision = [(span, data) for span, data in items if span.kind != "audio"]
-    audio = [(span, data) for span, data in items if span.kind == "audio"]
+    vision = [(i, span, data) for i, (span, data) in enumerate(items) if span.kind != "audio"]
+    audio = [(i, span, data) for i, (span, data) in enumerate(items) if span.kind == "audio"]
     vc = proc.vision
     patch_dim = 3 * vc.temporal_patch_size * vc.patch_size**2
-    pixels = [proc.process_media(span, data) for span, data in vision]
+    pixels = [_decoded(proc.process_media, i, span, data, failed,
+                       lambda span=span: np.zeros((int(np.prod(span.grid_thw)), patch_dim), np.float32))
+              for i, span, data in vision]
     out = {
         "pixel_values": torch.from_numpy(np.concatenate(pixels).astype(np.float32)) if pixels
         else torch.zeros(0, patch_dim, dtype=torch.float32),
-        "grid_thw": torch.tensor([span.grid_thw for span, _ in vision], dtype=torch.int64).reshape(-1, 3),
-        "media_spans": torch.tensor([r for span, _ in vision for r in span.ranges()], dtype=torch.int64).reshape(-1, 2),
+        "grid_thw": torch.tensor([span.grid_thw for _, span, _ in vision], dtype=torch.int64).reshape(-1, 3),
+        "media_spans": torch.tensor([r for _, span, _ in vision for r in span.ranges()], dtype=torch.int64).reshape(-1, 2),
     }
     if audio:
-        out.update(_audio_tensors(proc, audio))
+        out.update(_audio_tensors(proc, audio, failed))
     return out
 
 
-def _audio_tensors(proc, audio: list[tuple[MediaSpan, bytes]]) -> dict:
+def _decoded(decode, i: int, span: MediaSpan, data: bytes, failed: list | None, zeros):
+    """``decode(span, data)``; with a ``failed`` list, a ``MediaError`` is recorded there and ``zeros()`` returned."""
+    from omniweave.data.media import MediaError
+
+    if failed is None:
+        return decode(span, data)
+    try:
+        return decode(span, data)
+    except MediaError as e:
+        failed.append((i, e))
+        return zeros()
+
+
+def _audio_tensors(proc, audio: list[tuple[int, MediaSpan, bytes]], failed: list | None) -> dict:
     """Decode each clip, cut it into the encoder items it was planned with, log-mel them in one batch."""
-    from omniweave.data.audio import encoder_tokens
+    from omniweave.data.audio import encoder_items, encoder_tokens
     from omniweave.data.mel import log_mel
 
     clips, runs = [], []
-    for span, data in audio:
-        clips += [torch.from_numpy(item) for item in proc.process_audio(span, data)]
+    for i, span, data in audio:
+        silence = lambda span=span: [np.zeros(n, np.float32) for n in encoder_items(span.num_samples, proc.audio.family)]
+        clips += [torch.from_numpy(item) for item in _decoded(proc.process_audio, i, span, data, failed, silence)]
         runs += span.ranges()
     mel = log_mel(clips, n_mels=proc.audio.n_mels, padding="max_length", truncation=False)
     tokens = [encoder_tokens(int(n)) for n in mel.num_frames]
@@ -115,8 +134,11 @@ def _audio_tensors(proc, audio: list[tuple[MediaSpan, bytes]]) -> dict:
             "audio_spans": torch.tensor(runs, dtype=torch.int64).reshape(-1, 2)}
 
 
-def collate_pack(pack: dict, data_cfg: dict) -> dict:
-    """One pack read by PackedDataset -> the model's micro-batch dict (torch tensors, no batch dim)."""
+def collate_pack(pack: dict, data_cfg: dict, skips: list | None = None) -> dict:
+    """One pack read by PackedDataset -> the model's micro-batch dict (torch tensors, no batch dim).
+    ``skips``: a list to tolerate media that do not decode: each such item's pixels / samples are
+    zeros and a record naming the pack, sample and file is appended (``media_skip_records``; the
+    trainer then takes the loss off the documents they name); None: the ``MediaError`` propagates."""
     proc = _processor(data_cfg)
     extra = {}
     if pack["docs"] and "answer" in pack["docs"][0]:  # an RL prompt (data/prompts.py): who it is, what it expects
@@ -131,7 +153,10 @@ def collate_pack(pack: dict, data_cfg: dict) -> dict:
         extra["num_pairs"] = len(pack["docs"]) // 2
         extra["pack_id"] = int(pack["index"])  # where train.dpo.ref=precomputed finds its pairs' values
     encoded = [m for m in pack["media"] if "same_as" not in m]  # shared items: bytes and features once
-    media = media_batch(proc, [(span_from_record(m), m["bytes"]) for m in encoded])
+    failed = None if skips is None else []
+    media = media_batch(proc, [(span_from_record(m), m["bytes"]) for m in encoded], failed)
+    if failed:
+        skips += media_skip_records(pack, encoded, failed)
     if len(encoded) < len(pack["media"]):
         media.update(shared_feature_rows(pack["media"], int(labels.shape[0])))
     return {**extra,
@@ -142,6 +167,23 @@ def collate_pack(pack: dict, data_cfg: dict) -> dict:
         **media,
         "num_loss_tokens": int(pack["num_loss_tokens"]),
     }
+
+
+def media_skip_records(pack: dict, encoded: list[dict], failed: list) -> list[dict]:
+    """One record per document whose media did not decode (a reusing document, ``same_as``, with the
+    one it reuses): the pack (index, shard), the sample key and id, the token range ``[start, end)``
+    of the document in the row, the file (part) and the reason."""
+    index = {id(m): i for i, m in enumerate(pack["media"])}
+    out, cu = [], pack["cu_seqlens"]
+    for k, err in failed:
+        bad = index[id(encoded[k])]
+        for m in pack["media"]:
+            if m is encoded[k] or m.get("same_as") == bad:
+                doc = pack["docs"][m["doc"]]
+                out.append({"pack": int(pack["index"]), "shard": pack.get("shard"), "sample": doc.get("key"),
+                            "id": doc.get("id"), "part": m["part"], "tokens": [int(cu[m["doc"]]), int(cu[m["doc"] + 1])],
+                            "reason": err.reason, "message": err.message})
+    return out
 
 
 def shared_feature_rows(media: list[dict], length: int) -> dict:
@@ -176,7 +218,8 @@ class _PackMap(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         if self._ds is None:
             self._ds = PackedDataset(self.root)
-        return collate_pack(self._ds[int(i)], self.data_cfg)
+        skips: list[dict] = []
+        return {**collate_pack(self._ds[int(i)], self.data_cfg, skips), SKIPS_KEY: skips}
 
     def __len__(self) -> int:
         return len(PackedDataset(self.root))
@@ -223,6 +266,7 @@ class PackedLoader:
         self.num_workers, self.balance, self.prefetch_factor = num_workers, balance, prefetch_factor
         self.data_cfg = manifest["data_cfg"]  # what built the packs (media processing params)
         self.epoch, self.cursor = 0, 0
+        self._media_skips: list[dict] = []  # of the batch yielded last (take_media_skips)
         self._orders: dict[int, np.ndarray] = {}
         if cost_model is None:
             cost_model = CostModel.from_model_config(model_cfg) if model_cfg is not None else CostModel.default()
@@ -344,17 +388,25 @@ class PackedLoader:
             yield self.rank_share(ids, start)
 
     def __iter__(self) -> Iterator[list[dict]]:
+        """This rank's micro-batches per step. A sample whose media do not decode does not stop the
+        run: its media are zeros and :meth:`take_media_skips` names it (the trainer takes its loss off)."""
         epoch, cursor = self.epoch, self.cursor
         if self.num_workers <= 0:
-            for share in self._shares_from(epoch, cursor):
-                batch = [collate_pack(self.dataset[i], self.data_cfg) for i in share]
-                _, self.epoch, self.cursor = self.global_batch_ids(self.epoch, self.cursor)
-                yield batch
-            return
-        dl = torch.utils.data.DataLoader(
-            _PackMap(self.path, self.data_cfg), batch_sampler=self._shares_from(epoch, cursor),
-            num_workers=self.num_workers, collate_fn=_as_list, prefetch_factor=self.prefetch_factor,
-        )
-        for batch in dl:
+            pack_map = _PackMap(self.path, self.data_cfg)
+            pack_map._ds = self.dataset
+            batches = ([pack_map[i] for i in share] for share in self._shares_from(epoch, cursor))
+        else:
+            batches = torch.utils.data.DataLoader(
+                _PackMap(self.path, self.data_cfg), batch_sampler=self._shares_from(epoch, cursor),
+                num_workers=self.num_workers, collate_fn=_as_list, prefetch_factor=self.prefetch_factor,
+            )
+        for batch in batches:
             _, self.epoch, self.cursor = self.global_batch_ids(self.epoch, self.cursor)
+            self._media_skips = [{"row": j, **rec} for j, mb in enumerate(batch) for rec in mb.pop(SKIPS_KEY)]
             yield batch
+
+    def take_media_skips(self) -> list[dict]:
+        """The skip records of the batch :meth:`__iter__` yielded last (``collate_pack``), each with
+        ``row``: which of this rank's micro-batches holds the document; emptied by the call."""
+        skips, self._media_skips = self._media_skips, []
+        return skips

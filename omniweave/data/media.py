@@ -37,6 +37,11 @@ from PIL import Image
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses anything more elongated
+# Pixels of one decoded image or video frame (its header size, checked before decoding): Pillow's own
+# bomb limit is the ceiling, which training decodes up to; `data convert --max-image-pixels` rejects
+# more than its default (8192 x 8192, 192 MiB as RGB) unless raised, at most to the ceiling.
+IMAGE_PIXELS_CEILING = 178_956_970
+DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
 
 
 class MediaError(ValueError):
@@ -44,7 +49,7 @@ class MediaError(ValueError):
 
     def __init__(self, reason: str, message: str):
         super().__init__(f"{reason}: {message}")
-        self.reason = reason
+        self.reason, self.message = reason, message
 
 
 @dataclass(frozen=True)
@@ -319,9 +324,46 @@ def probe_video(data: bytes) -> VideoInfo:
 # ---------------------------------------------------------------------------- full processing
 
 
+def check_pixels(height: int, width: int, max_pixels: int, what: str = "image") -> None:
+    """``MediaError("image_too_large")`` when a ``height`` x ``width`` header asks for more than ``max_pixels``."""
+    if height * width > max_pixels:
+        raise MediaError("image_too_large", f"{what} of {width}x{height} = {height * width} pixels is over the "
+                         f"limit of {max_pixels} (data convert --max-image-pixels)")
+
+
+def load_image(data: bytes, max_pixels: int = IMAGE_PIXELS_CEILING) -> Image.Image:
+    """The image with every pixel decoded (``Image.load``), its header size checked first:
+    ``MediaError`` ``image_too_large`` (nothing decoded) or ``undecodable_media`` (a header Pillow
+    cannot read, a truncated file, image data that does not decompress)."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # max_pixels is the limit here: no bomb warning below Pillow's error
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise MediaError("image_too_large", str(e)) from e
+    except Exception as e:  # noqa: BLE001 - Pillow's failures on foreign bytes have no common type
+        raise MediaError("undecodable_media", f"not a readable image ({e})") from e
+    width, height = img.size
+    try:
+        check_pixels(height, width, max_pixels)
+        if width <= 0 or height <= 0:
+            raise MediaError("undecodable_media", f"empty image {width}x{height}")
+        img.load()
+    except MediaError:
+        img.close()
+        raise
+    except Exception as e:  # noqa: BLE001 - as above (OSError, SyntaxError, ValueError, ...)
+        img.close()
+        raise MediaError("undecodable_media", f"the image data does not decode ({e})") from e
+    return img
+
+
 def decode_image(data: bytes) -> np.ndarray:
-    """uint8 [H, W, 3] RGB; transparency is composited onto white (as transformers does)."""
-    with Image.open(io.BytesIO(data)) as img:
+    """uint8 [H, W, 3] RGB; transparency is composited onto white (as transformers does).
+    ``MediaError`` when the bytes do not decode (``load_image``)."""
+    with load_image(data) as img:
         if "A" in img.getbands() or img.info.get("transparency") is not None:
             rgba = img.convert("RGBA")
             white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -338,14 +380,20 @@ def decode_video_frames(data: bytes, indices: tuple[int, ...]) -> list[np.ndarra
     wanted = set(indices)
     last = max(indices)
     frames: dict[int, np.ndarray] = {}
-    with av.open(io.BytesIO(data), mode="r") as container:
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        for i, frame in enumerate(container.decode(stream)):
-            if i in wanted:
-                frames[i] = frame.to_ndarray(format="rgb24")
-            if i >= last:
-                break
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise MediaError("undecodable_media", "no video stream")
+            stream = container.streams.video[0]
+            check_pixels(stream.codec_context.height, stream.codec_context.width, IMAGE_PIXELS_CEILING, "a video frame")
+            stream.thread_type = "AUTO"
+            for i, frame in enumerate(container.decode(stream)):
+                if i in wanted:
+                    frames[i] = frame.to_ndarray(format="rgb24")
+                if i >= last:
+                    break
+    except av.FFmpegError as e:
+        raise MediaError("undecodable_media", f"the video does not decode ({e})") from e
     missing = sorted(wanted - set(frames))
     if missing:
         raise MediaError("video_truncated", f"frames {missing[:5]} promised by the header could not be decoded")

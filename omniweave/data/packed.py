@@ -187,7 +187,7 @@ class PackedDataset:
         return {
             "input_ids": flat[:L], "labels": flat[L : 2 * L], "position_ids": flat[2 * L :].reshape(R, L),
             "cu_seqlens": np.asarray(rec["cu_seqlens"], np.int32), "media": media, "docs": rec["docs"],
-            "num_loss_tokens": rec["num_loss_tokens"], "index": i,
+            "num_loss_tokens": rec["num_loss_tokens"], "index": i, "shard": rec["shard"],
         }
 
 

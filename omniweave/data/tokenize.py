@@ -287,9 +287,10 @@ class SampleProcessor:
                                   tuple(span.frame_indices), span.second_per_grid)
             pixel_values, plan = M.process_video(data, self.vision, plan=planned)
         t, h, w = span.grid_thw
-        if tuple(plan.grid_thw) != tuple(span.grid_thw) or pixel_values.shape[0] != t * h * w:
-            raise AssertionError(
-                f"{span.part}: processed grid {plan.grid_thw} ({pixel_values.shape[0]} patches) != planned {span.grid_thw}"
+        if tuple(plan.grid_thw) != tuple(span.grid_thw) or pixel_values.shape[0] != t * h * w:  # bytes changed since pack
+            raise M.MediaError(
+                "media_changed",
+                f"{span.part}: processed grid {plan.grid_thw} ({pixel_values.shape[0]} patches) != planned {span.grid_thw}",
             )
         return pixel_values
 

@@ -36,3 +36,23 @@ def apply_phase(packs: list[dict], phase: str, ignore_ids: tuple[int, ...]) -> l
         labels = pretrain_labels(p["input_ids"], p["cu_seqlens"], ignore_ids)
         out.append({**p, "labels": labels, "num_loss_tokens": int((labels != -100).sum())})
     return out
+
+
+def drop_skipped_docs(packs: list[dict], skips: list[dict]) -> list[dict]:
+    """The micro-batches with no loss on the documents whose media did not decode (the loader's
+    ``take_media_skips``: ``row`` = which micro-batch, ``tokens`` = the document's [start, end)). The
+    tokens stay (every rank keeps its shapes, the step runs); after the phase's labels, so
+    ``pretrain`` drops them too. Per-token ``token_data`` (DPO's ``pair_slot``) is zeroed there as
+    well: a pair whose media failed adds nothing to the log-prob sums (it still counts in the pair
+    normaliser)."""
+    out = list(packs)
+    for skip in skips:
+        p = out[skip["row"]]
+        start, end = skip["tokens"]
+        labels = p["labels"].clone()
+        labels[start:end] = -100
+        out[skip["row"]] = {**p, "labels": labels, "num_loss_tokens": int((labels != -100).sum())}
+        if "token_data" in p:
+            out[skip["row"]]["token_data"] = {k: v.clone().index_fill_(0, torch.arange(start, end), 0)
+                                              for k, v in p["token_data"].items()}
+    return out

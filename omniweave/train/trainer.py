@@ -25,7 +25,7 @@ from omniweave.launch import add_arguments as launch_arguments, wants_launch
 from omniweave.train import checkpoint
 from omniweave.train.engine import Engine, with_process_group
 from omniweave.train.parallel_model import check_attn_backends
-from omniweave.train.loss import PHASES, apply_phase
+from omniweave.train.loss import PHASES, apply_phase, drop_skipped_docs
 from omniweave.train.metrics import step_flops
 
 
@@ -179,8 +179,10 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
     vision_pads = _vision_pad_ids(data_cfg)
 
     state = engine.resume(resume)
+    media_skipped_total = 0  # samples whose media did not decode, trained without loss (data.md)
     if state is not None:
         loader.load_state_dict(state["loader"])
+        media_skipped_total = int(state.get("media_skipped_total", 0))
         if state.get("balance_refitted"):  # the refitted cost model came back with the loader state
             refitter = None
     engine.start_logging(*((DPO_LINE,) if objective else ()))
@@ -195,7 +197,8 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
         return out.loss_sum, {}
 
     def loop_state() -> dict:
-        return {"loader": loader.state_dict(), "balance_refitted": refitter is None or refitter.done}
+        return {"loader": loader.state_dict(), "balance_refitted": refitter is None or refitter.done,
+                "media_skipped_total": media_skipped_total}
 
     last = {"loss": float("nan")}
     it = iter(loader)
@@ -203,13 +206,16 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
         t0 = time.perf_counter()
         start = loader.position(loader.epoch, loader.cursor)
         packs = apply_phase(next(it), phase, vision_pads)
+        skips = loader.take_media_skips()
+        packs = drop_skipped_docs(packs, skips)
         stats = loader.take_balance_stats(start)  # recorded when the loader balanced this batch
         balance_log = {} if stats is None else {"imbalance_before": round(stats["round_robin"], 4),
                                                 "imbalance_after": round(stats["cost"], 4)}
-        loss_tokens, tokens, sum_len2 = (int(x) for x in engine.global_sum([
+        loss_tokens, tokens, sum_len2, media_skipped = (int(x) for x in engine.global_sum([
             sum(p["num_loss_tokens"] for p in packs),
             sum(p["input_ids"].numel() for p in packs),
             sum(int((p["cu_seqlens"][1:] - p["cu_seqlens"][:-1]).pow(2).sum()) for p in packs),
+            len(skips),
         ]))
         if objective is None:
             out = engine.optimizer_step(packs, loss_fn, normaliser=loss_tokens)
@@ -218,17 +224,34 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
         if refitter is not None and not refitter.done:
             _refit(refitter, loader, packs, out["compute_s"], engine.meshes.dp_rank, dims.dp, engine.rank)
         dt = time.perf_counter() - t0
+        media_skipped_total += media_skipped
+        skip_log = {"media_skipped": media_skipped, "media_skipped_total": media_skipped_total,
+                    **({"media_skips": _report_media_skips(engine, skips)} if media_skipped else {})}
         last = {"step": engine.step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
                 "tokens": tokens, "loss_tokens": loss_tokens, "tokens_per_s": tokens / dt, "step_s": round(dt, 4),
                 "mfu": step_flops(engine.flop_counts, tokens, sum_len2) / dt / engine.peak_flops,
                 "memory_gb": peak_memory_bytes(engine.info) / 2**30, "skipped": out["skipped"],
-                "skipped_total": out["skipped_total"], **balance_log,
+                "skipped_total": out["skipped_total"], **skip_log, **balance_log,
                 **{k: v for k, v in out.items() if k.startswith("moe_")},
                 **(objective.metrics(out) if objective else {})}
         engine.finish_step(last, loop_state)
     seconds = engine.finish()
     return {"rank": engine.rank, "steps": engine.step, "seconds": seconds, "loss": last["loss"],
             "run_dir": str(engine.run_dir)}
+
+
+def _report_media_skips(engine: Engine, skips: list[dict]) -> list[dict]:
+    """Every rank's skipped samples of this step (gathered: called only on a step that has some),
+    once each (the cp x tp ranks of a dp group hold the same packs); rank 0 prints a line per sample."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [{k: s[k] for k in ("sample", "pack", "shard", "part", "reason", "message")}
+                                      for s in skips])
+    unique = list({(s["pack"], s["sample"], s["part"]): s for rank in gathered for s in rank}.values())
+    if engine.rank == 0:
+        for s in unique:
+            print(f"step {engine.step}: skipped sample {s['sample']} (pack {s['pack']} of {s['shard']}, {s['part']}): "
+                  f"{s['reason']}: {s['message']}; trained without loss on it", flush=True)
+    return unique
 
 
 def _vision_pad_ids(data_cfg: dict) -> tuple[int, ...]:
