@@ -1,0 +1,98 @@
+"""How a run starts and ends (issue 31, item 4; docs/training.md, "Stopping a run"):
+
+- SIGTERM or SIGINT to the ``--nproc`` launcher, or SIGKILL of its process group, ends torchrun's
+  agent and every rank within seconds; nothing writes a checkpoint afterwards; SIGTERM / SIGINT
+  exit 128 + the signal with one line;
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist.test_multinode import _kill_job
+from tests.train_factory import REPO, child_env, read_metrics, train_cmd
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+RANKS_GONE_S = 10  # measured on 2 loaded cores: 0.05-0.1 s
+AGENT_GONE_S = 30  # torchrun's agent, which waits for its ranks and closes its store: 4-6 s measured
+
+
+def _run_processes(run: Path) -> list[int]:
+    """The live processes whose command line names ``run`` (launcher, agent, ranks); zombies
+    have an empty command line."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(run) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _start(demo_packed, run: Path, nproc: int, **kw) -> subprocess.Popen:
+    return subprocess.Popen(train_cmd(demo_packed, run, nproc=nproc, **kw), env=child_env(), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_until(condition, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.2)
+
+
+def _checkpoints(run: Path) -> dict[str, float]:
+    root = run / "checkpoints"
+    return {str(p.relative_to(root)): p.lstat().st_mtime for p in root.rglob("*")} if root.is_dir() else {}
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL to its process group"])
+def test_stopping_the_launcher_ends_its_ranks_at_once(demo_packed, tmp_path, how):
+    """2 ranks saving every step; once a step is logged the launcher is stopped: the agent and
+    both ranks are gone within seconds and no checkpoint changes afterwards."""
+    run = tmp_path / "run"
+    launcher = _start(demo_packed, run, nproc=2, steps=1000, train__save_interval=1)
+    try:
+        _wait_until(lambda: read_metrics(run), "logged step")
+        agent = [p for p in _run_processes(run) if "omniweave.launch" in _cmdline(p)]
+        ranks = [p for p in _run_processes(run) if p != launcher.pid and p not in agent]
+        assert len(agent) == 1 and len(ranks) == 2, _run_processes(run)
+        t0 = time.monotonic()
+        if how == "SIGKILL to its process group":
+            os.killpg(launcher.pid, signal.SIGKILL)
+        else:
+            os.kill(launcher.pid, getattr(signal, how))
+        _wait_until(lambda: not set(ranks) & set(_run_processes(run)), "end of the ranks", timeout=60)
+        ranks_s = time.monotonic() - t0
+        _wait_until(lambda: not _run_processes(run), "end of the agent", timeout=60)
+        agent_s = time.monotonic() - t0
+        assert ranks_s < RANKS_GONE_S and agent_s < AGENT_GONE_S
+        stderr = launcher.communicate(timeout=60)[1]
+        if how == "SIGKILL to its process group":
+            assert launcher.returncode == -signal.SIGKILL
+        else:
+            assert launcher.returncode == 128 + getattr(signal, how)
+            assert stderr.strip().splitlines()[-1] == (
+                f"omniweave train: stopped by {how}: the ranks were ended without saving; --resume auto continues "
+                "from the last complete checkpoint")
+        saved = _checkpoints(run)
+        time.sleep(3)
+        assert _checkpoints(run) == saved  # no rank goes on writing
+        print(f"{how}: ranks gone {ranks_s:.2f} s, agent {agent_s:.2f} s after the signal; exit {launcher.returncode}")
+    finally:
+        _kill_job(run)
