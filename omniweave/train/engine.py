@@ -2,7 +2,9 @@
 
 A mode's loop owns its data (packs, rollouts) and its loss; the engine owns the rest:
 
-    engine = Engine(cfg)                       device, process group, meshes, the model parallelised
+    engine = Engine(cfg)                       device, process group, the output_dir's lock
+                                               (train/run_lock.py; `with engine.run_lock`), meshes,
+                                               the model parallelised
                                                (train/parallel_model.py: vision split -> TP -> LoRA ->
                                                CP -> EP -> AC -> FSDP2; parallel.pp: this rank's
                                                stages), optimizer, schedule, run dir with config.yaml
@@ -39,6 +41,7 @@ from torch import nn
 from omniweave.train import checkpoint, watchdog
 from omniweave.train.metrics import SFT_LINE, MetricsLogger, device_peak_flops, model_flop_counts
 from omniweave.train.parallel_model import build, full_model_on_rank0, offload_mode, uses_fsdp
+from omniweave.train.run_lock import RunLock
 
 LossFn = Callable[[nn.Module, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -98,22 +101,31 @@ class Engine:
     """Set-up and the optimizer step shared by the training modes (see the module docstring)."""
 
     def __init__(self, cfg):
-        from omegaconf import OmegaConf
-
         from omniweave.device import detect
-        from omniweave.parallel.dims import ParallelDims
-        from omniweave.train.optim import build_optimizer
-        from omniweave.train.schedule import build_scheduler
 
         self.cfg, self.info = cfg, detect()
         self.run_dir = Path(cfg.output_dir)
         timeout = watchdog.timeout_of(cfg)
         watchdog.prepare_environment(self.run_dir)  # the flight recorder, before the process group
         self.rank, self.world, local_rank = init_distributed(self.info, timeout)
-        self.watchdog = watchdog.Watchdog(self.run_dir, self.rank, timeout)
         self.device = self.info.device(local_rank)
         if self.info.module is not None and hasattr(self.info.module, "set_device"):
             self.info.module.set_device(self.device)
+        self.run_lock = RunLock(self.run_dir, self.rank)  # before anything is written there; `with` it
+        try:
+            self._set_up(cfg, timeout)
+        except BaseException:
+            self.run_lock.release()
+            raise
+
+    def _set_up(self, cfg, timeout) -> None:
+        from omegaconf import OmegaConf
+
+        from omniweave.parallel.dims import ParallelDims
+        from omniweave.train.optim import build_optimizer
+        from omniweave.train.schedule import build_scheduler
+
+        self.watchdog = watchdog.Watchdog(self.run_dir, self.rank, timeout)
         self.dims = ParallelDims.from_config(cfg.get("parallel"), self.world, model=cfg.model)
         self.seq_chunks = self._seq_chunks(cfg)
         self.meshes = self.dims.build_meshes(self.device.type)

@@ -1,8 +1,10 @@
-"""How a run starts and ends (issue 31, item 4; docs/training.md, "Stopping a run"):
+"""How a run starts and ends (issue 31, items 4 and 5; docs/training.md, "Stopping a run"):
 
 - SIGTERM or SIGINT to the ``--nproc`` launcher, or SIGKILL of its process group, ends torchrun's
   agent and every rank within seconds; nothing writes a checkpoint afterwards; SIGTERM / SIGINT
   exit 128 + the signal with one line;
+- a second run into a running run's output_dir is refused in one line naming the first's pid;
+  after the first is SIGKILLed, ``--resume auto`` into the same directory proceeds;
 """
 
 from __future__ import annotations
@@ -96,3 +98,27 @@ def test_stopping_the_launcher_ends_its_ranks_at_once(demo_packed, tmp_path, how
         print(f"{how}: ranks gone {ranks_s:.2f} s, agent {agent_s:.2f} s after the signal; exit {launcher.returncode}")
     finally:
         _kill_job(run)
+
+
+def test_a_second_run_into_a_running_runs_output_dir_is_refused_until_the_first_dies(demo_packed, tmp_path):
+    """A 1-process run holds its output_dir; a 2-rank run there exits 2 with one line naming the
+    first's pid and writes nothing; after SIGKILL of the first, ``--resume auto`` proceeds."""
+    run = tmp_path / "run"
+    first = _start(demo_packed, run, nproc=1, steps=1000, train__save_interval=1)
+    try:
+        _wait_until(lambda: (run / "checkpoints" / "latest").exists(), "first checkpoint")
+        config = (run / "config.yaml").read_text()
+        second = subprocess.run(train_cmd(demo_packed, run, nproc=2, steps=1000, train__lr=0.5), env=child_env(),
+                                cwd=REPO, capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
+        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        assert lines[0].startswith(f"omniweave train: error: output_dir={run} is in use by another run "
+                                   f"(pid {first.pid} on "), lines[0]
+        assert (run / "config.yaml").read_text() == config  # the second run wrote nothing there
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    steps = max(r["step"] for r in read_metrics(run)) + 1
+    resumed = subprocess.run(train_cmd(demo_packed, run, steps=steps, resume="auto"), env=child_env(), cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
