@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 ERROR_FILE_ENV = "OMNIWEAVE_ERROR_FILE"
 LAUNCHER_PID_ENV = "OMNIWEAVE_LAUNCHER_PID"  # the agent's parent: the agent dies with it
@@ -171,6 +172,24 @@ def wants_launch(args) -> bool:
         raise UserError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (where the machines meet: a port "
                         "on one of them that the others reach)")
     return (args.nproc > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ
+
+
+def leave(code: int) -> NoReturn:
+    """How ``python -m omniweave`` ends. A torchrun rank that returns (its run done, or a user
+    error reported) flushes its streams and leaves with ``os._exit``: by then the run has drained
+    its background work and destroyed its process groups (``train.engine.shutdown_distributed``),
+    but torch's caches still hold the groups' gloo threads, and an interpreter teardown races them
+    — a thread that needs the GIL once finalization has begun is unwound through a ``noexcept``
+    destructor, and the rank of a successful run aborts with "terminate called without an active
+    exception" (issue 31, item 10). Other processes, and a rank's uncaught error, exit as usual."""
+    if "LOCAL_RANK" in os.environ:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more to say
+                pass
+        os._exit(code)
+    raise SystemExit(code)
 
 
 def _agent_main(argv: list[str]) -> None:

@@ -59,13 +59,30 @@ def init_distributed(info, timeout=None) -> tuple[int, int, int]:
 
 
 def with_process_group(fn: Callable[[], Any]) -> Any:
-    """Run ``fn``; a process group created meanwhile (plain process, no torchrun) is destroyed after."""
+    """Run ``fn``; a process group created meanwhile (a torchrun rank's, or a plain process's) is
+    torn down after it (:func:`shutdown_distributed`)."""
     created = not dist.is_initialized()
     try:
         return fn()
     finally:
         if created and dist.is_initialized():
-            dist.destroy_process_group()
+            shutdown_distributed()
+
+
+def shutdown_distributed() -> None:
+    """The end of a run, in order: ``fn`` above has drained its own work (``Engine.finish``: the
+    pending asynchronous save published, the logs closed, the export written, a last barrier);
+    then the finished engine's reference cycles (model, optimizer, meshes, checkpointer) are
+    collected; then every process group is shut down and unregistered.
+
+    torch's own caches (DTensor sharding propagation, redistribution plans) still hold device
+    meshes afterwards, and through them the groups' gloo threads (``pt_gloo_runloop``,
+    ``gloo_tcp_loop``: 24 in a tp 2 rank). A torchrun rank therefore leaves without tearing the
+    interpreter down (``launch.leave``), which those threads would race (issue 31, item 10)."""
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def tc_threads(cfg) -> int:
