@@ -1,3 +1,4 @@
 from omniweave.cli import main
+from omniweave.launch import leave
 
-raise SystemExit(main())
+leave(main())

@@ -45,6 +45,9 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from omniweave.launch import rank_started
+
+    rank_started()  # a rank of `--nproc N` dies with its torchrun agent
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]

@@ -98,7 +98,9 @@ def train_rl(cfg, resume: str | None = None) -> dict:
 
 def _train_rl(cfg, resume) -> dict:
     engine = Engine(cfg)
-    with engine.watchdog:  # a collective that fails: one line naming the rank and the collective
+    # the output_dir's lock released however the run ends; a collective that fails: one line naming
+    # the rank and the collective
+    with engine.run_lock, engine.watchdog:
         return _rl_loop(engine, cfg, resume)
 
 

@@ -2,7 +2,9 @@
 
 A mode's loop owns its data (packs, rollouts) and its loss; the engine owns the rest:
 
-    engine = Engine(cfg)                       device, process group, meshes, the model parallelised
+    engine = Engine(cfg)                       device, process group, the output_dir's lock
+                                               (train/run_lock.py; `with engine.run_lock`), meshes,
+                                               the model parallelised
                                                (train/parallel_model.py: vision split -> TP -> LoRA ->
                                                CP -> EP -> AC -> FSDP2; parallel.pp: this rank's
                                                stages), optimizer, schedule, run dir with config.yaml
@@ -40,6 +42,7 @@ from omniweave.train import checkpoint, checkpoint_io, watchdog
 from omniweave.train.resume_keys import check_resume_keys, describe_applied
 from omniweave.train.metrics import SFT_LINE, MetricsLogger, device_peak_flops, model_flop_counts
 from omniweave.train.parallel_model import build, full_model_on_rank0, offload_mode, uses_fsdp
+from omniweave.train.run_lock import RunLock
 
 LossFn = Callable[[nn.Module, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -57,13 +60,30 @@ def init_distributed(info, timeout=None) -> tuple[int, int, int]:
 
 
 def with_process_group(fn: Callable[[], Any]) -> Any:
-    """Run ``fn``; a process group created meanwhile (plain process, no torchrun) is destroyed after."""
+    """Run ``fn``; a process group created meanwhile (a torchrun rank's, or a plain process's) is
+    torn down after it (:func:`shutdown_distributed`)."""
     created = not dist.is_initialized()
     try:
         return fn()
     finally:
         if created and dist.is_initialized():
-            dist.destroy_process_group()
+            shutdown_distributed()
+
+
+def shutdown_distributed() -> None:
+    """The end of a run, in order: ``fn`` above has drained its own work (``Engine.finish``: the
+    pending asynchronous save published, the logs closed, the export written, a last barrier);
+    then the finished engine's reference cycles (model, optimizer, meshes, checkpointer) are
+    collected; then every process group is shut down and unregistered.
+
+    torch's own caches (DTensor sharding propagation, redistribution plans) still hold device
+    meshes afterwards, and through them the groups' gloo threads (``pt_gloo_runloop``,
+    ``gloo_tcp_loop``: 24 in a tp 2 rank). A torchrun rank therefore leaves without tearing the
+    interpreter down (``launch.leave``), which those threads would race (issue 31, item 10)."""
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def tc_threads(cfg) -> int:
@@ -99,22 +119,31 @@ class Engine:
     """Set-up and the optimizer step shared by the training modes (see the module docstring)."""
 
     def __init__(self, cfg):
-        from omegaconf import OmegaConf
-
         from omniweave.device import detect
-        from omniweave.parallel.dims import ParallelDims
-        from omniweave.train.optim import build_optimizer
-        from omniweave.train.schedule import build_scheduler
 
         self.cfg, self.info = cfg, detect()
         self.run_dir = Path(cfg.output_dir)
         timeout = watchdog.timeout_of(cfg)
         watchdog.prepare_environment(self.run_dir)  # the flight recorder, before the process group
         self.rank, self.world, local_rank = init_distributed(self.info, timeout)
-        self.watchdog = watchdog.Watchdog(self.run_dir, self.rank, timeout)
         self.device = self.info.device(local_rank)
         if self.info.module is not None and hasattr(self.info.module, "set_device"):
             self.info.module.set_device(self.device)
+        self.run_lock = RunLock(self.run_dir, self.rank)  # before anything is written there; `with` it
+        try:
+            self._set_up(cfg, timeout)
+        except BaseException:
+            self.run_lock.release()
+            raise
+
+    def _set_up(self, cfg, timeout) -> None:
+        from omegaconf import OmegaConf
+
+        from omniweave.parallel.dims import ParallelDims
+        from omniweave.train.optim import build_optimizer
+        from omniweave.train.schedule import build_scheduler
+
+        self.watchdog = watchdog.Watchdog(self.run_dir, self.rank, timeout)
         self.dims = ParallelDims.from_config(cfg.get("parallel"), self.world, model=cfg.model)
         self.seq_chunks = self._seq_chunks(cfg)
         self.meshes = self.dims.build_meshes(self.device.type)

@@ -148,7 +148,9 @@ def train(cfg, resume: str | None = None, fault_hook=None) -> dict:
 
 def _train(cfg, resume, fault_hook) -> dict:
     engine = Engine(cfg)
-    with engine.watchdog:  # a collective that fails: one line naming the rank and the collective
+    # the output_dir's lock released however the run ends; a collective that fails: one line naming
+    # the rank and the collective
+    with engine.run_lock, engine.watchdog:
         return _train_loop(engine, cfg, resume, fault_hook)
 
 
