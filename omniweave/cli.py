@@ -44,6 +44,11 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, like every other mistake; --help shows the usage
+        self.exit(2, f"{self.prog}: error: {message} (--help shows the options)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     from omniweave.launch import rank_started
 
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"omniweave: '{prog[10:]}' is not available in this version", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog=prog, description=help_)
+    parser = _Parser(prog=prog, description=help_)
     module.add_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_intermixed_args(rest)  # key=value overrides may follow options

@@ -263,7 +263,39 @@ def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) 
     cfg.pop("hydra", None)
     if cfg.output_dir is None:
         cfg.output_dir = f"runs/{path.stem}"
+    check_ranges(cfg)
     return cfg
+
+
+# the least value of each numeric key (a key of -1 in AUTO means "work it out" and is allowed too),
+# and the few that are fractions; a value out of range is one line here, not a crash mid-run
+LEAST = {
+    "train.steps": 1, "train.global_batch": 1, "train.lr": 0, "train.warmup": 0, "train.weight_decay": 0,
+    "train.eps": 0, "train.grad_clip": 0, "train.cpu_threads": 1, "train.save_interval": 0, "train.keep_last": 0,
+    "train.collective_timeout": 1, "train.log_interval": 1, "train.max_bad_steps": 1, "train.eval_interval": 0,
+    "train.dpo.beta": 0, "data.max_len": 1, "data.num_workers": 0, "data.balance_refit": 0,
+    "eval.max_samples": 1, "eval.max_new_tokens": 1, "eval.batch_size": 1,
+    "parallel.dp": 1, "parallel.dp_replicate": 1, "parallel.dp_shard": 1, "parallel.cp": 1, "parallel.cp_ulysses": 1,
+    "parallel.cp_head_groups": 1, "parallel.ep": 1, "parallel.pp": 1, "parallel.pp_virtual": 1,
+    "parallel.seq_chunks": 1, "rl.group_size": 1, "rl.max_new_tokens": 1, "rl.ppo_epochs": 1,
+    "rl.mini_batches": 1, "rl.top_k": 0, "demo.samples": 1, "demo.eval_samples": 0,
+}
+AUTO = {"parallel.dp", "parallel.dp_shard"}
+FRACTIONS = {"train.min_lr_ratio", "train.dpo.label_smoothing", "rl.top_p"}
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """Every numeric schema key within its range (:data:`LEAST`, :data:`FRACTIONS`), else a
+    :class:`RecipeError` naming the key, its value and the range."""
+    for key in (*LEAST, *FRACTIONS):
+        value = OmegaConf.select(cfg, key, throw_on_missing=False, default=None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # unset (required keys are checked where they are needed), or null
+        if key in FRACTIONS:
+            if not 0 <= value <= 1:
+                raise RecipeError(f"{key}={value}: must be between 0 and 1")
+        elif value < LEAST[key] and not (key in AUTO and value == -1):
+            raise RecipeError(f"{key}={value}: must be >= {LEAST[key]}" + (" (or -1: all that is left)" if key in AUTO else ""))
 
 
 _COMPONENT_KEY = re.compile(r"^(model\.(\w+)\.(\w+))=")  # model.<section>.<field>=; sections: registry.MODEL_SECTIONS

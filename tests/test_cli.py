@@ -89,6 +89,23 @@ def test_overrides_may_follow_options():
     (["demo", "--rl", "--recipe", "demo_moe"], ["--recipe is for the SFT demo; --rl runs its own recipes"]),
     (["demo", "--dpo", "--recipe", "demo_moe"], ["--recipe is for the SFT demo; --dpo runs its own recipes"]),
     (["train", "demo", "--list"], ["--list takes no recipe or overrides"]),
+    # numbers out of range: one line naming the key or flag (issue 31, item 11)
+    *[(["train", "demo", override], [message]) for override, message in (
+        ("train.steps=0", "train.steps=0: must be >= 1"),
+        ("train.max_bad_steps=0", "train.max_bad_steps=0: must be >= 1"),
+        ("train.warmup=-1", "train.warmup=-1: must be >= 0"),
+        ("train.save_interval=-5", "train.save_interval=-5: must be >= 0"),
+        ("train.keep_last=-1", "train.keep_last=-1: must be >= 0"),
+        ("train.grad_clip=-1", "train.grad_clip=-1.0: must be >= 0"),
+        ("train.min_lr_ratio=1.5", "train.min_lr_ratio=1.5: must be between 0 and 1"),
+        ("parallel.cp=0", "parallel.cp=0: must be >= 1"))],
+    (["train", "demo", "--nproc", "0"], ["--nproc 0 and --nnodes 1 must be >= 1"]),
+    (["data", "pack", "--input", "raw", "--output", "p", "--recipe", "demo", "--packs-per-shard", "0"],
+     ["argument --packs-per-shard: 0 is below 1, the least it can be"]),
+    (["data", "pack", "--input", "raw", "--output", "p", "--recipe", "demo", "--max-len", "0"],
+     ["argument --max-len: 0 is below 1"]),
+    (["data", "convert", "--input", "x.jsonl", "--output", "raw", "--workers", "zero"],
+     ["argument --workers: 'zero' is not a whole number"]),
     (["train"], ["name a recipe: a YAML path or a built-in recipe (--list shows them)"]),
 ])
 def test_ordinary_mistakes_are_one_line_and_exit_2(tmp_path, argv, fragments):
@@ -118,3 +135,35 @@ def test_inspect_piped_into_head_ends_quietly(demo_packed):
     r = subprocess.run(f"'{sys.executable}' -m omniweave data inspect '{raw}' --show 100 | head -n 1",
                        shell=True, capture_output=True, text=True, env=child_env(), executable="/bin/bash")
     assert r.stdout.startswith("raw dataset") and r.stderr == "", r.stderr
+
+
+def test_hf_export_refuses_a_folder_that_is_not_empty_unless_forced(demo_packed, tmp_path):
+    """An export never mixes its files with a user's silently (issue 31, item 11); with --force it
+    writes into the folder and lists only what it wrote."""
+    from train_factory import train_in_process
+
+    run = tmp_path / "run"
+    train_in_process(demo_packed, run, steps=1)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = omniweave("hf", "export", str(run), "--output", str(out), cwd=tmp_path)
+    assert_one_line_error(r, f"--output {out} is not empty (notes.txt)", "--force")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    r = omniweave("hf", "export", str(run), "--output", str(out), "--force", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("exported"))
+    assert "config.json" in line and "notes.txt" not in line and "; left as they were: 1 other file(s) already there" in line
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.cp=3", "world size 2 is not divisible by cp*tp = 3"),
+    ("train.global_batch=3", "train.global_batch=3 must be a positive multiple of the data-parallel size 2"),
+])
+def test_a_layout_or_batch_that_does_not_fit_the_ranks_is_one_line(demo_packed, tmp_path, override, message):
+    """Found inside the ranks (issue 31, item 11): printed once, as one line, no traceback."""
+    r = omniweave("train", "demo", "--nproc", "2", f"data.path={demo_packed}", "data.max_len=512",
+                  f"output_dir={tmp_path / 'run'}", override, cwd=tmp_path)
+    assert_one_line_error(r, message)
+    assert "ChildFailedError" not in r.stderr

@@ -63,12 +63,14 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from omniweave.argtypes import integer
+
     p.add_argument("--input", required=True, nargs="+", help="JSON array or JSONL file(s) of conversations")
     p.add_argument("--media-dir", help="root that media paths are relative to (default: the input's folder)")
     p.add_argument("--output", required=True, help="raw dataset directory to write")
-    p.add_argument("--maxcount", type=int, default=1000, help="rows per job; a shard holds at most this many samples")
+    p.add_argument("--maxcount", type=integer(1), default=1000, help="rows per job; a shard holds at most this many samples")
     p.add_argument("--maxsize", type=parse_size, default=parse_size("1G"), help="start a new shard past this size (e.g. 512M)")
-    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="worker processes")
+    p.add_argument("--workers", type=integer(1), default=min(4, os.cpu_count() or 1), help="worker processes")
     p.add_argument("--max-media-size", type=parse_size, default=DEFAULT_MAX_MEDIA_BYTES,
                    help="reject a media file larger than this (media_too_large; e.g. 256M)")
     p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,

@@ -254,7 +254,8 @@ class PackedLoader:
             cfg = {k: v for k, v in _plain(data_cfg).items() if k != "path"}
             check_fingerprint(manifest, cfg, where=self.path)
         if global_batch < 1 or dp_size < 1 or global_batch % dp_size:
-            raise ValueError(f"global_batch={global_batch} must be a positive multiple of dp_size={dp_size}")
+            raise UserError(f"train.global_batch={global_batch} must be a positive multiple of the data-parallel size "
+                            f"{dp_size} (each step's packs are split evenly over the dp ranks)")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} not in [0, {dp_size})")
         if balance not in (None, "contiguous", "cost"):
@@ -364,7 +365,8 @@ class PackedLoader:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("num_packs", self.num_packs) != self.num_packs:
-            raise ValueError(f"loader state is for {state['num_packs']} packs, this dataset has {self.num_packs}")
+            raise UserError(f"the checkpoint's loader state is for a dataset of {state['num_packs']} packs, "
+                            f"{self.path} has {self.num_packs}: resume on the data the run was trained on")
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"loader state has seed {state['seed']}, this loader seed {self.seed}")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

@@ -47,19 +47,21 @@ DROP_REASONS = {"image": "no_image_encoder", "video": "no_image_encoder", "audio
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from omniweave.argtypes import integer
+
     p.add_argument("--input", required=True, help="raw shard directory (omniweave data convert output)")
     p.add_argument("--output", required=True, help="packed dataset directory")
     p.add_argument("--recipe", required=True, help="recipe YAML (its data: section) or built-in recipe name")
     p.add_argument("overrides", nargs="*", help="key=value recipe overrides, as for `omniweave train` (e.g. data.max_len=2048)")
-    p.add_argument("--max-len", type=int, default=None, help="pack capacity and max sample length (default data.max_len)")
-    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="processes on this machine")
+    p.add_argument("--max-len", type=integer(1), default=None, help="pack capacity and max sample length (default data.max_len)")
+    p.add_argument("--workers", type=integer(1), default=min(8, os.cpu_count() or 1), help="processes on this machine")
     p.add_argument("--algorithm", choices=packing.ALGORITHMS, default="bfd")
     p.add_argument("--phase", choices=("scan", "plan", "write", "all"), default="all")
-    p.add_argument("--worker-index", type=int, default=0, help="this machine's slice (scan/write)")
-    p.add_argument("--num-workers", type=int, default=1, help="machines sharing scan/write (same value for plan)")
-    p.add_argument("--packs-per-shard", type=int, default=256)
-    p.add_argument("--max-media-per-pack", type=int, default=None)
-    p.add_argument("--max-vision-tokens-per-pack", type=int, default=None)
+    p.add_argument("--worker-index", type=integer(0), default=0, help="this machine's slice (scan/write)")
+    p.add_argument("--num-workers", type=integer(1), default=1, help="machines sharing scan/write (same value for plan)")
+    p.add_argument("--packs-per-shard", type=integer(1), default=256)
+    p.add_argument("--max-media-per-pack", type=integer(1), default=None)
+    p.add_argument("--max-vision-tokens-per-pack", type=integer(1), default=None)
 
 
 def consumable_media(model_cfg: dict | None) -> list[str] | None:

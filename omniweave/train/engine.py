@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from omniweave.errors import UserError
 from omniweave.train import checkpoint, checkpoint_io, watchdog
 from omniweave.train.resume_keys import check_resume_keys, describe_applied
 from omniweave.train.metrics import SFT_LINE, MetricsLogger, device_peak_flops, model_flop_counts
@@ -144,7 +145,10 @@ class Engine:
         from omniweave.train.schedule import build_scheduler
 
         self.watchdog = watchdog.Watchdog(self.run_dir, self.rank, timeout)
-        self.dims = ParallelDims.from_config(cfg.get("parallel"), self.world, model=cfg.model)
+        try:
+            self.dims = ParallelDims.from_config(cfg.get("parallel"), self.world, model=cfg.model)
+        except ValueError as e:  # a layout that does not fit the ranks, e.g. parallel.cp=3 on 2: the user's to fix
+            raise UserError(str(e)) from None
         self.seq_chunks = self._seq_chunks(cfg)
         self.meshes = self.dims.build_meshes(self.device.type)
         if self.device.type == "cpu" and tc_threads(cfg):

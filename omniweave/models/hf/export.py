@@ -182,11 +182,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LoRA runs: write OUTPUT/adapter (a PEFT adapter) and OUTPUT/base (the base model; "
                              "skipped when the run started from a HF directory, train.init_from), instead of "
                              "merging the adapters into the weights")  # fmt: skip
+    parser.add_argument("--force", action="store_true",
+                        help="write into an --output directory that is not empty (files of the same name are replaced)")
+
+
+def check_output_dir(output: str, force: bool) -> set[str]:
+    """The names already in ``output`` (a UserError when there are any and not ``force``): an export
+    never mixes its files with a user's silently."""
+    from omniweave.errors import UserError
+
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {output} is a file, not a directory")
+    there = {p.name for p in out.iterdir()} if out.is_dir() else set()
+    if there and not force:
+        shown = ", ".join(sorted(there)[:5]) + (f" (and {len(there) - 5} more)" if len(there) > 5 else "")
+        raise UserError(f"--output {output} is not empty ({shown}); choose a new or empty directory, or pass --force "
+                        "to write into it (files of the same name are replaced)")
+    return there
 
 
 def run(args: argparse.Namespace) -> int:
+    import time
+
     from omniweave.models.lora import merge_adapters
 
+    before, started = check_output_dir(args.output, args.force), time.time_ns()
     model, model_cfg = load_checkpoint_dir(args.checkpoint)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     data_cfg = recipe_data_cfg(args.checkpoint)
@@ -203,8 +224,10 @@ def run(args: argparse.Namespace) -> int:
     out = export_hf(model, model_cfg, args.output, dtype, data_cfg=data_cfg)
     if merged:
         print(f"merged {merged} LoRA adapters into the weights (--adapter exports them as a PEFT adapter instead)")
-    print(f"exported {hf_model_type(model)} model ({n / 1e6:.1f}M parameters) to {out}: "
-          + ", ".join(sorted(p.name for p in out.iterdir())))  # fmt: skip
+    written = sorted(p.name for p in out.iterdir() if p.name not in before or p.stat().st_mtime_ns >= started)
+    print(f"exported {hf_model_type(model)} model ({n / 1e6:.1f}M parameters) to {out}: " + ", ".join(written)
+          + (f"; left as they were: {len(set(before) - set(written))} other file(s) already there"
+             if set(before) - set(written) else ""))  # fmt: skip
     if not data_cfg:
         print("note: no recipe data section next to the checkpoint, so no tokenizer, chat template or processor "
               "configs: AutoProcessor cannot load this directory")  # fmt: skip
