@@ -22,3 +22,16 @@ def omni_packed(tmp_path_factory):
     from tests.train_factory import make_demo_packed
 
     return make_demo_packed(tmp_path_factory.mktemp("omni_packed"), samples=120, recipe="demo_omni")
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """One intra-op thread for a module's in-process training runs: under ``pytest -n 2`` on a small
+    machine, two workers each spinning several OpenMP threads slow these runs down ~10x. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_intra_op_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -19,12 +19,7 @@ from omniweave.train import checkpoint, checkpoint_io
 from train_factory import final_state, max_abs_diff, overrides, read_metrics, train_in_process
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 class RunsCode:

@@ -14,17 +14,11 @@ import torch
 
 from tests.train_factory import final_state, losses, max_abs_diff, read_metrics, train_in_process
 
-pytestmark = [pytest.mark.slow]  # end to end: training runs
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_intra_op_thread")]  # end to end: training runs
 
 LORA = {"+model.foundation.lora": "{r: 4, alpha: 8, targets: all-linear}", "model.image_encoder.freeze": "true"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 import yaml
 
 from omniweave.cli import main as cli
@@ -21,12 +20,7 @@ from train_factory import REPO, overrides, read_metrics, train_in_process
 LR = 1e-3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")

@@ -36,14 +36,7 @@ IMAGE_PAD = 5
 DOCS = [(13, [(1, 4, 6)]), (30, []), (9, [(1, 6, 4), (1, 4, 4)]), (21, [])]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread (as tests/test_train.py): several OpenMP threads on a shared small
-    machine slow these tiny models down many times."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _model(foundation: str, encoder: str | None = None, projector: str | None = None, seed: int = 0,

@@ -22,14 +22,7 @@ from tests.train_factory import final_state, losses, max_abs_diff, read_metrics,
 STEPS = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: under ``pytest -n 2`` on a small machine, two workers each spinning
-    several OpenMP threads slow these runs down ~10x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")
