@@ -102,3 +102,51 @@ def test_random_access_reads_any_pack_directly(packed):
     assert len(last["input_ids"]) == ds.record(len(ds) - 1)["length"]
     with pytest.raises(IndexError):
         ds[len(ds)]
+
+
+def copy_packed(out, tmp_path):
+    import shutil
+
+    dst = tmp_path / "packed"
+    shutil.copytree(out, dst)
+    return dst
+
+
+def test_a_shard_cut_short_is_named_when_the_dataset_opens(packed, tmp_path):
+    """Issue 31, item 11: not at the step that reads the damaged pack."""
+    import os
+
+    from omniweave.data.packed import PackedDamaged
+
+    dst = copy_packed(packed[2], tmp_path)
+    shard = sorted(dst.glob("packs-*.bin"))[0]
+    size = shard.stat().st_size
+    os.truncate(shard, size - 10)
+    with pytest.raises(PackedDamaged, match=f"{shard.name} has {size - 10} bytes, {size} when it was written"):
+        PackedDataset(dst)
+    shard.unlink()
+    with pytest.raises(PackedDamaged, match=f"{shard.name} is missing"):
+        PackedDataset(dst)
+
+
+def test_a_pack_with_impossible_tokens_or_labels_is_named_when_read(packed, tmp_path):
+    import numpy as np
+
+    from omniweave.data.packed import PackedDamaged
+
+    dst = copy_packed(packed[2], tmp_path)
+    ds = PackedDataset(dst)
+    rec = ds.record(1)
+    with open(dst / f"{rec['shard']}.bin", "r+b") as f:  # token 3 of pack 1 becomes -7
+        f.seek(rec["offset"] + 4 * 3)
+        f.write(np.asarray([-7], "<i4").tobytes())
+    ds[0]  # the others still read
+    with pytest.raises(PackedDamaged, match=r"pack 1 \(packs-000000.bin at byte \d+\) has a negative token id \(-7\)"):
+        ds[1]
+    with open(dst / f"{rec['shard']}.bin", "r+b") as f:  # back, and label 2 becomes -5
+        f.seek(rec["offset"] + 4 * 3)
+        f.write(np.asarray([ds.record(1)["length"] and 5], "<i4").tobytes())
+        f.seek(rec["offset"] + 4 * (rec["length"] + 2))
+        f.write(np.asarray([-5], "<i4").tobytes())
+    with pytest.raises(PackedDamaged, match="has a label that is neither a token id nor -100"):
+        ds[1]

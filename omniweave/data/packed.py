@@ -160,9 +160,23 @@ class PackedDataset:
         if self.manifest.get("format") != FORMAT:
             raise ValueError(f"{path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
         self.shards = self.manifest["packed_shards"]
+        self._check_shard_files()
         counts = [s["packs"] for s in self.shards]
         self._shard_of = np.repeat(np.arange(len(counts)), counts)
         self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def _check_shard_files(self) -> None:
+        """Every shard the manifest lists is there, whole: its ``.bin`` of the size it was written
+        with and its index (a copy cut short or a lost file is named now, not at the step that reads it)."""
+        for shard in self.shards:
+            data, index = self.root / f"{shard['name']}.bin", self.root / f"{shard['name']}.json"
+            if not data.is_file() or not index.is_file():
+                raise PackedDamaged(f"packed dataset {self.root}: {data.name if not data.is_file() else index.name} "
+                                    "is missing; repack, or copy the dataset again")
+            size = data.stat().st_size
+            if "bytes" in shard and size != shard["bytes"]:
+                raise PackedDamaged(f"packed dataset {self.root}: {data.name} has {size} bytes, {shard['bytes']} when "
+                                    "it was written (cut short or changed); repack, or copy the dataset again")
 
     def __len__(self) -> int:
         return int(self._first[-1])
@@ -184,11 +198,34 @@ class PackedDataset:
             for m in rec["media"]:
                 f.seek(m["offset"])
                 media.append({**m, "bytes": f.read(m["size"])})
+        self._check_pack(i, rec, flat, media)
         return {
             "input_ids": flat[:L], "labels": flat[L : 2 * L], "position_ids": flat[2 * L :].reshape(R, L),
             "cu_seqlens": np.asarray(rec["cu_seqlens"], np.int32), "media": media, "docs": rec["docs"],
             "num_loss_tokens": rec["num_loss_tokens"], "index": i, "shard": rec["shard"],
         }
+
+
+    def _check_pack(self, i: int, rec: dict, flat: np.ndarray, media: list[dict]) -> None:
+        """What a damaged pack cannot pass (cheap, every read): its bytes all there, token ids not
+        negative, labels a token id or -100, documents covering exactly its tokens."""
+        L, R = rec["length"], rec["rows"]
+        where = f"packed dataset {self.root}: pack {i} ({rec['shard']}.bin at byte {rec['offset']})"
+        problem = None
+        if len(flat) != L * (2 + R) or any(len(m["bytes"]) != m["size"] for m in media):
+            problem = "is cut short"
+        elif L and int(flat[:L].min()) < 0:
+            problem = f"has a negative token id ({int(flat[:L].min())})"
+        elif L and ((flat[L:2 * L] < 0) & (flat[L:2 * L] != IGNORE_INDEX)).any():
+            problem = "has a label that is neither a token id nor -100"
+        elif not rec["cu_seqlens"] or rec["cu_seqlens"][0] != 0 or rec["cu_seqlens"][-1] != L:
+            problem = f"has documents spanning {rec['cu_seqlens'][-1:] or '?'} of its {L} tokens"
+        if problem:
+            raise PackedDamaged(f"{where} {problem}: the dataset is damaged; repack it")
+
+
+class PackedDamaged(UserError):
+    """A packed dataset whose files do not hold what its manifest and indexes say."""
 
 
 def fingerprint_diff(built: dict, wanted: dict, prefix: str = "data") -> list[str]:
