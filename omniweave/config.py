@@ -267,7 +267,8 @@ def load_recipe(name_or_path: str | os.PathLike, overrides: Iterable[str] = ()) 
     return cfg
 
 
-# the least value of each numeric key (a key of -1 in AUTO means "work it out" and is allowed too),
+# the least value of each numeric key (a key of -1 in AUTO means "work it out" and is allowed too;
+# parallel.pp and parallel.seq_chunks are left to their own checks, whose messages say more),
 # and the few that are fractions; a value out of range is one line here, not a crash mid-run
 LEAST = {
     "train.steps": 1, "train.global_batch": 1, "train.lr": 0, "train.warmup": 0, "train.weight_decay": 0,
@@ -276,8 +277,8 @@ LEAST = {
     "train.dpo.beta": 0, "data.max_len": 1, "data.num_workers": 0, "data.balance_refit": 0,
     "eval.max_samples": 1, "eval.max_new_tokens": 1, "eval.batch_size": 1,
     "parallel.dp": 1, "parallel.dp_replicate": 1, "parallel.dp_shard": 1, "parallel.cp": 1, "parallel.cp_ulysses": 1,
-    "parallel.cp_head_groups": 1, "parallel.ep": 1, "parallel.pp": 1, "parallel.pp_virtual": 1,
-    "parallel.seq_chunks": 1, "rl.group_size": 1, "rl.max_new_tokens": 1, "rl.ppo_epochs": 1,
+    "parallel.cp_head_groups": 1, "parallel.ep": 1, "parallel.pp_virtual": 1,
+    "rl.group_size": 1, "rl.max_new_tokens": 1, "rl.ppo_epochs": 1,
     "rl.mini_batches": 1, "rl.top_k": 0, "demo.samples": 1, "demo.eval_samples": 0,
 }
 AUTO = {"parallel.dp", "parallel.dp_shard"}
