@@ -9,3 +9,9 @@ from __future__ import annotations
 
 class UserError(Exception):
     """Something the user can fix from the message alone."""
+
+
+def first_few(items, k: int, sep: str = ", ") -> str:
+    """``items[:k]`` joined, and how many more there are: the list an error line shows."""
+    items = list(items)
+    return sep.join(map(str, items[:k])) + (f" (and {len(items) - k} more)" if len(items) > k else "")

@@ -155,7 +155,9 @@ def _all_ranks_names(names: set[str]) -> set[str]:
 
 
 def _listed(label: str, items: list[str]) -> str:
-    return f"{label}: " + ", ".join(items[:4]) + (f" (and {len(items) - 4} more)" if len(items) > 4 else "")
+    from omniweave.errors import first_few
+
+    return f"{label}: {first_few(items, 4)}"
 
 
 def check_fits(path: str | os.PathLike, model_state: dict[str, Any], model_cfg=None, fresh: set[str] = frozenset(),

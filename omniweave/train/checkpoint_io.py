@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from omniweave.errors import UserError
+from omniweave.errors import UserError, first_few
 
 CHECKSUMS = "checksums.json"
 _PART = ".checksums-rank{}.json"  # one rank's hashes while a save is being published
@@ -221,8 +221,7 @@ def find_damage(path: str | os.PathLike, collective: bool = True) -> str | None:
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, found)
         found = sorted(p for ps in everyone for p in ps)
-    return f"{path}: " + "; ".join(found[:3]) + (f" (and {len(found) - 3} more)" if len(found) > 3 else "") \
-        if found else None
+    return f"{path}: {first_few(found, 3, '; ')}" if found else None
 
 
 def verify(path: str | os.PathLike, collective: bool = True) -> None:

@@ -189,14 +189,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_output_dir(output: str, force: bool) -> set[str]:
     """The names already in ``output`` (a UserError when there are any and not ``force``): an export
     never mixes its files with a user's silently."""
-    from omniweave.errors import UserError
+    from omniweave.errors import UserError, first_few
 
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise UserError(f"--output {output} is a file, not a directory")
     there = {p.name for p in out.iterdir()} if out.is_dir() else set()
     if there and not force:
-        shown = ", ".join(sorted(there)[:5]) + (f" (and {len(there) - 5} more)" if len(there) > 5 else "")
+        shown = first_few(sorted(there), 5)
         raise UserError(f"--output {output} is not empty ({shown}); choose a new or empty directory, or pass --force "
                         "to write into it (files of the same name are replaced)")
     return there

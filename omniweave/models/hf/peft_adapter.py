@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from omniweave.errors import UserError
+from omniweave.errors import UserError, first_few
 from omniweave.models.hf.loading import adapter_for
 from omniweave.models.lora import LoraConfig, add_adapter, adapted_linears, candidate_linears, is_adapter_name
 
@@ -319,8 +319,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> int:
         plan.append((linear, hf, a, b))
     if wrong or not plan:
         raise UserError(f"{adapter_dir}: this adapter does not fit the model (it was exported for another base model: "
-                        f"{base}): " + ("; ".join(wrong[:4]) + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else "")
-                                        if wrong else "no lora_A tensors"))
+                        f"{base}): " + (first_few(wrong, 4, "; ") if wrong else "no lora_A tensors"))
     saved = _saved_tensors(model, names, cfg, tensors, adapter_dir)
     for linear, hf, a, b in plan:
         r = a.shape[0]
