@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 RANKS_GONE_S = 10  # measured on 2 loaded cores: 0.05-0.1 s
 AGENT_GONE_S = 30  # torchrun's agent, which waits for its ranks and closes its store: 4-6 s measured
-EXIT_CYCLES = int(os.environ.get("OMNIWEAVE_EXIT_CYCLES", "4"))  # ~30 s each on 2 idle cores
+EXIT_CYCLES = int(os.environ.get("OMNIWEAVE_EXIT_CYCLES", "2"))  # ~30 s each on 2 idle cores; more to hunt a rare abort
 
 
 def _run_processes(run: Path) -> list[int]:
