@@ -76,6 +76,7 @@ class DataSchema:
     template: str = "chatml"
     max_len: int = 4096
     truncation: str = "drop"
+    special_tokens_in_text: str = "reject"
     rope: str = "mrope"
     vision: Any = field(default_factory=lambda: _vision_schema()())
     audio: Any = field(default_factory=lambda: _audio_schema()())

@@ -182,7 +182,7 @@ def test_truncation_policies_with_counts():
     (raw([("user", "<image>"), ("assistant", "x")], images=[("a.png", b"junk")]), "bad_image"),
     (raw([("user", "<image>"), ("assistant", "x")], images=[("a.png", png_bytes(2, 500))]), "aspect_ratio_too_extreme"),
     (raw([("user", "only a question")]), "no_assistant_turn"),
-    (raw([("user", "<|image_pad|> <image>"), ("assistant", "x")], images=[("a.png", IMG_A)]), "placeholder_mismatch"),
+    (raw([("user", "<|image_pad|> <image>"), ("assistant", "x")], images=[("a.png", IMG_A)]), "special_token_in_text"),
 ])
 def test_rejects_carry_a_reason(sample, reason, proc):
     with pytest.raises(SampleRejected) as err:

@@ -40,7 +40,7 @@ def tokenize_pair(proc: SampleProcessor, raw: RawSample) -> list[tuple[Tokenized
     the second document's media are those of the document before it."""
     if not raw.conversation.meta.get("rejected"):
         raise SampleRejected("not_a_pair", "no rejected answer (convert preference rows: docs/dpo.md)")
-    prompt = proc.tokenize_prompt(raw)
+    prompt = proc.tokenize_prompt(raw, bounded=True)
     n = len(prompt)
     docs = []
     for side, sample_raw in zip(SIDES, (raw, with_rejected_answer(raw))):

@@ -39,7 +39,7 @@ def reference_answer(raw: RawSample) -> str:
 def tokenize_rl_prompt(proc: SampleProcessor, raw: RawSample) -> tuple[TokenizedSample, str]:
     """(the tokenized prompt, its reference answer)."""
     answer = reference_answer(raw)
-    sample = proc.tokenize_prompt(raw)
+    sample = proc.tokenize_prompt(raw, bounded=True)
     if len(sample) > proc.max_len:
         raise SampleRejected("too_long", f"prompt of {len(sample)} tokens > data.max_len {proc.max_len}")
     return sample, answer

@@ -17,6 +17,13 @@ interleaved in ``seconds_per_chunk`` chunks (video first), then ``<|audio_eos|>`
 template's own vision bos / eos, as Qwen2.5-Omni's processor writes it. The video span and the audio
 span (same ``part``) each hold one run of pads per chunk (``MediaSpan.pieces``).
 
+Text is checked before it is tokenized. A special token typed in a message (``<|im_end|>``,
+``<|image_pad|>`` …: the tokenizer would make it a control token) rejects the sample
+(``special_token_in_text``) unless ``data.special_tokens_in_text: keep``. A sample whose text alone
+needs more than ``max_len`` tokens (``len(text) // tokenizer.max_token_chars``, a lower bound) is
+never tokenized whole: rejected ``too_long``, or under ``drop_turns`` cut to the messages that may fit
+first, so a 30 MB row costs its bytes, not gigabytes of token offsets.
+
 Truncation never cuts a media span. ``truncation: drop`` rejects an over-long sample
 (reason ``too_long``, or ``vision_span_exceeds_max_len`` / ``audio_span_exceeds_max_len`` when
 ``max_len`` falls inside a media block); ``drop_turns`` drops trailing turns so the sample ends
@@ -26,6 +33,7 @@ with the last complete assistant turn that fits, keeping at least one, and sets 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Mapping
 
 import numpy as np
@@ -40,8 +48,10 @@ from omniweave.data.template import IGNORE_INDEX, LOSS_ROLES, encode_conversatio
 from omniweave.data.tokenizer import load_tokenizer
 
 TRUNCATION_POLICIES = ("drop", "drop_turns")
+SPECIAL_TOKEN_POLICIES = ("reject", "keep")  # data.special_tokens_in_text
 # what a partial data config (tests, tools) falls back to: the recipe schema's defaults, the one source
-DATA_DEFAULTS = {k: getattr(DataSchema, k) for k in ("tokenizer", "template", "max_len", "truncation", "rope")}
+DATA_DEFAULTS = {k: getattr(DataSchema, k)
+                 for k in ("tokenizer", "template", "max_len", "truncation", "rope", "special_tokens_in_text")}
 
 
 class SampleRejected(Exception):
@@ -85,8 +95,14 @@ class SampleProcessor:
         self.max_len = int(cfg["max_len"])
         self.truncation = str(cfg["truncation"])
         self.rope = str(cfg["rope"])
+        self.special_tokens_in_text = str(cfg["special_tokens_in_text"])
         if self.truncation not in TRUNCATION_POLICIES:
             raise ValueError(f"data.truncation={self.truncation!r}; choose one of {TRUNCATION_POLICIES}")
+        if self.special_tokens_in_text not in SPECIAL_TOKEN_POLICIES:
+            raise ValueError(f"data.special_tokens_in_text={self.special_tokens_in_text!r}; "
+                             f"choose one of {SPECIAL_TOKEN_POLICIES}")
+        specials = self.tokenizer.special_tokens if self.special_tokens_in_text == "reject" else ()
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         if self.rope not in ROPE_KINDS:
             raise ValueError(f"data.rope={self.rope!r}; choose one of {ROPE_KINDS}")
         if self.max_len < 1:
@@ -119,6 +135,7 @@ class SampleProcessor:
             "max_len": self.max_len,
             "rope": self.rope,
             "truncation": self.truncation,
+            "special_tokens_in_text": self.special_tokens_in_text,
         }
 
     # ------------------------------------------------------------------ metadata-only path
@@ -137,7 +154,13 @@ class SampleProcessor:
 
     def tokenize(self, raw: RawSample) -> TokenizedSample:
         conv = raw.conversation
+        self.check_text(conv.messages)
         plans = self._plan_all(raw)
+        may_fit = self._messages_that_may_fit(conv.messages)
+        if may_fit < len(conv.messages):  # certainly over max_len: never tokenized whole
+            if self.truncation == "drop" or not any(m.role in LOSS_ROLES for m in conv.messages[:may_fit]):
+                raise SampleRejected("too_long", f"its text alone needs more than {self.max_len} tokens")
+            return self._drop_turns(conv.id, conv.messages, plans, may_fit, "too_long")
         sample = self._encode(conv.id, conv.messages, plans)
         if not (sample.labels != IGNORE_INDEX).any():
             raise SampleRejected("no_assistant_turn", "nothing carries loss")
@@ -145,17 +168,42 @@ class SampleProcessor:
             return sample
         if self.truncation == "drop":
             raise SampleRejected(overflow_reason(sample.media, self.max_len), f"{len(sample)} > {self.max_len}")
-        return self._drop_turns(conv.id, conv.messages, plans, sample)
+        return self._drop_turns(conv.id, conv.messages, plans, len(conv.messages) - 1,
+                                overflow_reason(sample.media, self.max_len))
 
-    def tokenize_prompt(self, raw: RawSample) -> TokenizedSample:
+    def check_text(self, messages: list[Message]) -> None:
+        """Reject typed special tokens (``data.special_tokens_in_text: reject``)."""
+        if self._special_re is None:
+            return
+        for m in messages:
+            found = self._special_re.search(m.content)
+            if found:
+                raise SampleRejected("special_token_in_text", f"{m.role} text holds {found.group()!r} (a control "
+                                     "token once tokenized; data.special_tokens_in_text=keep keeps it)")
+
+    def _messages_that_may_fit(self, messages: list[Message]) -> int:
+        """How many leading messages may fit max_len, judged by a lower bound on their text's tokens
+        (no tokenizing): all of them unless the text alone is certainly too long."""
+        chars = 0
+        for k, m in enumerate(messages):
+            chars += len(m.content)
+            if chars // self.tokenizer.max_token_chars > self.max_len:
+                return k
+        return len(messages)
+
+    def tokenize_prompt(self, raw: RawSample, bounded: bool = False) -> TokenizedSample:
         """A generation prompt: the conversation without its trailing assistant turn(s), plus the
-        assistant header. Labels are all -100; used by evaluation (greedy decoding)."""
+        assistant header. Labels are all -100; used by evaluation (greedy decoding). ``bounded``: a
+        prompt whose text alone needs more than max_len tokens is rejected (``too_long``) untokenized."""
         conv = raw.conversation
+        self.check_text(conv.messages)
         messages = list(conv.messages)
         while messages and messages[-1].role in LOSS_ROLES:
             messages.pop()
         if not messages:
             raise SampleRejected("empty_conversation", "no prompt left once the assistant turns are removed")
+        if bounded and self._messages_that_may_fit(messages) < len(messages):
+            raise SampleRejected("too_long", f"its prompt's text alone needs more than {self.max_len} tokens")
         sample = self._encode(conv.id, messages, self._plan_all(raw), add_generation_prompt=True)
         sample.labels[:] = IGNORE_INDEX
         return sample
@@ -259,16 +307,17 @@ class SampleProcessor:
         seq += self.audio_eos_ids
         return np.asarray(seq, dtype=np.int64), video_runs, audio_runs
 
-    def _drop_turns(self, sample_id: str, messages: list[Message], plans: dict, full: TokenizedSample):
-        """Longest message prefix ending in an assistant turn that fits max_len (≥ 1 assistant turn)."""
-        ends = [k + 1 for k, m in enumerate(messages) if m.role in LOSS_ROLES]
-        for k in reversed(ends[:-1] if ends and ends[-1] == len(messages) else ends):
+    def _drop_turns(self, sample_id: str, messages: list[Message], plans: dict, upto: int, reason: str):
+        """Longest prefix of ``messages[:upto]`` ending in an assistant turn that fits max_len (≥ 1
+        assistant turn); else rejected with ``reason``."""
+        ends = [k + 1 for k, m in enumerate(messages[:upto]) if m.role in LOSS_ROLES]
+        for k in reversed(ends):
             kept = messages[:k]
             counts = {kind: sum(m.content.count(PLACEHOLDERS[kind]) for m in kept) for kind in MEDIA_KINDS}
             sample = self._encode(sample_id, kept, {kind: plans[kind][:n] for kind, n in counts.items()})
             if len(sample) <= self.max_len:
                 return dataclasses.replace(sample, truncated=True)
-        raise SampleRejected(overflow_reason(full.media, self.max_len), "no assistant turn fits max_len")
+        raise SampleRejected(reason, "no assistant turn fits max_len")
 
     # ------------------------------------------------------------------ full processing
 

@@ -11,6 +11,7 @@ BOS): chat templates spell out every special token themselves.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -90,6 +91,20 @@ class Tokenizer:
 
     def has_token(self, token: str) -> bool:
         return self.backend.token_to_id(token) is not None
+
+    @functools.cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The contents of the added tokens marked special (``<|im_end|>``, ``<|image_pad|>`` …):
+        typed in a message's text, the tokenizer would turn each into its control token."""
+        added = self.backend.get_added_tokens_decoder().values()
+        return tuple(sorted({t.content for t in added if t.special}, key=lambda c: (-len(c), c)))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters: no token covers more characters of text than
+        this (a byte-level entry's characters are bytes, and a character is at least one byte), so
+        ``len(text) // max_token_chars`` tokens is a lower bound computed without tokenizing."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)))
 
     def sha256(self) -> str:
         """Hash of the files that define the tokenizer (stable across copies of the directory)."""
