@@ -13,6 +13,7 @@ that closes early ends quietly.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -110,9 +111,13 @@ def user_error_message(e: BaseException) -> str | None:
         from omniweave.config import unset_key_message
 
         return unset_key_message(getattr(e, "full_key", None) or "a recipe key")
-    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)) or (
+            isinstance(e, OSError) and e.errno in FULL_OR_READ_ONLY):
         return f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
     return None
+
+
+FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # the user's disk, not our bug
 
 
 if __name__ == "__main__":

@@ -236,7 +236,8 @@ def fingerprint_diff(built: dict, wanted: dict, prefix: str = "data") -> list[st
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += fingerprint_diff(a, b, f"{prefix}.{key}")
         elif a != b:
-            diffs.append(f"{prefix}.{key}: packed with {a!r}, now {b!r}")
+            was = "without it (an older omniweave)" if key not in built else f"with {a!r}"
+            diffs.append(f"{prefix}.{key}: packed {was}, now {b!r}")
     return diffs
 
 

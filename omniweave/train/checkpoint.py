@@ -34,7 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
+from omniweave.errors import UserError
 from omniweave.train import checkpoint_io
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -167,7 +169,6 @@ def check_fits(path: str | os.PathLike, model_state: dict[str, Any], model_cfg=N
     component), another shape (``num_experts``, vocabulary, width). ``fresh``: names the recipe
     may lack in the checkpoint (adapters ``init_from`` starts fresh). ``collective``: every rank
     calls it (``model_state`` is this rank's part under pipeline parallelism)."""
-    from omniweave.errors import UserError
 
     path = Path(path)
     saved = {k[len("model."):]: m for k, m in checkpoint_io.read_metadata(path).state_dict_metadata.items()
@@ -224,12 +225,15 @@ class Checkpointer:
             tmp.mkdir()
         _barrier()
         state = _dcp_state(model, optimizer)
-        if self.group is None:
-            dcp.save(state, checkpoint_id=str(tmp))
-            future = None
-        else:  # staged (copied to host memory) before it returns: the next steps may change the weights
-            future = dcp.async_save(state, storage_writer=_async_writer(tmp), process_group=self.group)
-        torch.save(torch.get_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+        try:
+            if self.group is None:
+                dcp.save(state, checkpoint_id=str(tmp))
+                future = None
+            else:  # staged (copied to host memory) before it returns: the next steps may change the weights
+                future = dcp.async_save(state, storage_writer=_async_writer(tmp), process_group=self.group)
+            torch.save(torch.get_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+        except (Exception, CheckpointException) as e:  # DCP's gathered failure is a BaseException
+            raise _write_failed(tmp, e) from e
         self.pending = {"step": step, "tmp": tmp, "final": final, "future": future, "config": config_yaml,
                         "state": json.dumps(trainer_state, indent=1)}  # as it is now, not when published
         if future is None:
@@ -251,13 +255,16 @@ class Checkpointer:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        if pending["future"] is not None:
-            pending["future"].result()
-        _barrier()
-        checkpoint_io.hash_share(pending["tmp"])  # the ranks hash the written files between them
-        _barrier()
-        if _rank() == 0:
-            self._publish(pending)
+        try:
+            if pending["future"] is not None:
+                pending["future"].result()
+            _barrier()
+            checkpoint_io.hash_share(pending["tmp"])  # the ranks hash the written files between them
+            _barrier()
+            if _rank() == 0:
+                self._publish(pending)
+        except (Exception, CheckpointException) as e:  # DCP's gathered failure is a BaseException
+            raise _write_failed(pending["tmp"], e) from e
         _barrier()
 
     def _publish(self, pending: dict) -> None:
@@ -277,6 +284,32 @@ class Checkpointer:
             complete = sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := STEP_DIR.match(p.name)))
             for _, old in complete[:-self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointWriteFailed(UserError):
+    """A save that could not be written (a full disk, a quota, a read-only or vanished mount)."""
+
+
+def _write_failed(tmp: Path, error: BaseException) -> CheckpointWriteFailed:
+    """One line for a failed save: the cause, the space left, and what is still safe. The partial
+    ``.tmp-step_N`` is removed (it is never read, and it holds the space a rerun needs)."""
+    root, name = tmp.parent, tmp.name.removeprefix(".tmp-")
+    cause = error
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: each rank's own exception
+    if failures:
+        first = next(iter(failures.values()))
+        cause = first[0] if isinstance(first, tuple) else first
+    text = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    try:  # measured before the partial files go: what the write ran into
+        free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB were free there"
+    except OSError:
+        free = "its file system unreadable"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    latest = root / "latest"
+    newest = os.readlink(latest) if latest.is_symlink() else "none yet"
+    return CheckpointWriteFailed(f"could not write checkpoint {name} in {root}: {text} ({free}); the newest complete "
+                                 f"checkpoint ({newest}) is untouched: free space, then rerun with --resume auto")
 
 
 def _async_writer(path: Path):
