@@ -119,3 +119,44 @@ def test_dropping_a_document_zeroes_its_per_token_data_too():
     assert out["labels"].tolist() == [5, 6, -100, -100, -100, -100] and out["num_loss_tokens"] == 2
     assert out["token_data"]["pair_slot"].tolist() == [1, 1, 0, 0, 0, 0]
     assert mb["labels"].tolist() == [5, 6, -100, 7, 8, -100]  # the loader's batch is left as it was
+
+
+def test_a_grpo_prompt_whose_image_does_not_decode_drops_its_group_counted_and_named(tmp_path, capsys):
+    """RL reads the same loader: the prompt with the corrupt image is rolled out (zero pixels) but its
+    group is left out of the update, counted in ``groups_media_skipped`` and named on the console."""
+    from omniweave.config import load_recipe
+    from omniweave.rl.trainer import train_rl
+    from rl_factory import make_rl_prompts, rl_overrides
+
+    prompts = make_rl_prompts(tmp_path / "rl", samples=12)
+    cfg = load_recipe("demo_grpo", rl_overrides(prompts, tmp_path / "run", steps=2))
+    order = PackedLoader(prompts, int(cfg.train.global_batch), dp_rank=0, dp_size=1, seed=int(cfg.train.seed),
+                         kind="prompts").order(0)
+    step2 = [int(i) for i in order[4:8]]
+    with_image = next(i for i in step2 if any(m["kind"] == "image" for m in PackedDataset(prompts).record(i)["media"]))
+    bad = corrupt_first_image(prompts, with_image)
+    train_rl(cfg)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["groups_media_skipped"] for r in rows] == [0, 1]
+    assert [r["groups_failed"] for r in rows] == [0, 0]
+    (skip,) = rows[1]["media_skips"]
+    assert (skip["sample"], skip["pack"], skip["reason"]) == (bad["sample"], bad["pack"], "undecodable_media")
+    out = capsys.readouterr().out
+    assert f"step 2: skipped sample {bad['sample']} (pack {bad['pack']} of {bad['shard']}" in out
+    assert "undecodable_media" in out and "its group was dropped" in out
+
+
+def test_a_group_whose_media_failed_is_dropped_from_the_advantages():
+    import torch
+
+    from omniweave.rl.step import GRPOStep
+
+    class Scored:
+        total = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.9, 0.1])
+        failed = torch.zeros(6, dtype=torch.bool)
+
+    step = GRPOStep.__new__(GRPOStep)
+    step.s = type("S", (), {"group_size": 2, "grpo": type("G", (), {"filter_zero_std": True, "scale_rewards": "group"})})
+    keep, adv, counts = step._advantages(Scored, 3, {1})
+    assert keep == [0, 2] and adv.view(3, 2)[1].tolist() == [0.0, 0.0]
+    assert counts == {"groups": 3, "failed": 0, "zero_std": 0, "media_skipped": 1}

@@ -33,7 +33,9 @@ class GRPOStep:
 
     # ------------------------------------------------------------------ the step
 
-    def __call__(self, packs: list[dict]) -> dict:
+    def __call__(self, packs: list[dict], media_skips: list[dict] = ()) -> dict:
+        """``media_skips``: the loader's records of prompts whose media did not decode (their
+        pixels are zeros): their groups are dropped like a failed reward's, counted and named."""
         e, s, G = self.engine, self.s, self.s.group_size
         t0 = time.perf_counter()
         prompts = [Prompt(p["prompt"]["uid"], p) for p in packs]
@@ -43,7 +45,7 @@ class GRPOStep:
         rollout_s = time.perf_counter() - t0
         texts = [self.processor.tokenizer.decode([t for t in r.tokens if t not in self.stop_ids]) for r in rollouts]
         scored = s.rewards.score(texts, [answers[k // G] for k in range(len(rollouts))])
-        keep, advantages, counts = self._advantages(scored, len(prompts))
+        keep, advantages, counts = self._advantages(scored, len(prompts), {r["row"] for r in media_skips})
         t1 = time.perf_counter()
         mini_batches = []  # the kept groups split into rl.mini_batches parts, each packed into its rows
         for k in range(s.mini_batches):
@@ -57,23 +59,28 @@ class GRPOStep:
         rows = [r for rows in mini_batches for r in rows]
         e.advance()
         update_s = time.perf_counter() - t1
-        return self._record(rollouts, scored, counts, updates, rows, rollout_s, update_s, time.perf_counter() - t0)
+        return self._record(rollouts, scored, counts, updates, rows, rollout_s, update_s, time.perf_counter() - t0,
+                            media_skips)
 
-    def _advantages(self, scored, n: int):
-        """(kept prompt indices, advantages [n·G] (0 for dropped groups), group counts)."""
+    def _advantages(self, scored, n: int, bad_media: set[int] = frozenset()):
+        """(kept prompt indices, advantages [n·G] (0 for dropped groups), group counts); a prompt in
+        ``bad_media`` (its media did not decode) is dropped, like a group whose reward failed."""
         G = self.s.group_size
         rewards = scored.total.view(n, G)
-        failed = scored.failed.view(n, G).any(1)
-        flat = torch.where(failed[:, None], 0.0, rewards)
-        zero = zero_std_groups(flat.reshape(-1), G) & ~failed
-        dropped = failed | (zero if self.s.grpo.filter_zero_std else torch.zeros_like(zero))
+        media = torch.tensor([i in bad_media for i in range(n)], dtype=torch.bool)
+        failed = scored.failed.view(n, G).any(1) & ~media  # counted once, as a media skip
+        unusable = failed | media
+        flat = torch.where(unusable[:, None], 0.0, rewards)
+        zero = zero_std_groups(flat.reshape(-1), G) & ~unusable
+        dropped = unusable | (zero if self.s.grpo.filter_zero_std else torch.zeros_like(zero))
         keep = [i for i in range(n) if not dropped[i]]
         advantages = torch.zeros(n * G)
         if keep:
             idx = torch.tensor(keep)
             adv = group_advantages(flat[idx].reshape(-1), G, scale=self.s.grpo.scale_rewards)
             advantages.view(n, G)[idx] = adv.view(len(keep), G)
-        return keep, advantages, {"groups": n, "failed": int(failed.sum()), "zero_std": int(zero.sum())}
+        return keep, advantages, {"groups": n, "failed": int(failed.sum()), "zero_std": int(zero.sum()),
+                                  "media_skipped": int(media.sum())}
 
     def _aligned(self, rows: list[dict], prompts: list[Prompt]) -> list[dict]:
         """Every rank the same number of rows in this mini-batch (dummy rows added)."""
@@ -123,7 +130,7 @@ class GRPOStep:
 
     # ------------------------------------------------------------------ metrics
 
-    def _record(self, rollouts, scored, counts, updates, rows, rollout_s, update_s, step_s) -> dict:
+    def _record(self, rollouts, scored, counts, updates, rows, rollout_s, update_s, step_s, media_skips) -> dict:
         e, G = self.engine, self.s.group_size
         from omniweave.device import peak_memory_bytes
 
@@ -133,24 +140,24 @@ class GRPOStep:
         local = [float(ok.sum()), float(scored.total[ok].sum()), float((scored.total[ok] ** 2).sum()),
                  float(len(rollouts)), float(lens.sum()), float(sum(r.truncated for r in rollouts)), -sampled_logp,
                  float(counts["groups"]), float(counts["failed"]), float(counts["zero_std"]),
-                 float(sum(r["input_ids"].shape[0] for r in rows if r["num_loss_tokens"]))]
+                 float(sum(r["input_ids"].shape[0] for r in rows if r["num_loss_tokens"])), float(counts["media_skipped"])]
         for key in scored.per_reward:
             values = scored.per_reward[key][ok]
             local.append(float(values.sum()))
         g = e.global_sum(local)
-        n_ok, r_sum, r_sq, n, len_sum, trunc, nll, groups, failed, zero_std, row_tokens = g[:11]
+        n_ok, r_sum, r_sq, n, len_sum, trunc, nll, groups, failed, zero_std, row_tokens, media_skipped = g[:12]
         mean = r_sum / max(n_ok, 1)
         tokens = sum(u.get("tokens", 0.0) for u in updates)  # no rows at all: every group was dropped
         record = {
             "step": e.step, "loss": sum(u["loss"] for u in updates) / len(updates),
             "grad_norm": updates[-1]["grad_norm"], "lr": updates[-1]["lr"],
             "reward_mean": mean, "reward_std": max(r_sq / max(n_ok, 1) - mean * mean, 0.0) ** 0.5,
-            **{f"reward/{k}": v / max(n_ok, 1) for k, v in zip(scored.per_reward, g[11:])},
+            **{f"reward/{k}": v / max(n_ok, 1) for k, v in zip(scored.per_reward, g[12:])},
             "response_len_mean": len_sum / max(n, 1), "response_clip_frac": trunc / max(n, 1),
             "kl": sum(u.get("kl_sum", 0.0) for u in updates) / max(tokens, 1),
             "clip_frac": sum(u.get("clipped", 0.0) for u in updates) / max(tokens, 1),
             "entropy": nll / max(len_sum, 1), "frac_zero_std": zero_std / max(groups, 1),
-            "groups_failed": int(failed), "samples": int(n), "group_size": G,
+            "groups_failed": int(failed), "groups_media_skipped": int(media_skipped), "samples": int(n), "group_size": G,
             "rollout_s": round(rollout_s, 3), "update_s": round(update_s, 3), "step_s": round(step_s, 4),
             "tokens_per_s": row_tokens * self.s.ppo_epochs / max(update_s, 1e-9),
             "gen_tokens_per_s": len_sum / max(rollout_s, 1e-9),
@@ -160,6 +167,10 @@ class GRPOStep:
                for k in updates[-1] if k.startswith("moe_")},  # MoE: losses per update, bytes per step
         }
         record["accuracy"] = record.get(f"reward/{self.accuracy_key}", mean)
+        if media_skipped:  # every rank gathers the records; rank 0 names each prompt
+            from omniweave.train.trainer import report_media_skips
+
+            record["media_skips"] = report_media_skips(e, media_skips, "its group was dropped")
         if scored.errors and e.rank == 0:
             print(f"step {e.step}: reward failures {dict(scored.errors)} (their groups were dropped)", flush=True)
         return record

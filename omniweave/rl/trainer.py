@@ -130,7 +130,8 @@ def _rl_loop(engine: Engine, cfg, resume) -> dict:
     last = {"reward_mean": float("nan")}
     it = iter(loader)
     while engine.step < engine.total:
-        last = step_fn(next(it))
+        packs = next(it)
+        last = step_fn(packs, loader.take_media_skips())
         engine.finish_step(last, lambda: {"loader": loader.state_dict()})
     seconds = engine.finish()
     return {"rank": engine.rank, "steps": engine.step, "seconds": seconds, "reward": last["reward_mean"],

@@ -228,7 +228,7 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
         dt = time.perf_counter() - t0
         media_skipped_total += media_skipped
         skip_log = {"media_skipped": media_skipped, "media_skipped_total": media_skipped_total,
-                    **({"media_skips": _report_media_skips(engine, skips)} if media_skipped else {})}
+                    **({"media_skips": report_media_skips(engine, skips)} if media_skipped else {})}
         last = {"step": engine.step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
                 "tokens": tokens, "loss_tokens": loss_tokens, "tokens_per_s": tokens / dt, "step_s": round(dt, 4),
                 "mfu": step_flops(engine.flop_counts, tokens, sum_len2) / dt / engine.peak_flops,
@@ -242,7 +242,7 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
             "run_dir": str(engine.run_dir)}
 
 
-def _report_media_skips(engine: Engine, skips: list[dict]) -> list[dict]:
+def report_media_skips(engine: Engine, skips: list[dict], outcome: str = "trained without loss on it") -> list[dict]:
     """Every rank's skipped samples of this step (gathered: called only on a step that has some),
     once each (the cp x tp ranks of a dp group hold the same packs); rank 0 prints a line per sample."""
     gathered: list = [None] * dist.get_world_size()
@@ -252,7 +252,7 @@ def _report_media_skips(engine: Engine, skips: list[dict]) -> list[dict]:
     if engine.rank == 0:
         for s in unique:
             print(f"step {engine.step}: skipped sample {s['sample']} (pack {s['pack']} of {s['shard']}, {s['part']}): "
-                  f"{s['reason']}: {s['message']}; trained without loss on it", flush=True)
+                  f"{s['reason']}: {s['message']}; {outcome}", flush=True)
     return unique
 
 
