@@ -292,3 +292,27 @@ def test_with_lora_the_reference_is_the_policy_with_its_adapters_off(pairs, tmp_
     # a component trained in full beside the adapters: the adapters-off model moves too, so a copy is the reference
     with pytest.raises(AssertionError, match="frozen reference copy"):
         train(load_recipe("demo_dpo", dpo_overrides(pairs, tmp_path / "mixed", steps=1) + lora[:1]))
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+def test_a_pair_whose_media_did_not_decode_is_left_out_of_loss_stats_and_normaliser(loss):
+    """``drop_skipped_docs`` zeroes the skipped pair's slots (both sides share its media): the row then
+    gives the loss, statistics, gradient and pair count of the same row without that pair."""
+    from omniweave.train.dpo import DPOObjective, live_pairs
+
+    objective = DPOObjective.__new__(DPOObjective)
+    objective.settings, objective.stored = DPOConfig(loss=loss), None
+    objective.engine = type("E", (), {"dims": type("D", (), {"cp": 1})})
+    slots = torch.tensor([0, 1, 1, 2, 2, 2, 0, 3, 3, 4, 4, 0])  # pairs 0 and 1 (chosen 1 / 3, rejected 2 / 4)
+    token_logp = -torch.rand(12, generator=torch.Generator().manual_seed(0))
+    ref = torch.tensor([[-1.0, -1.5], [-0.5, -2.0]])
+    skipped = torch.where((slots == 3) | (slots == 4), 0, slots)  # pair 1's media did not decode
+    assert (live_pairs(slots), live_pairs(skipped)) == (2, 1)
+    x = token_logp.clone().requires_grad_()
+    got, got_stats = objective.pair_loss(x, skipped, 2, ref)
+    got.backward()
+    y = token_logp[:6].clone().requires_grad_()
+    want, want_stats = objective.pair_loss(y, slots[:6], 1, ref[:1])
+    want.backward()
+    assert torch.equal(got, want) and got_stats == want_stats and got_stats["pairs"] == 1.0
+    assert torch.equal(x.grad[:6], y.grad) and not x.grad[6:].any()

@@ -119,6 +119,12 @@ def sequence_logps(token_logp: Tensor, pair_slot: Tensor, num_pairs: int) -> Ten
     return sums[1:].view(num_pairs, 2)
 
 
+def live_pairs(pair_slot: Tensor) -> int:
+    """How many pairs of a whole row still have loss tokens (their chosen slot, 1 + 2p, appears)."""
+    slots = torch.unique(pair_slot)
+    return int((slots % 2 == 1).sum())
+
+
 def pair_slots(labels: Tensor, cu_seqlens: Tensor, sides: list[str]) -> Tensor:
     """int64 [L] slots of a packed row of pairs (``sides``: each document's ``chosen`` / ``rejected``,
     which must alternate starting with ``chosen``): 1 + 2p + side on loss tokens, 0 elsewhere."""
@@ -192,7 +198,9 @@ class DPOObjective:
             engine.pipeline.set_row_loss(self.pipeline_row_loss())
 
     def normaliser(self, packs: list[dict]) -> float:
-        (pairs,) = self.engine.global_sum([sum(int(p["num_pairs"]) for p in packs)])
+        """The global count of pairs that still have loss tokens (a pair whose media did not decode
+        has none left: ``drop_skipped_docs``)."""
+        (pairs,) = self.engine.global_sum([sum(live_pairs(p["token_data"]["pair_slot"]) for p in packs)])
         return pairs
 
     @torch.no_grad()
@@ -234,10 +242,12 @@ class DPOObjective:
             policy = _SumOverGroup.apply(policy, group)
             lengths = _SumOverGroup.apply(lengths, group)
             ref = ref if self.stored is not None else _SumOverGroup.apply(ref.detach(), group)
-        losses, chosen, rejected = dpo_loss(policy, ref, self.settings, lengths)
+        live = lengths[:, 0] > 0  # a pair whose media did not decode has no tokens left: not a pair
+        losses, chosen, rejected = dpo_loss(policy, ref, self.settings, lengths.clamp(min=1))  # (1: live pairs' own)
+        losses, chosen, rejected = (torch.where(live, x, 0.0) for x in (losses, chosen, rejected))
         # every cp rank now holds the same pairs' values: 1/cp each, so sums over ranks count them once
-        stats = {"pairs": torch.tensor(float(pairs)), "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(),
-                 "reward_accuracy": (chosen > rejected).sum().float()}
+        stats = {"pairs": live.sum().float(), "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(),
+                 "reward_accuracy": ((chosen > rejected) & live).sum().float()}
         return losses.sum() / cp, {k: v.double() / cp for k, v in stats.items()}
 
     def pipeline_row_loss(self) -> "PipelineRowLoss":

@@ -43,8 +43,8 @@ def drop_skipped_docs(packs: list[dict], skips: list[dict]) -> list[dict]:
     ``take_media_skips``: ``row`` = which micro-batch, ``tokens`` = the document's [start, end)). The
     tokens stay (every rank keeps its shapes, the step runs); after the phase's labels, so
     ``pretrain`` drops them too. Per-token ``token_data`` (DPO's ``pair_slot``) is zeroed there as
-    well: a pair whose media failed adds nothing to the log-prob sums (it still counts in the pair
-    normaliser)."""
+    well: a pair whose media failed adds nothing to the log-prob sums, and DPO leaves it out of its
+    loss, statistics and pair normaliser (``dpo.live_pairs``)."""
     out = list(packs)
     for skip in skips:
         p = out[skip["row"]]
