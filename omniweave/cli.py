@@ -37,11 +37,13 @@ COMMANDS: dict[tuple[str, str | None], tuple[str, str]] = {
 }
 
 
-def _usage() -> str:
-    lines = ["usage: omniweave <command> [args]", "", "commands:"]
+def _usage(only: str | None = None) -> str:
+    """Every command, or only those of the group ``only`` (``omniweave data --help``)."""
+    lines = [f"usage: omniweave {only or '<command>'} {'<command> ' if only else ''}[args]", "", "commands:"]
     for (group, cmd), (_, help_) in COMMANDS.items():
-        name = group if cmd is None else f"{group} {cmd}"
-        lines.append(f"  {name:<16} {help_}")
+        if only in (None, group):
+            name = group if cmd is None else f"{group} {cmd}"
+            lines.append(f"  {name:<16} {help_}")
     return "\n".join(lines)
 
 
@@ -66,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cmd = argv[1] if len(argv) > 1 else None
         key, rest, prog = (group, cmd), argv[2:], f"omniweave {group} {cmd}"
+        groups = {g for g, c in COMMANDS if c is not None}
+        if group in groups and cmd in (None, "-h", "--help"):  # `omniweave data --help`: the group's commands
+            print(_usage(group), file=sys.stdout if cmd else sys.stderr)
+            return 0 if cmd else 2
         if key not in COMMANDS:
-            print(_usage(), file=sys.stderr)
+            print(_usage(group if group in groups else None), file=sys.stderr)
             print(f"\nomniweave: unknown command {' '.join(argv[:2])!r}", file=sys.stderr)
             return 2
     module_name, help_ = COMMANDS[key]

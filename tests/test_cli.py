@@ -22,6 +22,20 @@ def test_no_args_prints_usage_and_fails(capsys):
     assert main([]) == 2
 
 
+def test_a_group_lists_its_commands(capsys):
+    """`omniweave data --help` (and `omniweave hf -h`) list the group's commands; `omniweave data`
+    alone does too, and fails; an unknown command of a group shows the group's."""
+    assert main(["data", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: omniweave data <command>" in out and all(f"data {c}" in out for c in ("demo", "convert", "pack", "inspect"))
+    assert "train" not in out and "hf export" not in out
+    assert main(["hf", "-h"]) == 0 and "hf verify" in capsys.readouterr().out
+    assert main(["data"]) == 2 and "data convert" in capsys.readouterr().err
+    assert main(["data", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "data pack" in err and "hf export" not in err
+
+
 def test_module_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "omniweave", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "omniweave <command>" in r.stdout

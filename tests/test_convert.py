@@ -196,3 +196,38 @@ def test_maxsize_starts_new_shards(demo, tmp_path):
     biggest_sample = max(len(ds.read_bytes(i)) for i in range(len(ds)))
     # a shard closes at the first sample boundary past maxsize (+ the end-of-archive record)
     assert all(size <= 16 * 1024 + biggest_sample + 10240 for size in sizes), sizes
+
+
+def test_every_row_rejected_fails_in_one_line_and_pack_and_train_say_why(tmp_path, capsys):
+    """A mapping or media-dir mistake rejects every row: convert exits 1 naming the reasons and
+    rejects.jsonl, and pack refuses its empty output. Rows that convert but all drop at pack: pack exits
+    2 naming the reasons and stats.json, and training on those packs of nothing exits 2 saying so; each
+    in one line (issue 32, item 9)."""
+    from omniweave.cli import main
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "<image>hi"},
+                                                     {"role": "assistant", "content": "x"}],
+                                        "images": [f"missing{i}.png"]}) + "\n" for i in range(3)))
+    assert main(["data", "convert", "--input", str(rows), "--output", str(tmp_path / "raw"), "--workers", "1",
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"omniweave data convert: error: every row was rejected (missing_media: 3); the first few "
+                       f"reasons with their rows are in {tmp_path / 'raw' / 'rejects.jsonl'}")
+    assert main(["data", "pack", "--input", str(tmp_path / "raw"), "--output", str(tmp_path / "p0"),
+                 "--recipe", "demo", "--workers", "1"]) == 2
+    assert "no raw shards" in capsys.readouterr().err.strip().splitlines()[-1]
+    # rows that convert but all drop at pack (too long for --max-len 8)
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                     {"role": "assistant", "content": "a long answer"}]}) + "\n"
+                            for i in range(3)))
+    assert main(["data", "convert", "--input", str(rows), "--output", str(tmp_path / "raw2"), "--workers", "1",
+                 "--no-progress"]) == 0
+    assert main(["data", "pack", "--input", str(tmp_path / "raw2"), "--output", str(tmp_path / "packed"),
+                 "--recipe", "demo", "--max-len", "8", "--workers", "1"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"omniweave data pack: error: no sample could be packed (too_long: 3); the counts "
+                    f"are in {tmp_path / 'packed' / 'stats.json'}")
+    assert main(["train", "demo", f"data.path={tmp_path / 'packed'}", "data.max_len=8",
+                 f"output_dir={tmp_path / 'run'}"]) == 2
+    assert "the packed dataset holds no packs" in capsys.readouterr().err

@@ -404,4 +404,8 @@ def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, n_rows: in
         f"{len(rejects)} rejected{f' ({reasons})' if reasons else ''} in {seconds:.1f}s -> {out}"
         + (f"; see {out / 'rejects.jsonl'}" if rejects else "")
     )
+    if n_rows and not written:  # nothing to pack: a mapping or media-dir mistake, not a dataset
+        print(f"omniweave data convert: error: every row was rejected ({reasons}); the first few reasons with their "
+              f"rows are in {out / 'rejects.jsonl'}", file=sys.stderr)
+        return 1
     return 1 if args.strict and rejects else 0

@@ -26,6 +26,7 @@ num_packs // global_batch.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -261,7 +262,8 @@ class PackedLoader:
         if balance not in (None, "contiguous", "cost"):
             raise ValueError(f"balance={balance!r}; choose None, 'contiguous' or 'cost'")
         if len(self.dataset) == 0:
-            raise ValueError(f"{self.path}: the packed dataset holds no packs")
+            raise UserError(f"{self.path}: the packed dataset holds no packs (every sample was dropped at pack: "
+                            f"the reasons are in {Path(self.path) / 'stats.json'}); nothing to train on")
         self.global_batch, self.dp_rank, self.dp_size, self.seed = global_batch, dp_rank, dp_size, seed
         self.per_rank = global_batch // dp_size
         self.num_workers, self.balance, self.prefetch_factor = num_workers, balance, prefetch_factor

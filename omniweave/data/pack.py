@@ -358,6 +358,9 @@ def run(args) -> int:
         write_phase(args, out, data_cfg, build, info)
         if maybe_finish(out, data_cfg, build, info):
             s = json.loads((out / "stats.json").read_text())
+            if not s["packs"]:  # training would have nothing to read: say why now
+                reasons = ", ".join(f"{k}: {v}" for k, v in (s["dropped"] or {}).items()) or "no samples in the input"
+                raise UserError(f"no sample could be packed ({reasons}); the counts are in {out / 'stats.json'}")
             if kind == "prompts":  # one prompt per pack: fill is not a goal here
                 print(f"packed {s['samples_packed']}/{s['samples']} RL prompts (one per pack, at most "
                       f"{s['capacity']} tokens), dropped {s['dropped'] or 0} -> {out} ({time.time() - t0:.1f}s)")
