@@ -138,3 +138,12 @@ def test_demo_dataset_efficiency_at_4096(demo600):
     assert plan.dropped.size == 0 and sorted(plan.items.tolist()) == list(range(20_000))
     assert plan.num_packs == math.ceil(lengths.sum() / 4096) < plain.num_packs
     assert plan.efficiency(lengths) >= 0.995, plan.efficiency(lengths)
+
+
+def test_no_progress_bars_are_drawn_into_pipes_or_logs(tmp_path, capfd):
+    """Issue 32, item 9: stderr that is not a terminal (a pipe, a log file) gets no bar redraws."""
+    from tests.fakes_data import build_packed
+
+    build_packed(tmp_path, samples=make_samples(n_text=6, n_image=1, n_video=0, rejects=False))
+    err = capfd.readouterr().err
+    assert "\r" not in err and "scan 0/1" not in err and "write 0/1" not in err, err[:500]

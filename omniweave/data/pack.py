@@ -197,7 +197,7 @@ def _write_shard(shard: int) -> dict:
 def _pool_map(fn, tasks: list, workers: int, initargs: tuple, desc: str, weights=None):
     """Ordered results of fn over tasks, in ``workers`` processes, with a progress bar."""
     bar = tqdm(total=sum(weights) if weights else len(tasks), desc=desc, unit="sample" if weights else "task",
-               dynamic_ncols=True, file=sys.stderr)
+               dynamic_ncols=True, file=sys.stderr, disable=None)  # None: drawn on a terminal only, never into logs
     results = []
     if workers <= 1 or len(tasks) <= 1:
         _init_worker(*initargs)

@@ -147,7 +147,7 @@ def _precompute(cfg, path: Path, progress: bool) -> int:
     offsets, pair_index = pair_layout([ds.record(i) for i in range(len(ds))])
     logps = np.zeros((int(offsets[-1]), 2), np.float32)
     precision = str(cfg.train.get("precision", "fp32"))
-    for i in tqdm(range(len(ds)), desc="reference log-probs", unit="pack", disable=not progress):
+    for i in tqdm(range(len(ds)), desc="reference log-probs", unit="pack", disable=None if progress else True):  # a terminal only
         mb = to_device(collate_pack(ds[i], data_cfg), device)
         with autocast(device, precision, False):
             tokens = model(mb, token_logprobs=True).token_logp
