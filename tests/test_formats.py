@@ -84,7 +84,14 @@ def test_yaml_dataset_info_entry_and_unknown_key(tmp_path):
     (tmp_path / "info.yaml").write_text("mydata:\n  formatting: sharegpt\n  columns: {messages: turns}\n")
     assert mapping_from_yaml(tmp_path / "info.yaml").messages == "turns"
     (tmp_path / "bad.yaml").write_text("columns: {mesages: turns}\n")
-    with pytest.raises(ValueError, match="mesages"):
+    with pytest.raises(ValueError, match="unknown columns key 'mesages'; columns takes messages, images, videos, "
+                                         "audios, system, id, solution, chosen, rejected"):
+        mapping_from_yaml(tmp_path / "bad.yaml")
+    (tmp_path / "bad.yaml").write_text("columns: {role_tag: from}\n")  # a tag under columns: said where it goes
+    with pytest.raises(ValueError, match="unknown columns key 'role_tag'; columns takes messages"):
+        mapping_from_yaml(tmp_path / "bad.yaml")
+    (tmp_path / "bad.yaml").write_text("tags: {user: human}\n")
+    with pytest.raises(ValueError, match="unknown tags key 'user'; tags takes role_tag, content_tag, user_tag"):
         mapping_from_yaml(tmp_path / "bad.yaml")
 
 

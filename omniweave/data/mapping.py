@@ -95,8 +95,9 @@ def mapping_from_yaml(path: str | Path, base: Mapping | None = None) -> Mapping:
         updates["format"] = _check_format(fmt)
     for section in ("columns", "tags"):
         for key, value in (obj.get(section) or {}).items():
-            if key not in allowed or key == "format":
-                raise ValueError(f"{path}: unknown {section} key {key!r}")
+            valid = COLUMN_FIELDS if section == "columns" else TAG_FIELDS
+            if key not in allowed or key == "format" or key not in valid:
+                raise ValueError(f"{path}: unknown {section} key {key!r}; {section} takes {', '.join(valid)}")
             updates[key] = value
     return replace(base or Mapping(), **updates)
 
