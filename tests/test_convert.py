@@ -214,6 +214,10 @@ def test_every_row_rejected_fails_in_one_line_and_pack_and_train_say_why(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"omniweave data convert: error: every row was rejected (missing_media: 3); the first few "
                        f"reasons with their rows are in {tmp_path / 'raw' / 'rejects.jsonl'}")
+    assert main(["data", "inspect", str(tmp_path / "raw")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"omniweave data inspect: {tmp_path / 'raw'}: convert kept no sample: every one of its 3 row(s) was rejected "
+        f"(missing_media: 3); each row and its reason is in {tmp_path / 'raw' / 'rejects.jsonl'}")
     assert main(["data", "pack", "--input", str(tmp_path / "raw"), "--output", str(tmp_path / "p0"),
                  "--recipe", "demo", "--workers", "1"]) == 2
     assert "no raw shards" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -43,6 +43,12 @@ def run(args) -> int:
 
         ds = RawDataset(path)
     except (FileNotFoundError, ValueError) as e:
+        report = path / "convert_report.json"
+        if report.is_file() and not json.loads(report.read_text())["written"]:  # a convert that kept nothing
+            rep = json.loads(report.read_text())
+            reasons = ", ".join(f"{k}: {v}" for k, v in rep["rejected_by_reason"].items())
+            e = (f"{path}: convert kept no sample: every one of its {rep['input']} row(s) was rejected ({reasons}); "
+                 f"each row and its reason is in {path / 'rejects.jsonl'}")
         print(f"omniweave data inspect: {e}", file=sys.stderr)
         return 2
     return inspect_raw(ds, show=args.show, max_scan=args.max_scan, color=color)
