@@ -193,3 +193,59 @@ def test_a_mapping_without_formatting_is_detected_not_called_ambiguous(tmp_path)
     with pytest.raises(ValueError, match="ambiguous") as e:
         detect_format([row3], m2)
     assert "--mapping" not in str(e.value) and "formatting:" in str(e.value)
+
+
+# ---------------------------------------------------------------------------- alpaca (issue 32, item 1)
+
+ALPACA = {"instruction": "Translate to English.", "input": "Bonjour", "output": "Hello", "system": "You translate.",
+          "history": [["Hi", "Hello! How can I help?"], ["Who are you?", "A translator."]]}
+
+
+def test_alpaca_rows_become_the_turns_llama_factory_builds():
+    conv = parse_row(ALPACA, Mapping().resolved("alpaca"), row_id="r")
+    assert [(m.role, m.content) for m in conv.messages] == [
+        ("system", "You translate."), ("user", "Hi"), ("assistant", "Hello! How can I help?"),
+        ("user", "Who are you?"), ("assistant", "A translator."),
+        ("user", "Translate to English.\nBonjour"), ("assistant", "Hello")]
+    plain = parse_row({"instruction": "<image>Colour?", "input": "", "output": "red", "images": ["a.png"]},
+                      Mapping().resolved("alpaca"), row_id="r")
+    assert [(m.role, m.content) for m in plain.messages] == [("user", "<image>Colour?"), ("assistant", "red")]
+    assert plain.images == ["a.png"] and "extra" not in plain.meta  # every column read, none left over
+
+
+def test_alpaca_columns_remap_and_bad_values_are_counted_reasons(tmp_path):
+    row = {"q": "Name a colour.", "ctx": "one word", "a": "Red", "past": [["x", "y"]]}
+    m = Mapping(instruction="q", input="ctx", output="a", history="past").resolved("alpaca")
+    assert [msg.content for msg in parse_row(row, m, row_id="r").messages] == ["x", "y", "Name a colour.\none word", "Red"]
+    for bad, what in (({**ALPACA, "output": 5}, "'output' (output) must be a string"),
+                      ({**ALPACA, "history": [["only one"]]}, "'history' must be a list of [prompt, answer]"),
+                      ({**ALPACA, "instruction": ["x"]}, "'instruction' (instruction) must be a string")):
+        with pytest.raises(FormatError, match=what.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")) as e:
+            parse_row(bad, Mapping().resolved("alpaca"), row_id="r")
+        assert e.value.reason == "bad_schema"
+    with pytest.raises(FormatError) as e:  # no output: nothing to learn from
+        parse_row({"instruction": "q"}, Mapping().resolved("alpaca"), row_id="r")
+    assert e.value.reason == "no_assistant_turn"
+
+
+def test_alpaca_is_detected_and_a_row_with_turns_too_is_ambiguous():
+    assert detect_format([ALPACA]) == "alpaca"
+    with pytest.raises(ValueError, match="fits both formats"):
+        detect_format([{**ALPACA, "messages": [{"role": "user", "content": "a"}]}])
+
+
+def test_convert_reads_alpaca_with_column_flags(tmp_path):
+    """``--input-key`` remaps alpaca's input column without touching ``--input`` (the files)."""
+    import json
+
+    from omniweave.cli import main
+    from omniweave.data.shards import RawDataset
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "Add.", "numbers": "2 3", "answer": "5", "sys": "Be exact."}) + "\n")
+    assert main(["data", "convert", "--input", str(rows), "--output", str(tmp_path / "raw"), "--format", "alpaca",
+                 "--instruction-key", "prompt", "--input-key", "numbers", "--output-key", "answer", "--system-key", "sys",
+                 "--workers", "1", "--no-progress"]) == 0
+    (sample,) = list(RawDataset(tmp_path / "raw"))
+    assert [(m.role, m.content) for m in sample.conversation.messages] == [
+        ("system", "Be exact."), ("user", "Add.\n2 3"), ("assistant", "5")]

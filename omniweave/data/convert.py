@@ -35,7 +35,7 @@ from pathlib import Path
 
 from omniweave.data import shards as sh
 from omniweave.data.formats import FormatError, decode_row, parse_row
-from omniweave.data.mapping import COLUMN_FIELDS, TAG_FIELDS, Mapping, detect_format, mapping_from_yaml
+from omniweave.data.mapping import COLUMN_FIELDS, FORMATS, TAG_FIELDS, Mapping, detect_format, mapping_from_yaml
 from omniweave.data.media import DEFAULT_MAX_IMAGE_PIXELS, IMAGE_PIXELS_CEILING
 from omniweave.data.media_files import DEFAULT_MAX_MEDIA_BYTES, MediaLimits, load_media, media_extension, source_name
 from omniweave.data.preference import REJECT_REASONS as PREFERENCE_REJECTS
@@ -76,13 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                    help=f"reject an image or video frame with more pixels (image_too_large; at most {IMAGE_PIXELS_CEILING})")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any row is rejected")
-    p.add_argument("--format", choices=("auto", "openai", "sharegpt"), default="auto")
+    p.add_argument("--format", choices=("auto", *FORMATS), default="auto")
     p.add_argument("--mapping", help="YAML with formatting/columns/tags (LLaMA-Factory dataset_info style)")
     p.add_argument("--auto-placeholders", action="store_true",
                    help="rows with media but no <image>/<video>/<audio> at all get them prepended to the first "
                    "user turn")
-    for name in COLUMN_FIELDS:
-        p.add_argument(f"--{name}-key", dest=name, metavar="COLUMN", help=f"column holding the {name} (remap)")
+    for name in COLUMN_FIELDS:  # dest: `--input-key` must not overwrite `--input`
+        p.add_argument(f"--{name}-key", dest=f"{name}_key", metavar="COLUMN", help=f"column holding the {name} (remap)")
     tag_help = {
         "role_tag": "key of a turn's role (openai: role, sharegpt: from)",
         "content_tag": "key of a turn's text (openai: content, sharegpt: value)",
@@ -141,7 +141,8 @@ def build_mapping(args) -> Mapping:
     base = Mapping(format=None if args.format == "auto" else args.format)
     if args.mapping:
         base = mapping_from_yaml(args.mapping, base)
-    flags = {k: getattr(args, k) for k in (*COLUMN_FIELDS, *TAG_FIELDS) if getattr(args, k, None) is not None}
+    flags = {k: getattr(args, k) for k in TAG_FIELDS if getattr(args, k, None) is not None}
+    flags.update({k: getattr(args, f"{k}_key") for k in COLUMN_FIELDS if getattr(args, f"{k}_key", None) is not None})
     return replace(base, **flags)
 
 

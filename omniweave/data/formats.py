@@ -1,6 +1,6 @@
-"""ShareGPT and OpenAI-messages rows -> ``Conversation``.
+"""ShareGPT, OpenAI-messages and alpaca rows -> ``Conversation``.
 
-Two input formats (JSON array or JSONL, one conversation per row)::
+Three input formats (JSON array or JSONL, one conversation per row)::
 
     openai    {"messages": [{"role": "user", "content": "<image>What colour?"},
                             {"role": "assistant", "content": "red"}],
@@ -12,6 +12,10 @@ Two input formats (JSON array or JSONL, one conversation per row)::
               {"type": "input_audio", "input_audio": {"data": BASE64, "format": "wav"}}
     sharegpt  {"conversations": [{"from": "human", "value": "<audio>What is said?"},
                                  {"from": "gpt", "value": "hello"}], "audios": ["a.wav"]}
+    alpaca    {"instruction": "Translate.", "input": "Bonjour", "output": "Hello", "system": "...",
+               "history": [["earlier prompt", "earlier answer"]], "images": [...]}
+              (LLaMA-Factory's: history pairs become earlier turns, input joins the instruction
+              on a new line)
 
 A media reference is a path relative to the media directory or a ``data:`` URL
 (``data:audio/wav;base64,...``); an ``input_audio`` part becomes the ``data:`` URL of its bytes.
@@ -200,7 +204,30 @@ def _looks_like_media(value: Any) -> bool:
 
 
 def known_columns(m: Mapping) -> set[str]:
-    return {c for c in (m.messages, m.images, m.videos, m.audios, m.system, m.id, m.solution, m.chosen, m.rejected) if c}
+    return {c for c in (m.messages, m.images, m.videos, m.audios, m.system, m.id, m.solution, m.chosen, m.rejected,
+                        m.instruction, m.input, m.output, m.history) if c}
+
+
+def alpaca_turns(row: dict, m: Mapping) -> list[dict]:
+    """LLaMA-Factory's alpaca row as turns, as its converter builds them: each ``history`` pair
+    ``[prompt, answer]`` first, then the instruction (and, on a new line, the input) and the output."""
+    def text(column: str | None, what: str) -> str:
+        value = row.get(column) if column else None
+        if value is not None and not isinstance(value, str):
+            raise FormatError("bad_schema", f"'{column}' ({what}) must be a string, got {type(value).__name__}")
+        return value or ""
+
+    instruction, extra, output = text(m.instruction, "instruction"), text(m.input, "input"), text(m.output, "output")
+    history = row.get(m.history) if m.history else None
+    if history is not None and not (isinstance(history, list) and all(
+            isinstance(h, list) and len(h) == 2 and all(isinstance(t, str) for t in h) for h in history)):
+        raise FormatError("bad_schema", f"'{m.history}' must be a list of [prompt, answer] string pairs")
+    turns = [{"role": role, "content": t} for prompt, answer in history or [] for role, t in
+             (("user", prompt), ("assistant", answer))]
+    turns.append({"role": "user", "content": "\n".join(t for t in (instruction, extra) if t)})
+    if output:
+        turns.append({"role": "assistant", "content": output})
+    return turns
 
 
 def _check_unmapped_media(row: dict, m: Mapping) -> None:
@@ -230,7 +257,7 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
     if not isinstance(row, dict):
         raise FormatError("bad_schema", f"a row must be a JSON object, got {type(row).__name__}")
     m = mapping
-    turns = row.get(m.messages)
+    turns = alpaca_turns(row, m) if m.format == "alpaca" else row.get(m.messages)
     if turns is None:
         raise FormatError("bad_schema", f"no '{m.messages}' column (keys: {sorted(row)})")
     if not isinstance(turns, list):

@@ -13,9 +13,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("openai", "sharegpt")
+FORMATS = ("openai", "sharegpt", "alpaca")
 # Mapping fields settable from flags / YAML (``--messages-key``, ``--role-tag`` ...)
-COLUMN_FIELDS = ("messages", "images", "videos", "audios", "system", "id", "solution", "chosen", "rejected")
+COLUMN_FIELDS = ("messages", "images", "videos", "audios", "system", "id", "solution", "chosen", "rejected",
+                 "instruction", "input", "output", "history")
 TAG_FIELDS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "system_tag", "observation_tag", "function_tag")
 
 
@@ -33,6 +34,10 @@ class Mapping:
     solution: str = "solution"  # RL: the reference answer (then the row may end with the user's turn)
     chosen: str = "chosen"  # DPO: the preferred answer (data/preference.py)
     rejected: str = "rejected"  # DPO: the dispreferred answer
+    instruction: str | None = None  # alpaca: the prompt (+ the input column's text on a new line)
+    input: str | None = None  # alpaca: optional text appended to the instruction
+    output: str | None = None  # alpaca: the answer
+    history: str | None = None  # alpaca: earlier [prompt, answer] pairs, as earlier turns
     role_tag: str | None = None
     content_tag: str | None = None
     user_tag: str | None = None
@@ -68,11 +73,18 @@ _DEFAULTS = {
         messages="conversations", role_tag="from", content_tag="value", user_tag="human",
         assistant_tag="gpt", system_tag="system", observation_tag="observation", function_tag="function_call",
     ),
+    # LLaMA-Factory's alpaca: the row's columns become openai-style turns (formats.alpaca_turns)
+    "alpaca": dict(
+        instruction="instruction", input="input", output="output", history="history", system="system",
+        role_tag="role", content_tag="content", user_tag="user", assistant_tag="assistant", system_tag="system",
+        observation_tag="tool", function_tag="function",
+    ),
 }
 # extra spellings accepted on top of the tags (never overriding an explicit tag)
 _ALIASES = {
     "openai": {"observation": "observation", "ipython": "observation", "function_call": "function"},
     "sharegpt": {"user": "user", "assistant": "assistant", "function": "function", "tool": "observation"},
+    "alpaca": {},
 }
 
 
@@ -126,8 +138,8 @@ def detect_format(rows: list[dict], mapping: Mapping = Mapping()) -> str:
         if len(fits) > 1:
             fits = _by_roles(row, mapping, fits)
         if len(fits) > 1:
-            how = ("set `formatting: openai|sharegpt` in the mapping YAML or pass --format" if mapped
-                   else "pass --format openai|sharegpt or a --mapping YAML")
+            how = ("set `formatting: openai|sharegpt|alpaca` in the mapping YAML or pass --format" if mapped
+                   else "pass --format openai|sharegpt|alpaca or a --mapping YAML")
             raise ValueError(f"ambiguous input: a row fits both formats {fits} (keys {sorted(row)}); {how}")
         votes.update(fits)
     if len(votes) == 1:
@@ -135,8 +147,8 @@ def detect_format(rows: list[dict], mapping: Mapping = Mapping()) -> str:
     if not votes:
         keys = sorted({k for r in rows[:32] if isinstance(r, dict) for k in r})
         raise ValueError(
-            f"cannot detect the format: no row has 'messages' (role/content) or 'conversations' "
-            f"(from/value); keys seen: {keys}. Pass --format and the column flags or --mapping"
+            f"cannot detect the format: no row has 'messages' (role/content), 'conversations' "
+            f"(from/value) or 'instruction' (alpaca); keys seen: {keys}. Pass --format and the column flags or --mapping"
         )
     raise ValueError(f"ambiguous input: rows of both formats {sorted(votes)}; pass --format")
 
@@ -146,7 +158,9 @@ def _by_roles(row: dict, mapping: Mapping, fits: list[str]) -> list[str]:
     covering = []
     for fmt in fits:
         m = mapping.resolved(fmt)
-        if all(isinstance(t, dict) and t.get(m.role_tag) in m.roles() for t in row[m.messages]):
+        if fmt == "alpaca":  # no turns to judge by: a row with an instruction and turns stays ambiguous
+            covering.append(fmt)
+        elif all(isinstance(t, dict) and t.get(m.role_tag) in m.roles() for t in row[m.messages]):
             covering.append(fmt)
     if len(covering) > 1 and len({mapping.resolved(f).messages for f in covering}) == 1:
         return covering[:1]  # same column, same tags, every role known to both: they parse alike
@@ -154,6 +168,8 @@ def _by_roles(row: dict, mapping: Mapping, fits: list[str]) -> list[str]:
 
 
 def _fits(row: dict, m: Mapping) -> bool:
+    if m.format == "alpaca":
+        return isinstance(row.get(m.instruction), str)
     turns = row.get(m.messages)
     if not isinstance(turns, list) or not turns or not isinstance(turns[0], dict):
         return False
