@@ -249,3 +249,18 @@ def test_convert_reads_alpaca_with_column_flags(tmp_path):
     (sample,) = list(RawDataset(tmp_path / "raw"))
     assert [(m.role, m.content) for m in sample.conversation.messages] == [
         ("system", "Be exact."), ("user", "Add.\n2 3"), ("assistant", "5")]
+
+
+# ---------------------------------------------------------------------------- KTO labels (issue 32, item 5)
+
+
+def test_a_kto_label_is_carried_as_the_samples_desirability():
+    turns = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    m = Mapping().resolved("openai")
+    assert parse_row({**turns, "label": False}, m, row_id="r").meta == {"kto_tag": False}
+    assert parse_row({**turns, "kto_tag": "true"}, m, row_id="r").meta == {"kto_tag": True}
+    assert parse_row({**turns, "label": "positive"}, m, row_id="r").meta == {"extra": {"label": "positive"}}  # not KTO
+    assert parse_row({**turns, "good": 0 == 1}, Mapping(kto_tag="good").resolved("openai"), row_id="r").meta == {
+        "kto_tag": False}
+    with pytest.raises(FormatError, match="'kto_tag' \\(KTO desirability\\) must be true or false"):
+        parse_row({**turns, "kto_tag": "maybe"}, m, row_id="r")

@@ -147,3 +147,19 @@ def test_no_progress_bars_are_drawn_into_pipes_or_logs(tmp_path, capfd):
     build_packed(tmp_path, samples=make_samples(n_text=6, n_image=1, n_video=0, rejects=False))
     err = capfd.readouterr().err
     assert "\r" not in err and "scan 0/1" not in err and "write 0/1" not in err, err[:500]
+
+
+def test_undesirable_kto_samples_are_dropped_from_sft_packs_with_a_reason(tmp_path):
+    """Issue 32, item 5: a KTO row marked undesirable is no SFT target: counted, never trained on."""
+    from omniweave.data.sample import Conversation, Message
+    from tests.fakes_data import build_packed
+
+    def row(i, tag):
+        return (Conversation(f"kto-{i}", [Message("user", f"question {i}"), Message("assistant", "an answer")],
+                             meta={"kto_tag": tag}), {})
+
+    _, out = build_packed(tmp_path, samples=[row(0, True), row(1, False), row(2, False), row(3, True)])
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["dropped"] == {"kto_undesirable": 2} and stats["samples_packed"] == 2
+    packed = PackedDataset(out)
+    assert sorted(d["id"] for k in range(len(packed)) for d in packed.record(k)["docs"]) == ["kto-0", "kto-3"]

@@ -82,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows with media but no <image>/<video>/<audio> at all get them prepended to the first "
                    "user turn")
     for name in COLUMN_FIELDS:  # dest: `--input-key` must not overwrite `--input`
-        p.add_argument(f"--{name}-key", dest=f"{name}_key", metavar="COLUMN", help=f"column holding the {name} (remap)")
+        p.add_argument(f"--{name.replace('_', '-')}-key", dest=f"{name}_key", metavar="COLUMN",
+                       help=f"column holding the {name} (remap)")
     tag_help = {
         "role_tag": "key of a turn's role (openai: role, sharegpt: from)",
         "content_tag": "key of a turn's text (openai: content, sharegpt: value)",

@@ -203,9 +203,33 @@ def _looks_like_media(value: Any) -> bool:
     return False
 
 
-def known_columns(m: Mapping) -> set[str]:
+def known_columns(m: Mapping, row: dict | None = None) -> set[str]:
+    kto = kto_column(row, m) if row is not None else m.kto_tag
     return {c for c in (m.messages, m.images, m.videos, m.audios, m.system, m.id, m.solution, m.chosen, m.rejected,
-                        m.instruction, m.input, m.output, m.history) if c}
+                        m.instruction, m.input, m.output, m.history, kto) if c}
+
+
+def kto_column(row: dict, m: Mapping) -> str | None:
+    """The column holding a KTO row's desirability: the mapped one, else ``kto_tag``, else ``label``
+    when it holds a bool (LLaMA-Factory's KTO data: ``"columns": {"kto_tag": "label"}``; a ``label``
+    of another kind is left to ``meta.extra``)."""
+    if m.kto_tag:
+        return m.kto_tag
+    if "kto_tag" in row:
+        return "kto_tag"
+    return "label" if isinstance(row.get("label"), bool) else None
+
+
+def _kto_tag(row: dict, m: Mapping) -> bool | None:
+    column = kto_column(row, m)
+    if column is None or column not in row:
+        return None
+    value = row[column]
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if not isinstance(value, bool):
+        raise FormatError("bad_schema", f"'{column}' (KTO desirability) must be true or false, got {value!r}")
+    return value
 
 
 def alpaca_turns(row: dict, m: Mapping) -> list[dict]:
@@ -232,7 +256,7 @@ def alpaca_turns(row: dict, m: Mapping) -> list[dict]:
 
 def _check_unmapped_media(row: dict, m: Mapping) -> None:
     """Reject rows whose unmapped media columns would otherwise be lost."""
-    known = known_columns(m)
+    known = known_columns(m, row)
     for column, value in row.items():
         if column not in known and _looks_like_media(value):
             close = difflib.get_close_matches(column, [m.images, m.videos, m.audios], n=1)
@@ -248,7 +272,7 @@ def unused_columns(row: Any, m: Mapping) -> list[str]:
     """Columns of ``row`` that no mapping field reads (kept in ``meta['extra']``, warned about once per file)."""
     if not isinstance(row, dict):
         return []
-    known = known_columns(m)
+    known = known_columns(m, row)
     return [c for c in row if c not in known]
 
 
@@ -295,7 +319,9 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
         _insert_missing_placeholders(messages, media)
     _check_placeholders(messages, media)
     extra = {c: row[c] for c in unused_columns(row, m)}
-    meta = {**({"extra": extra} if extra else {}), **({"solution": solution} if solution is not None else {})}
+    kto = _kto_tag(row, m)
+    meta = {**({"extra": extra} if extra else {}), **({"solution": solution} if solution is not None else {}),
+            **({"kto_tag": kto} if kto is not None else {})}
     return Conversation(id=str(row.get(m.id, row_id)), messages=messages, images=media["image"], videos=media["video"],
                         audios=media["audio"], meta=meta)
 

@@ -145,6 +145,8 @@ def _tokenize(raw) -> list[tuple]:
         return [(sample, {"answer": answer})]
     if _W["kind"] == KIND_PAIRS:
         return tokenize_pair(_W["proc"], raw)
+    if conv.meta.get("kto_tag") is False:  # an undesirable answer is no SFT target (KTO trains on it)
+        raise SampleRejected("kto_undesirable", "the row's KTO tag marks its answer undesirable")
     return [(_W["proc"].tokenize(raw), {})]
 
 
