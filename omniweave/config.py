@@ -77,6 +77,8 @@ class DataSchema:
     max_len: int = 4096
     truncation: str = "drop"
     special_tokens_in_text: str = "reject"
+    mask_history: bool = False
+    train_on_prompt: bool = False
     rope: str = "mrope"
     vision: Any = field(default_factory=lambda: _vision_schema()())
     audio: Any = field(default_factory=lambda: _audio_schema()())

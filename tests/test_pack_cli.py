@@ -163,3 +163,17 @@ def test_undesirable_kto_samples_are_dropped_from_sft_packs_with_a_reason(tmp_pa
     assert stats["dropped"] == {"kto_undesirable": 2} and stats["samples_packed"] == 2
     packed = PackedDataset(out)
     assert sorted(d["id"] for k in range(len(packed)) for d in packed.record(k)["docs"]) == ["kto-0", "kto-3"]
+
+
+def test_per_turn_loss_weights_survive_convert_shards_and_packing(tmp_path):
+    """Issue 32, item 4, on packed rows: the first answer (loss_weight 0) has no label in the pack."""
+    from omniweave.data.sample import Conversation, Message
+    from omniweave.data.tokenizer import load_tokenizer
+    from tests.fakes_data import build_packed
+
+    turns = [Message("user", "first question"), Message("assistant", "first answer", 0.0),
+             Message("user", "second"), Message("assistant", "last answer")]
+    _, out = build_packed(tmp_path, samples=[(Conversation("w", turns), {})])
+    (pack,) = [PackedDataset(out)[k] for k in range(len(PackedDataset(out)))]
+    targets = pack["labels"][pack["labels"] != -100]
+    assert load_tokenizer("demo").decode(targets) == "last answer<|im_end|>\n"

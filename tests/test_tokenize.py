@@ -249,3 +249,55 @@ def test_tokenize_prompt_drops_the_reply_and_keeps_media_positions():
     assert np.array_equal(full.input_ids[:n], prompt.input_ids)
     assert np.array_equal(full.position_ids[:, :n], prompt.position_ids)
     assert [(s.start, s.length) for s in prompt.media] == [(s.start, s.length) for s in full.media]
+
+
+# ---------------------------------------------------------------------------- loss per turn (issue 32, item 4)
+
+TURNS = [("user", "first question"), ("assistant", "first answer"), ("user", "second"), ("assistant", "last answer")]
+
+
+def _loss_text(p: SampleProcessor, sample) -> str:
+    return p.tokenizer.decode(sample.input_ids[sample.labels != IGNORE_INDEX])
+
+
+def _weighted(weights):
+    r = raw(TURNS)
+    r.conversation.messages = [Message(m.role, m.content, w) for m, w in zip(r.conversation.messages, weights)]
+    return r
+
+
+def test_a_turn_with_loss_weight_0_has_no_loss_tokens():
+    p = SampleProcessor({"tokenizer": "demo", "max_len": 512})
+    both = _loss_text(p, p.tokenize(raw(TURNS)))
+    assert both == "first answer<|im_end|>\nlast answer<|im_end|>\n"
+    assert _loss_text(p, p.tokenize(_weighted([1, 0, 1, 1]))) == "last answer<|im_end|>\n"
+    with pytest.raises(SampleRejected, match="no_assistant_turn"):  # nothing left to learn from
+        p.tokenize(_weighted([1, 0, 1, 0]))
+
+
+def test_mask_history_keeps_the_last_answer_and_train_on_prompt_adds_the_prompts():
+    last = SampleProcessor({"tokenizer": "demo", "max_len": 512, "mask_history": True})
+    assert _loss_text(last, last.tokenize(raw(TURNS))) == "last answer<|im_end|>\n"
+    every = SampleProcessor({"tokenizer": "demo", "max_len": 512, "train_on_prompt": True})
+    sample = every.tokenize(raw(TURNS))
+    assert (sample.labels == sample.input_ids).all()  # the whole conversation (chatml has no BOS)
+    assert _loss_text(every, every.tokenize(_weighted([0, 1, 1, 1]))).startswith("<|im_start|>system")
+    assert "first question" not in _loss_text(every, every.tokenize(_weighted([0, 1, 1, 1])))
+    assert every.fingerprint()["loss"] == {"mask_history": False, "train_on_prompt": True} != last.fingerprint()["loss"]
+
+
+def test_loss_weights_are_read_from_rows_and_kept_in_the_shard_json():
+    from omniweave.data.formats import FormatError, parse_row
+    from omniweave.data.mapping import Mapping
+    from omniweave.data.sample import Conversation
+
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "loss_weight": 0},
+                        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b", "loss": True}]}
+    conv = parse_row(row, Mapping().resolved("openai"), row_id="r")
+    assert [m.loss_weight for m in conv.messages] == [1.0, 0.0, 1.0, 1.0]
+    assert Conversation.from_json(json.loads(json.dumps(conv.to_json()))).messages == conv.messages
+    assert conv.to_json()["messages"][1] == {"role": "assistant", "content": "a", "loss_weight": 0.0}
+    row["messages"][1]["loss_weight"] = 0.5
+    with pytest.raises(FormatError) as e:
+        parse_row(row, Mapping().resolved("openai"), row_id="r")
+    assert e.value.reason == "fractional_loss_weight"

@@ -306,7 +306,7 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
             content = json.dumps(turn["tool_calls"], ensure_ascii=False)
         elif role == "assistant" and content is None and turn.get("tool_calls"):
             role, content = "function", json.dumps(turn["tool_calls"], ensure_ascii=False)
-        messages.append(Message(role, _content_text(content, part_media)))
+        messages.append(Message(role, _content_text(content, part_media), _loss_weight(turn, i)))
     if not messages or all(not msg.content.strip() for msg in messages if msg.role != "system"):
         raise FormatError("empty_conversation", "no turn has any content")
     media = {kind: _media_list(row, getattr(m, f"{kind}s"), kind) or part_media[kind] for kind in STORED_MODALITIES}
@@ -324,6 +324,20 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
             **({"kto_tag": kto} if kto is not None else {})}
     return Conversation(id=str(row.get(m.id, row_id)), messages=messages, images=media["image"], videos=media["video"],
                         audios=media["audio"], meta=meta)
+
+
+def _loss_weight(turn: dict, i: int) -> float:
+    """A turn's ``loss_weight`` (LLaMA-Factory's messages format) or ``loss`` (ms-swift: true / false);
+    1 when absent. Only 0 and 1 are honoured yet: a fractional weight is a counted reject, never rounded."""
+    key = "loss_weight" if "loss_weight" in turn else "loss" if "loss" in turn else None
+    if key is None or turn[key] is None:
+        return 1.0
+    value = turn[key]
+    if isinstance(value, bool) or (isinstance(value, (int, float)) and value in (0, 1)):
+        return float(value)
+    if isinstance(value, (int, float)):
+        raise FormatError("fractional_loss_weight", f"turn {i}: {key} {value} (only 0 and 1 are supported yet)")
+    raise FormatError("bad_schema", f"turn {i}: '{key}' must be a number or true / false, got {value!r}")
 
 
 def _check_turn_order(messages: list[Message], prompt_only: bool = False) -> None:

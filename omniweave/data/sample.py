@@ -28,6 +28,7 @@ MediaKind = Literal["image", "video", "audio"]
 class Message:
     role: str  # one of ROLES
     content: str  # text with <image> / <video> / <audio> placeholders
+    loss_weight: float = 1.0  # 0: this turn carries no loss even where its role would (0 or 1 for now)
 
 
 @dataclass
@@ -49,7 +50,9 @@ class Conversation:
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id,
-            "messages": [{"role": m.role, "content": m.content} for m in self.messages],
+            "messages": [{"role": m.role, "content": m.content, **({"loss_weight": m.loss_weight}
+                                                                    if m.loss_weight != 1.0 else {})}
+                         for m in self.messages],
             "images": list(self.images),
             "videos": list(self.videos),
             "audios": list(self.audios),
@@ -60,7 +63,7 @@ class Conversation:
     def from_json(cls, obj: dict[str, Any]) -> "Conversation":
         return cls(
             id=str(obj["id"]),
-            messages=[Message(m["role"], m["content"]) for m in obj["messages"]],
+            messages=[Message(m["role"], m["content"], float(m.get("loss_weight", 1.0))) for m in obj["messages"]],
             images=list(obj.get("images", [])),
             videos=list(obj.get("videos", [])),
             audios=list(obj.get("audios", [])),

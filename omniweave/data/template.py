@@ -167,22 +167,32 @@ class Rendered:
     media_kinds: list[str] = field(default_factory=list)  # "image"/"video"/"audio" in reading order
 
 
-def render(template: ChatTemplate, messages: list[Message], add_generation_prompt: bool = False) -> Rendered:
+def render(template: ChatTemplate, messages: list[Message], add_generation_prompt: bool = False,
+           mask_history: bool = False, train_on_prompt: bool = False) -> Rendered:
     """Render messages (default system prompt added when there is none) to text + loss spans.
 
     ``add_generation_prompt`` appends the assistant header (e.g. ``<|im_start|>assistant\\n``) so
     a model continues with its reply, as ``apply_chat_template(add_generation_prompt=True)`` does.
+    Loss: the assistant / function turns' text and closing tokens, less the turns whose
+    ``loss_weight`` is 0; ``mask_history``: the last such turn only; ``train_on_prompt``: every
+    turn's (LLaMA-Factory's switches of the same names).
     """
     out = Rendered(text=template.bos)
     if template.default_system is not None and (not messages or messages[0].role != "system"):
         out.text += template.system.format(content=template.default_system)
-    for msg in messages:
+        if train_on_prompt:
+            out.loss_spans.append((len(template.bos), len(out.text)))
+    last = max((k for k, m in enumerate(messages) if m.role in LOSS_ROLES), default=-1)
+    for k, msg in enumerate(messages):
         fmt = getattr(template, msg.role, None)
         if fmt is None or msg.role not in ROLES:
             raise ValueError(f"unknown role {msg.role!r}")
         prefix, suffix = fmt.split("{content}")
+        if train_on_prompt and msg.loss_weight and len(prefix):  # the turn's header is prompt too
+            out.loss_spans.append((len(out.text), len(out.text) + len(prefix)))
         out.text += prefix
-        carries_loss = msg.role in LOSS_ROLES
+        carries_loss = bool(msg.loss_weight) and (train_on_prompt or (
+            msg.role in LOSS_ROLES and (not mask_history or k == last)))
         loss_from = len(out.text)
         for piece in _PLACEHOLDER_RE.split(msg.content):
             if piece in _PLACEHOLDER_KINDS:
@@ -213,11 +223,12 @@ def loss_mask_from_offsets(offsets: list[tuple[int, int]], loss_spans: list[tupl
 
 
 def encode_conversation(
-    template: ChatTemplate, tokenizer: Tokenizer, messages: list[Message], add_generation_prompt: bool = False
+    template: ChatTemplate, tokenizer: Tokenizer, messages: list[Message], add_generation_prompt: bool = False,
+    mask_history: bool = False, train_on_prompt: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, Rendered, list[tuple[int, int]]]:
     """Token ids int32 [L] and unshifted labels int32 [L] (-100 where no loss), before media
     expansion; also the rendering and each token's character offsets."""
-    rendered = render(template, messages, add_generation_prompt)
+    rendered = render(template, messages, add_generation_prompt, mask_history, train_on_prompt)
     ids, offsets = tokenizer.encode_with_offsets(rendered.text)
     input_ids = np.asarray(ids, dtype=np.int32)
     labels = np.where(loss_mask_from_offsets(offsets, rendered.loss_spans), input_ids, IGNORE_INDEX)

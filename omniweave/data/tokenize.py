@@ -50,8 +50,8 @@ from omniweave.data.tokenizer import load_tokenizer
 TRUNCATION_POLICIES = ("drop", "drop_turns")
 SPECIAL_TOKEN_POLICIES = ("reject", "keep")  # data.special_tokens_in_text
 # what a partial data config (tests, tools) falls back to: the recipe schema's defaults, the one source
-DATA_DEFAULTS = {k: getattr(DataSchema, k)
-                 for k in ("tokenizer", "template", "max_len", "truncation", "rope", "special_tokens_in_text")}
+DATA_DEFAULTS = {k: getattr(DataSchema, k) for k in ("tokenizer", "template", "max_len", "truncation", "rope",
+                                                     "special_tokens_in_text", "mask_history", "train_on_prompt")}
 
 
 class SampleRejected(Exception):
@@ -96,6 +96,7 @@ class SampleProcessor:
         self.truncation = str(cfg["truncation"])
         self.rope = str(cfg["rope"])
         self.special_tokens_in_text = str(cfg["special_tokens_in_text"])
+        self.mask_history, self.train_on_prompt = bool(cfg["mask_history"]), bool(cfg["train_on_prompt"])
         if self.truncation not in TRUNCATION_POLICIES:
             raise ValueError(f"data.truncation={self.truncation!r}; choose one of {TRUNCATION_POLICIES}")
         if self.special_tokens_in_text not in SPECIAL_TOKEN_POLICIES:
@@ -136,6 +137,7 @@ class SampleProcessor:
             "rope": self.rope,
             "truncation": self.truncation,
             "special_tokens_in_text": self.special_tokens_in_text,
+            "loss": {"mask_history": self.mask_history, "train_on_prompt": self.train_on_prompt},
         }
 
     # ------------------------------------------------------------------ metadata-only path
@@ -223,7 +225,8 @@ class SampleProcessor:
 
     def _encode(self, sample_id: str, messages: list[Message], plans: dict, add_generation_prompt: bool = False) -> TokenizedSample:
         """Render, tokenize, and expand each media pad token to the item's token count."""
-        ids, labels, rendered, _ = encode_conversation(self.template, self.tokenizer, messages, add_generation_prompt)
+        ids, labels, rendered, _ = encode_conversation(self.template, self.tokenizer, messages, add_generation_prompt,
+                                                       self.mask_history, self.train_on_prompt)
         kinds = rendered.media_kinds
         if any(kinds.count(k) != len(plans[k]) for k in MEDIA_KINDS):
             raise SampleRejected(
