@@ -264,3 +264,23 @@ def test_a_kto_label_is_carried_as_the_samples_desirability():
         "kto_tag": False}
     with pytest.raises(FormatError, match="'kto_tag' \\(KTO desirability\\) must be true or false"):
         parse_row({**turns, "kto_tag": "maybe"}, m, row_id="r")
+
+
+def test_llama_factory_newer_messages_format_with_value_parts_and_loss_weights():
+    """Issue 32, items 4-5: content parts carry ``value`` (text, or a media path under an ``*_url``
+    type) and turns a ``loss_weight``; nothing is dropped."""
+    row = {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "value": "a.png"}, {"type": "text", "value": "What is it?"},
+                                     {"type": "video_url", "value": "v.mp4"}, {"type": "audio_url", "value": "s.wav"}]},
+        {"role": "assistant", "content": [{"type": "text", "value": "A cat."}], "loss_weight": 0.0},
+        {"role": "user", "content": [{"type": "text", "value": "Sure?"}, {"type": "text", "text": " Really?"}]},
+        {"role": "assistant", "content": [{"type": "text", "value": "Yes."}], "loss_weight": 1.0}]}
+    conv = parse_row(row, Mapping().resolved(detect_format([row])), row_id="r")
+    assert [(m.role, m.content, m.loss_weight) for m in conv.messages] == [
+        ("user", "<image>What is it?<video><audio>", 1.0), ("assistant", "A cat.", 0.0),
+        ("user", "Sure? Really?", 1.0), ("assistant", "Yes.", 1.0)]
+    assert (conv.images, conv.videos, conv.audios) == (["a.png"], ["v.mp4"], ["s.wav"])
+    with pytest.raises(FormatError, match="needs its text as a string") as e:
+        parse_row({"messages": [{"role": "user", "content": [{"type": "text", "value": 3}]},
+                                {"role": "assistant", "content": "x"}]}, Mapping().resolved("openai"), row_id="r")
+    assert e.value.reason == "bad_schema"

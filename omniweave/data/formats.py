@@ -149,7 +149,7 @@ def _part_ref(part: dict, kind: str) -> str | None:
         if not isinstance(fmt, str) or not fmt.isalnum():
             raise FormatError("bad_schema", f"input_audio format must be a short name like 'wav', got {fmt!r}")
         return f"data:audio/{fmt.lower()};base64,{audio['data']}"
-    for key in (part.get("type"), kind, f"{kind}_url", "url", "path"):
+    for key in (part.get("type"), kind, f"{kind}_url", "url", "path", "value"):  # value: LLaMA-Factory's newer format
         ref = part.get(key) if key else None
         if isinstance(ref, dict):
             ref = ref.get("url", ref.get("path"))
@@ -180,9 +180,12 @@ def _content_text(content: Any, part_media: dict[str, list[str]]) -> str:
         if kind not in ("text", *STORED_MODALITIES):
             raise FormatError(f"unsupported_modality:{kind}",
                               f"a {part['type']!r} part holds {kind}, which omniweave cannot store yet")
-        if kind == "text":
-            text = part.get("text", part.get(part["type"], ""))
-            pieces.append(text if isinstance(text, str) else "")
+        if kind == "text":  # OpenAI's `text`, LLaMA-Factory's newer format's `value`, Responses' own type key
+            key = next((k for k in ("text", "value", part["type"]) if k in part), None)
+            if key is None or not isinstance(part[key], str):
+                raise FormatError("bad_schema", f"a {part['type']!r} part needs its text as a string in 'text' "
+                                  f"(or 'value'), got {part!r}")
+            pieces.append(part[key])
             continue
         pieces.append(PLACEHOLDERS[kind])
         ref = _part_ref(part, kind)
