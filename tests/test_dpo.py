@@ -118,6 +118,30 @@ def test_convert_reads_both_preference_layouts_and_counts_bad_pairs(tmp_path):
         assert conv.meta["rejected"] == rejected and conv.images == ["img0.png"]
 
 
+def test_convert_reads_pairs_of_whole_conversations(tmp_path):
+    """LLaMA-Factory's newer preference rows (issue 32, item 5): ``chosen_messages`` /
+    ``rejected_messages`` sharing all turns but the last become the stored pair; sides that
+    diverge earlier are a counted reject."""
+    from omniweave.data.shards import RawDataset
+
+    prompt = [{"role": "user", "content": [{"type": "text", "value": "2+2?"}]},
+              {"role": "assistant", "content": "Let me think."}, {"role": "user", "content": "Well?"}]
+    good = {"chosen_messages": [*prompt, {"role": "assistant", "content": "4"}],
+            "rejected_messages": [*prompt, {"role": "assistant", "content": [{"type": "text", "value": "5"}]}]}
+    early = {"chosen_messages": [*prompt, {"role": "assistant", "content": "4"}],
+             "rejected_messages": [prompt[0], {"role": "assistant", "content": "No."}, prompt[2],
+                                   {"role": "assistant", "content": "5"}]}
+    _write_jsonl(tmp_path / "p.jsonl", [good, early])
+    assert cli(["data", "convert", "--input", str(tmp_path / "p.jsonl"), "--output", str(tmp_path / "raw"),
+                "--workers", "1", "--no-progress"]) == 0
+    report = json.loads((tmp_path / "raw" / "convert_report.json").read_text())
+    assert (report["written"], report["rejected_by_reason"]) == (1, {"preference_sides_diverge": 1})
+    conv = RawDataset(str(tmp_path / "raw"))[0].conversation
+    assert [(m.role, m.content) for m in conv.messages] == [
+        ("user", "2+2?"), ("assistant", "Let me think."), ("user", "Well?"), ("assistant", "4")]
+    assert conv.meta["rejected"] == "5"
+
+
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     return make_pairs(tmp_path_factory.mktemp("dpo"))

@@ -39,7 +39,7 @@ from omniweave.data.mapping import COLUMN_FIELDS, FORMATS, TAG_FIELDS, Mapping, 
 from omniweave.data.media import DEFAULT_MAX_IMAGE_PIXELS, IMAGE_PIXELS_CEILING
 from omniweave.data.media_files import DEFAULT_MAX_MEDIA_BYTES, MediaLimits, load_media, media_extension, source_name
 from omniweave.data.preference import REJECT_REASONS as PREFERENCE_REJECTS
-from omniweave.data.preference import is_preference_row, split_preference_row
+from omniweave.data.preference import from_conversation_pair, is_preference_row, split_preference_row
 
 # the fixed reasons; parameterised ones are "unsupported_modality:<kind>", "unknown_content_part:<type>",
 # "unknown_media_column:<column>" (docs/data.md, "Reject reasons")
@@ -151,7 +151,7 @@ def resolve_mapping(rows: list[Row], mapping: Mapping) -> Mapping:
     sample = []
     for row in rows[:64]:
         try:
-            sample.append(decode_row(row.raw))
+            sample.append(from_conversation_pair(decode_row(row.raw)))
         except FormatError:  # rejected with its reason when the row is converted
             continue
     return mapping.resolved(detect_format(sample, mapping))
@@ -162,7 +162,7 @@ def resolve_mapping(rows: list[Row], mapping: Mapping) -> Mapping:
 
 def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: bool, limits: MediaLimits):
     """-> (Conversation with part names, media dict); raises FormatError."""
-    raw = decode_row(row.raw)
+    raw = from_conversation_pair(decode_row(row.raw))
     stem = Path(row.file).stem
     rejected = None
     if is_preference_row(raw, mapping):  # a DPO pair: prompt + chosen answer, the rejected answer in meta

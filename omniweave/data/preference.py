@@ -1,6 +1,6 @@
 """Preference pairs (DPO): rows with a preferred and a dispreferred answer to one prompt.
 
-Two input layouts, read by ``omniweave data convert`` beside plain conversations::
+Input layouts, read by ``omniweave data convert`` beside plain conversations::
 
     sharegpt  {"conversations": [{"from": "human", "value": "<image>What colour?"}],
                "chosen": {"from": "gpt", "value": "red"},
@@ -9,6 +9,8 @@ Two input layouts, read by ``omniweave data convert`` beside plain conversations
                             {"role": "assistant", "content": "red"}],          <- the chosen answer
                "rejected": {"role": "assistant", "content": "blue"}, "images": ["a.png"]}
 
+and LLaMA-Factory's newer ``{"chosen_messages": [...], "rejected_messages": [...]}`` (two whole
+conversations that differ in their last assistant turn: ``from_conversation_pair``).
 ShareGPT is LLaMA-Factory's ranking layout (the turns end with the prompt); OpenAI messages end
 with the chosen answer and ``rejected`` holds the other last turn (an ``chosen`` column may hold
 it instead, then the messages end with the prompt). Each side may be a message object, a string,
@@ -28,7 +30,29 @@ from typing import Any
 from omniweave.data.formats import FormatError, _content_text
 from omniweave.data.mapping import Mapping
 
-REJECT_REASONS = ("preference_missing_side", "preference_identical")
+REJECT_REASONS = ("preference_missing_side", "preference_identical", "preference_sides_diverge")
+PAIR_CONVERSATIONS = ("chosen_messages", "rejected_messages")  # LLaMA-Factory's newer (v1) preference rows
+
+
+def from_conversation_pair(row: Any) -> Any:
+    """A row holding two whole conversations (``chosen_messages``, ``rejected_messages``) -> the
+    openai layout above: their shared turns + the chosen answer as ``messages``, the rejected answer
+    as ``rejected``. The two must differ in their final assistant turn only
+    (``preference_sides_diverge`` otherwise: one stored prompt could not hold both). Other rows pass."""
+    if not isinstance(row, dict) or not any(k in row for k in PAIR_CONVERSATIONS):
+        return row
+    chosen, rejected = (row.get(k) for k in PAIR_CONVERSATIONS)
+    if not isinstance(chosen, list) or not isinstance(rejected, list) or not chosen or not rejected:
+        raise FormatError("preference_missing_side", f"a pair of conversations needs both {PAIR_CONVERSATIONS} "
+                          "as non-empty lists of turns")
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if not (len(chosen) == len(rejected) == shared + 1):
+        raise FormatError("preference_sides_diverge", f"the two conversations differ from turn {shared} on, not in "
+                          "their last (assistant) turn only")
+    rest = {k: v for k, v in row.items() if k not in PAIR_CONVERSATIONS}
+    return {**rest, "messages": chosen, "rejected": rejected[-1]}
 
 
 def is_preference_row(row: Any, m: Mapping) -> bool:
