@@ -41,6 +41,7 @@ import re
 from typing import Any
 
 from omniweave.data.mapping import Mapping
+from omniweave.data.tools import parse_tools
 from omniweave.data.sample import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation, Message
 
 PLACEHOLDER_RE = re.compile(r"<image>|<video>|<audio>")
@@ -209,7 +210,7 @@ def _looks_like_media(value: Any) -> bool:
 def known_columns(m: Mapping, row: dict | None = None) -> set[str]:
     kto = kto_column(row, m) if row is not None else m.kto_tag
     return {c for c in (m.messages, m.images, m.videos, m.audios, m.system, m.id, m.solution, m.chosen, m.rejected,
-                        m.instruction, m.input, m.output, m.history, kto) if c}
+                        m.instruction, m.input, m.output, m.history, kto, m.tools) if c}
 
 
 def kto_column(row: dict, m: Mapping) -> str | None:
@@ -307,8 +308,11 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
         content = turn.get(m.content_tag)
         if role == "function" and content is None and "tool_calls" in turn:  # OpenAI tool calls
             content = json.dumps(turn["tool_calls"], ensure_ascii=False)
-        elif role == "assistant" and content is None and turn.get("tool_calls"):
-            role, content = "function", json.dumps(turn["tool_calls"], ensure_ascii=False)
+        elif role == "assistant" and turn.get("tool_calls"):  # its text (if any) and its calls: one turn
+            text = _content_text(content, part_media) if content is not None else ""
+            calls = turn["tool_calls"]
+            role = "function"
+            content = json.dumps({"content": text, "tool_calls": calls} if text else calls, ensure_ascii=False)
         messages.append(Message(role, _content_text(content, part_media), _loss_weight(turn, i)))
     if not messages or all(not msg.content.strip() for msg in messages if msg.role != "system"):
         raise FormatError("empty_conversation", "no turn has any content")
@@ -323,8 +327,12 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
     _check_placeholders(messages, media)
     extra = {c: row[c] for c in unused_columns(row, m)}
     kto = _kto_tag(row, m)
+    try:
+        tools = parse_tools(row.get(m.tools))
+    except ValueError as e:
+        raise FormatError("bad_schema", str(e)) from None
     meta = {**({"extra": extra} if extra else {}), **({"solution": solution} if solution is not None else {}),
-            **({"kto_tag": kto} if kto is not None else {})}
+            **({"kto_tag": kto} if kto is not None else {}), **({"tools": tools} if tools else {})}
     return Conversation(id=str(row.get(m.id, row_id)), messages=messages, images=media["image"], videos=media["video"],
                         audios=media["audio"], meta=meta)
 
@@ -351,6 +359,8 @@ def _check_turn_order(messages: list[Message], prompt_only: bool = False) -> Non
     body = messages[1:] if messages[0].role == "system" else messages
     if not body:
         raise FormatError("empty_conversation", "only a system turn")
+    # the results of parallel tool calls (consecutive observation turns) answer as one prompt
+    body = [m for k, m in enumerate(body) if not (m.role == "observation" and k and body[k - 1].role == "observation")]
     for i, msg in enumerate(body):
         expected = PROMPT_ROLES if i % 2 == 0 else RESPONSE_ROLES
         if msg.role not in expected:

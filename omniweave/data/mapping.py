@@ -16,7 +16,7 @@ from typing import Any
 FORMATS = ("openai", "sharegpt", "alpaca")
 # Mapping fields settable from flags / YAML (``--messages-key``, ``--role-tag`` ...)
 COLUMN_FIELDS = ("messages", "images", "videos", "audios", "system", "id", "solution", "chosen", "rejected",
-                 "instruction", "input", "output", "history", "kto_tag")
+                 "instruction", "input", "output", "history", "kto_tag", "tools")
 TAG_FIELDS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "system_tag", "observation_tag", "function_tag")
 
 
@@ -39,6 +39,7 @@ class Mapping:
     output: str | None = None  # alpaca: the answer
     history: str | None = None  # alpaca: earlier [prompt, answer] pairs, as earlier turns
     kto_tag: str | None = None  # KTO: a bool, the answer is desirable (default: a bool `kto_tag` or `label`)
+    tools: str = "tools"  # tool definitions (a list, or LLaMA-Factory's JSON string of one): data/tools.py
     role_tag: str | None = None
     content_tag: str | None = None
     user_tag: str | None = None

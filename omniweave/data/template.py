@@ -68,6 +68,7 @@ class ChatTemplate:
     audio: str = "<|audio_bos|><|AUDIO|><|audio_eos|>"  # Qwen2-Audio / Qwen2.5-Omni
     audio_pad: str = "<|AUDIO|>"  # repeated once per audio token
     stop_tokens: tuple[str, ...] = ()
+    tool_style: str | None = None  # how tools and tool calls render (data/tools.py); None: this template has none
 
     def __post_init__(self):
         for role in ROLES:
@@ -97,6 +98,7 @@ _CHATML = ChatTemplate(
     function="<|im_start|>assistant\n{content}<|im_end|>\n",
     default_system="You are a helpful assistant.",
     stop_tokens=("<|im_end|>",),
+    tool_style="qwen",
 )
 
 BUILTIN_TEMPLATES = {

@@ -46,6 +46,7 @@ from omniweave.data.sample import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_P
                                    RawSample, TokenizedSample)
 from omniweave.data.template import IGNORE_INDEX, LOSS_ROLES, encode_conversation, load_template
 from omniweave.data.tokenizer import load_tokenizer
+from omniweave.data.tools import ToolError, apply_tool_style
 
 TRUNCATION_POLICIES = ("drop", "drop_turns")
 SPECIAL_TOKEN_POLICIES = ("reject", "keep")  # data.special_tokens_in_text
@@ -156,22 +157,31 @@ class SampleProcessor:
 
     def tokenize(self, raw: RawSample) -> TokenizedSample:
         conv = raw.conversation
-        self.check_text(conv.messages)
+        messages = self.messages(conv)
         plans = self._plan_all(raw)
-        may_fit = self._messages_that_may_fit(conv.messages)
-        if may_fit < len(conv.messages):  # certainly over max_len: never tokenized whole
-            if self.truncation == "drop" or not any(m.role in LOSS_ROLES for m in conv.messages[:may_fit]):
+        may_fit = self._messages_that_may_fit(messages)
+        if may_fit < len(messages):  # certainly over max_len: never tokenized whole
+            if self.truncation == "drop" or not any(m.role in LOSS_ROLES for m in messages[:may_fit]):
                 raise SampleRejected("too_long", f"its text alone needs more than {self.max_len} tokens")
-            return self._drop_turns(conv.id, conv.messages, plans, may_fit, "too_long")
-        sample = self._encode(conv.id, conv.messages, plans)
+            return self._drop_turns(conv.id, messages, plans, may_fit, "too_long")
+        sample = self._encode(conv.id, messages, plans)
         if not (sample.labels != IGNORE_INDEX).any():
             raise SampleRejected("no_assistant_turn", "nothing carries loss")
         if len(sample) <= self.max_len:
             return sample
         if self.truncation == "drop":
             raise SampleRejected(overflow_reason(sample.media, self.max_len), f"{len(sample)} > {self.max_len}")
-        return self._drop_turns(conv.id, conv.messages, plans, len(conv.messages) - 1,
-                                overflow_reason(sample.media, self.max_len))
+        return self._drop_turns(conv.id, messages, plans, len(messages) - 1, overflow_reason(sample.media, self.max_len))
+
+    def messages(self, conv) -> list[Message]:
+        """The turns as the template renders them: the user's text checked (``check_text``), then its
+        tools and tool calls in the template's style (data/tools.py)."""
+        self.check_text(conv.messages)
+        try:
+            return apply_tool_style(self.template.tool_style, self.template.default_system, conv.messages,
+                                    conv.meta.get("tools"))
+        except ToolError as e:
+            raise SampleRejected(e.reason, str(e)) from None
 
     def check_text(self, messages: list[Message]) -> None:
         """Reject typed special tokens (``data.special_tokens_in_text: reject``)."""
@@ -198,8 +208,7 @@ class SampleProcessor:
         assistant header. Labels are all -100; used by evaluation (greedy decoding). ``bounded``: a
         prompt whose text alone needs more than max_len tokens is rejected (``too_long``) untokenized."""
         conv = raw.conversation
-        self.check_text(conv.messages)
-        messages = list(conv.messages)
+        messages = list(self.messages(conv))
         while messages and messages[-1].role in LOSS_ROLES:
             messages.pop()
         if not messages:
