@@ -104,7 +104,7 @@ def test_the_pixel_limit_is_a_flag(tmp_path):
     (tmp_path / "media/a.png").write_bytes(png_bytes(40, 50))
     (tmp_path / "in.jsonl").write_text(row("a.png") + "\n")
     assert run_convert("--input", str(tmp_path / "in.jsonl"), "--media-dir", str(tmp_path / "media"), "--output",
-                       str(tmp_path / "raw"), "--max-image-pixels", "1999") == 0
+                       str(tmp_path / "raw"), "--max-image-pixels", "1999") == 1  # its only row rejected
     assert rejects_of(tmp_path / "raw")[0]["reason"] == "image_too_large"
     assert run_convert("--input", str(tmp_path / "in.jsonl"), "--media-dir", str(tmp_path / "media"), "--output",
                        str(tmp_path / "raw"), "--max-image-pixels", "2000") == 0
@@ -121,5 +121,5 @@ def test_limits_out_of_range_are_one_line_errors(tmp_path, capsys, flag, value):
 
 def test_a_path_with_a_nul_character_is_missing_media(tmp_path):
     (tmp_path / "in.jsonl").write_text(row("a\0.png") + "\n")
-    assert run_convert("--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "raw")) == 0
+    assert run_convert("--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "raw")) == 1  # every row rejected
     assert rejects_of(tmp_path / "raw")[0]["reason"] == "missing_media"
