@@ -309,10 +309,9 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
         if role == "function" and content is None and "tool_calls" in turn:  # OpenAI tool calls
             content = json.dumps(turn["tool_calls"], ensure_ascii=False)
         elif role == "assistant" and turn.get("tool_calls"):  # its text (if any) and its calls: one turn
-            text = _content_text(content, part_media) if content is not None else ""
-            calls = turn["tool_calls"]
-            role = "function"
-            content = json.dumps({"content": text, "tool_calls": calls} if text else calls, ensure_ascii=False)
+            text, calls = _content_text(content, part_media), turn["tool_calls"]
+            role, content = "function", json.dumps({"content": text, "tool_calls": calls} if text else calls,
+                                                   ensure_ascii=False)
         messages.append(Message(role, _content_text(content, part_media), _loss_weight(turn, i)))
     if not messages or all(not msg.content.strip() for msg in messages if msg.role != "system"):
         raise FormatError("empty_conversation", "no turn has any content")

@@ -44,8 +44,8 @@ def run(args) -> int:
         ds = RawDataset(path)
     except (FileNotFoundError, ValueError) as e:
         report = path / "convert_report.json"
-        if report.is_file() and not json.loads(report.read_text())["written"]:  # a convert that kept nothing
-            rep = json.loads(report.read_text())
+        rep = json.loads(report.read_text()) if report.is_file() else None
+        if rep is not None and not rep["written"]:  # a convert that kept nothing
             reasons = ", ".join(f"{k}: {v}" for k, v in rep["rejected_by_reason"].items())
             e = (f"{path}: convert kept no sample: every one of its {rep['input']} row(s) was rejected ({reasons}); "
                  f"each row and its reason is in {path / 'rejects.jsonl'}")

@@ -9,7 +9,7 @@ YAML in the style of LLaMA-Factory's ``dataset_info.json`` entries, and format a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +102,6 @@ def mapping_from_yaml(path: str | Path, base: Mapping | None = None) -> Mapping:
     unknown = set(obj) - {"formatting", "format", "columns", "tags", "file_name"}
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}; allowed: formatting, columns, tags")
-    allowed = {f.name for f in fields(Mapping)}
     updates: dict[str, Any] = {}
     fmt = obj.get("formatting", obj.get("format"))
     if fmt is not None:
@@ -110,7 +109,7 @@ def mapping_from_yaml(path: str | Path, base: Mapping | None = None) -> Mapping:
     for section in ("columns", "tags"):
         for key, value in (obj.get(section) or {}).items():
             valid = COLUMN_FIELDS if section == "columns" else TAG_FIELDS
-            if key not in allowed or key == "format" or key not in valid:
+            if key not in valid:
                 raise ValueError(f"{path}: unknown {section} key {key!r}; {section} takes {', '.join(valid)}")
             updates[key] = value
     return replace(base or Mapping(), **updates)

@@ -44,6 +44,7 @@ import yaml
 
 from omniweave.data.sample import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, ROLES, VIDEO_PLACEHOLDER, Message
 from omniweave.data.tokenizer import Tokenizer
+from omniweave.data.tools import TOOL_STYLES
 
 IGNORE_INDEX = -100
 LOSS_ROLES = ("assistant", "function")
@@ -75,6 +76,8 @@ class ChatTemplate:
             fmt = getattr(self, role)
             if fmt.count("{content}") != 1:
                 raise ValueError(f"template {self.name!r}: {role} format must hold '{{content}}' once: {fmt!r}")
+        if self.tool_style is not None and self.tool_style not in TOOL_STYLES:
+            raise ValueError(f"template {self.name!r}: tool_style {self.tool_style!r}; choose one of {TOOL_STYLES}")
         if self.image_pad not in self.image or self.video_pad not in self.video or self.audio_pad not in self.audio:
             raise ValueError(f"template {self.name!r}: image/video/audio formats must contain their pad token")
 

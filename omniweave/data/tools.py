@@ -102,9 +102,7 @@ def apply_tool_style(style: str | None, default_system: str | None, messages: li
             raise ToolError("tools_unsupported", "this template has no way to show tool definitions; use chatml "
                                                  "(Qwen) or a template with a tool_style")
         return messages
-    if style not in TOOL_STYLES:
-        raise ValueError(f"tool_style {style!r}; choose one of {TOOL_STYLES}")
-    out: list[Message] = []
+    out: list[Message] = []  # the one style so far: qwen (ChatTemplate checks the name)
     if tools:
         has_system = messages and messages[0].role == "system"
         system = messages[0].content if has_system else (default_system or "")

@@ -294,11 +294,7 @@ def _write_failed(tmp: Path, error: BaseException) -> CheckpointWriteFailed:
     """One line for a failed save: the cause, the space left, and what is still safe. The partial
     ``.tmp-step_N`` is removed (it is never read, and it holds the space a rerun needs)."""
     root, name = tmp.parent, tmp.name.removeprefix(".tmp-")
-    cause = error
-    failures = getattr(error, "failures", None)  # DCP's CheckpointException: each rank's own exception
-    if failures:
-        first = next(iter(failures.values()))
-        cause = first[0] if isinstance(first, tuple) else first
+    cause = checkpoint_io.gathered_failures(error)[0]
     text = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
     try:  # measured before the partial files go: what the write ran into
         free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB were free there"

@@ -142,11 +142,19 @@ def dcp_load(state: dict, path: str | os.PathLike) -> None:
     try:
         dcp.load(state, storage_reader=_safe_reader(Path(path)), planner=_safe_planner())
     except CheckpointException as e:  # DCP gathers each rank's exception: a refusal stays one line
-        for failure in e.failures.values():
-            exc = failure[0] if isinstance(failure, tuple) else failure
+        for exc in gathered_failures(e):
             if isinstance(exc, UserError):
                 raise exc from None
         raise
+
+
+def gathered_failures(error: BaseException) -> list[BaseException]:
+    """Each rank's own exception inside DCP's ``CheckpointException`` (its ``failures`` map rank ->
+    exception, or (exception, traceback)); ``[error]`` for any other exception."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return [error]
+    return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
 
 
 # ---------------------------------------------------------------------------------------- checksums
