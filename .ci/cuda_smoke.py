@@ -73,7 +73,7 @@ def main() -> None:
     step("hf export", [OMNI, "hf", "export", "run", "--output", "hf"])
     step("hf verify (an image and a video; HF's torchvision video processor as the reference)",
          [OMNI, "hf", "verify", "hf"],
-         expect=("videos: omniweave.data.media vs Qwen2VLVideoProcessor", "OK: all differences within atol"))
+         expect=("videos: omniweave.data.media.vision vs Qwen2VLVideoProcessor", "OK: all differences within atol"))
     step("train --nproc 2 (dp 2)", [OMNI, "train", "demo", *DEMO, "output_dir=run_dp2", "train.steps=2",
                                      "train.global_batch=2", "--nproc", "2"], expect=("cpu x2 (dp=2", "trained 2 steps"))
     step("train --nproc 2 parallel.cp=2", [OMNI, "train", "demo", *DEMO, "output_dir=run_cp2", "train.steps=2",

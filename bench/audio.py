@@ -1,4 +1,4 @@
-"""Benchmark: audio token counting from headers, log-mel extraction (omniweave/data/audio.py, mel.py)
+"""Benchmark: audio token counting from headers, log-mel extraction (omniweave/data/media/audio.py, mel.py)
 and the audio towers (omniweave/models/components/audio_encoder.py).
 
 Three measurements, each against its baseline in the same run, on the same files / clips:
@@ -17,7 +17,7 @@ Three measurements, each against its baseline in the same run, on the same files
     ``--repeats``.
 
 (b) **log-mel extraction** of the decoded clips (16 kHz mono), padded to 30 s like the Qwen
-    processors, in batches of ``--batch``: ``omniweave.data.mel.log_mel`` vs
+    processors, in batches of ``--batch``: ``omniweave.data.media.mel.log_mel`` vs
     ``WhisperFeatureExtractor.__call__`` (its torch path) for 80 and 128 bins; clips per second,
     median of ``--repeats``, and the max |difference| of the features. Twice: the decoded clips
     (mostly padding, which ``log_mel`` does not transform) and the same audio tiled to exactly 30 s
@@ -59,8 +59,8 @@ from figure import pyplot, save
 from quick import HELP as QUICK_HELP
 from quick import note
 
-from omniweave.data import audio as A
-from omniweave.data.mel import log_mel
+from omniweave.data.media import audio as A
+from omniweave.data.media.mel import log_mel
 from omniweave.models.hf.qwen2_audio import Qwen2AudioAdapter
 from omniweave.models.registry import build_component
 from tests.audio_factory import FORMATS, OPUS_RATES, available, encode, signal

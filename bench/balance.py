@@ -41,7 +41,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from omniweave.data import packing as P  # noqa: E402
+from omniweave.data.packing import bins as P  # noqa: E402
 from omniweave.parallel.balance import CostModel, assign, imbalance, pack_features, round_robin  # noqa: E402
 from figure import pyplot, save  # noqa: E402
 from quick import HELP as QUICK_HELP, note, work_dir  # noqa: E402  (bench/, the script's folder)
@@ -123,7 +123,7 @@ def measure(args, ranks: int = 4) -> dict:
     """``ranks``-rank CPU training, data.balance=cost vs default, runs interleaved."""
     from bench.train import make_jsonl
     from omniweave.config import load_recipe, to_dict
-    from omniweave.data.loader import PackedLoader
+    from omniweave.data.loading.loader import PackedLoader
 
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -194,7 +194,7 @@ def pack_seconds(model_cfg: dict, ds, seed: int, repeats: int = 3) -> np.ndarray
     ``repeats``, after one warm-up pack): what each pack costs a rank, free of the 4-rank contention."""
     import torch
 
-    from omniweave.data.loader import collate_pack
+    from omniweave.data.loading.loader import collate_pack
     from omniweave.models.registry import build_model
 
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """Benchmark: offline packing — plan time, packing efficiency against common baselines, and
 ``omniweave data pack`` end to end on the demo dataset.
 
-1. Plan time of ``omniweave.data.packing`` on 1M and 10M synthetic sample lengths (a lognormal
+1. Plan time of ``omniweave.data.packing.bins`` on 1M and 10M synthetic sample lengths (a lognormal
    mixture of text ~300, image ~900 and video ~3000 tokens, 60/30/10 %), one thread.
 2. Efficiency (real tokens / tokens of all packs or padded batches) on the same 1M lengths at
    capacity 8K and 32K: padding to the longest of a fixed-size batch, sorted greedy (sort by
@@ -38,7 +38,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from omniweave.data import packing as P  # noqa: E402
+from omniweave.data.packing import bins as P  # noqa: E402
 from figure import pyplot, save  # noqa: E402
 from quick import HELP as QUICK_HELP, note, work_dir  # noqa: E402  (bench/, the script's folder)
 

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from omniweave.data.sample import Conversation, Message, RawSample  # noqa: E402
-from omniweave.data.tokenize import SampleProcessor  # noqa: E402
+from omniweave.data.text.tokenize import SampleProcessor  # noqa: E402
 from figure import pyplot, save  # noqa: E402
 from quick import HELP as QUICK_HELP, note  # noqa: E402  (bench/, the script's folder)
 from synthetic_media import jpeg, mp4  # noqa: E402

@@ -109,8 +109,8 @@ def om(*argv: str) -> None:
 
 def plan_steps(packed: Path, global_batch: int, steps: int, seed: int) -> list[list[dict]]:
     """The documents of each packed training step, in the trainer's order (its loader's stream)."""
-    from omniweave.data.loader import PackedLoader
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.loading.loader import PackedLoader
+    from omniweave.data.packing.packed import PackedDataset
 
     ds, loader = PackedDataset(packed), PackedLoader(packed, global_batch, 0, 1, seed=seed)
     epoch, cursor, plan = 0, 0, []
@@ -131,7 +131,7 @@ def write_padded(packed: Path, out: Path, plan: list[list[dict]], seed: int, pad
     """A packed-format dataset whose pack k is one step of ``plan`` as a padded [B, Lmax] batch
     laid out in one row (each sample + its padding = one Lmax-long causal document). Packs are
     placed so that the trainer's loader (global_batch 1, same seed) visits them in plan order."""
-    from omniweave.data.packed import FORMAT, MANIFEST, atomic_write_json
+    from omniweave.data.packing.packed import FORMAT, MANIFEST, atomic_write_json
 
     if out.exists():
         shutil.rmtree(out)
@@ -324,7 +324,7 @@ def main() -> int:
 
     import torch
 
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.packing.packed import PackedDataset
 
     THREADS["n"] = args.threads
     torch.set_num_threads(args.threads)

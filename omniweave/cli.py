@@ -23,9 +23,9 @@ from omniweave.errors import UserError
 # (group, command) -> (module, one-line help). A command of ``None`` is a group-less command.
 COMMANDS: dict[tuple[str, str | None], tuple[str, str]] = {
     ("data", "demo"): ("omniweave.data.demo", "generate the synthetic multimodal dataset"),
-    ("data", "convert"): ("omniweave.data.convert", "conversations JSON/JSONL + media -> raw shards"),
+    ("data", "convert"): ("omniweave.data.sources.convert", "conversations JSON/JSONL + media -> raw shards"),
     ("data", "inspect"): ("omniweave.data.inspect", "summarise raw shards or a packed dataset"),
-    ("data", "pack"): ("omniweave.data.pack", "raw shards -> packed dataset"),
+    ("data", "pack"): ("omniweave.data.packing.pack", "raw shards -> packed dataset"),
     ("train", None): ("omniweave.train.trainer", "train a recipe"),
     ("recipes", None): ("omniweave.recipes", "list the built-in recipes"),
     ("dpo", "precompute-ref"): ("omniweave.train.dpo_ref", "DPO reference log-probs of a pairs dataset, once"),

@@ -47,7 +47,7 @@ class RecipeError(UserError):
 def _vision_schema():
     """``data.vision``: every field of ``media.VisionConfig`` (null = its default, or the value in
     ``preprocessor_config``) plus ``preprocessor_config``, a HF model dir / JSON to read them from."""
-    from omniweave.data.media import VisionConfig
+    from omniweave.data.media.vision import VisionConfig
 
     def optional(f):
         kind = List[float] if "mean" in f.name or "std" in f.name else {"int": int, "float": float, "str": str}[str(f.type)]
@@ -59,7 +59,7 @@ def _vision_schema():
 
 def _audio_schema():
     """``data.audio``: the fields of ``audio.AudioConfig`` with its defaults."""
-    from omniweave.data.audio import AudioConfig
+    from omniweave.data.media.audio import AudioConfig
 
     types = {"int": int, "float": float, "str": str, "bool": bool}
     return make_dataclass("AudioSchema", [(f.name, types[str(f.type)], field(default=f.default))

@@ -180,7 +180,7 @@ def platform_info() -> dict:
 
 
 def _processor(cfg):
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.text.tokenize import SampleProcessor
 
     return SampleProcessor(cfg.data)
 

@@ -1,4 +1,4 @@
-"""A small raw-shard dataset in the contract format (via omniweave.data.shards) for the pack tests:
+"""A small raw-shard dataset in the contract format (via omniweave.data.sources.shards) for the pack tests:
 text-only, image and video samples plus a few that the tokenizer rejects."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omniweave.data.sample import Conversation, Message
-from omniweave.data.shards import ShardWriter, finalize_shard, sample_key, shard_name, write_metadata
+from omniweave.data.sources.shards import ShardWriter, finalize_shard, sample_key, shard_name, write_metadata
 from tests.data_factory import png_bytes, video_bytes
 
 RECIPE = Path(__file__).with_name("pack_recipe.yaml")  # data: max_len 512, small vision limits

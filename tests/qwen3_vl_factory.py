@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from omniweave.data.rope_index import mrope_position_ids
+from omniweave.data.text.rope_index import mrope_position_ids
 from omniweave.data.sample import MediaSpan
 from tests.vl_factory import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, sample_row
 from tests.vl_factory import hf_inputs as vl_hf_inputs

@@ -1,4 +1,4 @@
-"""Audio: header probe, decoding, Whisper log-mel, token counts (omniweave/data/audio.py, mel.py).
+"""Audio: header probe, decoding, Whisper log-mel, token counts (omniweave/data/media/audio.py, mel.py).
 
 The references are transformers' ``WhisperFeatureExtractor`` (features, attention masks) and the
 Qwen2-Audio / Qwen2.5-Omni ``_get_feat_extract_output_lengths`` (token counts), run on real files
@@ -22,9 +22,9 @@ from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import (
 )
 from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 
-from omniweave.data import audio as A
-from omniweave.data.media import MediaError
-from omniweave.data.mel import log_mel, mel_filters
+from omniweave.data.media import audio as A
+from omniweave.data.media.vision import MediaError
+from omniweave.data.media.mel import log_mel, mel_filters
 from tests.audio_factory import FORMATS, OPUS_RATES, available, encode, signal
 
 MEL_TOL = 1e-4  # on the log-mel values, whose range is about [-1.5, 1.5]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from audio_factory import encode, signal
-from omniweave.data.shards import RawDataset
+from omniweave.data.sources.shards import RawDataset
 from test_shards import run_convert
 
 FORMATS = ("wav", "flac", "mp3", "m4a", "ogg")
@@ -179,7 +179,7 @@ def raw(tmp_path_factory):
 
 def pack(raw_root, tmp_path, model: str, family: str = "qwen2_audio") -> tuple[dict, "PackedDataset"]:  # noqa: F821
     from omniweave.cli import main
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.packing.packed import PackedDataset
 
     recipe = tmp_path / f"{model}-{family}.yaml"
     recipe.write_text(DATA % family + MODELS[model])
@@ -208,9 +208,9 @@ def test_pack_drops_media_the_model_cannot_consume_and_counts_it(raw, tmp_path, 
 def test_pack_plans_audio_from_headers_and_loader_matches_whisper(raw, tmp_path):
     from transformers import WhisperFeatureExtractor
 
-    from omniweave.data.audio import audio_tokens, encoder_tokens, load_audio, probe_audio, qwen2_audio_chunks
-    from omniweave.data.loader import collate_pack
-    from omniweave.data.tokenizer import load_tokenizer
+    from omniweave.data.media.audio import audio_tokens, encoder_tokens, load_audio, probe_audio, qwen2_audio_chunks
+    from omniweave.data.loading.loader import collate_pack
+    from omniweave.data.text.tokenizer import load_tokenizer
 
     stats, ds = pack(raw, tmp_path, "omni")
     assert stats["dropped"] == {} and stats["samples_packed"] == 5
@@ -270,8 +270,8 @@ def test_pack_plans_audio_from_headers_and_loader_matches_whisper(raw, tmp_path)
 def test_qwen2_5_omni_one_item_per_clip_padded_to_its_own_length(raw, tmp_path):
     from transformers import WhisperFeatureExtractor
 
-    from omniweave.data.audio import audio_tokens, load_audio, probe_audio
-    from omniweave.data.loader import collate_pack
+    from omniweave.data.media.audio import audio_tokens, load_audio, probe_audio
+    from omniweave.data.loading.loader import collate_pack
 
     stats, ds = pack(raw, tmp_path, "omni", family="qwen2_5_omni")
     k, d = docs_by_id(ds)["two"]
@@ -295,8 +295,8 @@ def test_qwen2_5_omni_one_item_per_clip_padded_to_its_own_length(raw, tmp_path):
 
 
 def test_truncation_never_cuts_an_audio_span(raw):
-    from omniweave.data.shards import RawDataset
-    from omniweave.data.tokenize import SampleProcessor, SampleRejected
+    from omniweave.data.sources.shards import RawDataset
+    from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
 
     sample = RawDataset(raw / "raw-in")[0]  # "two": 25 + 2 * 387 audio tokens (31 s: two 15.5 s chunks)
     full = SampleProcessor({"max_len": 4096}).tokenize(sample)
@@ -307,8 +307,8 @@ def test_truncation_never_cuts_an_audio_span(raw):
 
 
 def test_eval_prompt_batch_builds_the_same_audio_tensors(raw, tmp_path):
-    from omniweave.data.loader import media_batch
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.loading.loader import media_batch
+    from omniweave.data.text.tokenize import SampleProcessor
     from omniweave.train.evaluate import prompt_batch, row_to_raw
 
     proc = SampleProcessor({"max_len": 4096})
@@ -352,7 +352,7 @@ def test_inspect_reports_audio_counts_durations_bytes_and_drops(raw, tmp_path, c
 
 def test_demo_audio_tasks_hold_the_answer_and_pack(tmp_path):
     from omniweave.cli import main
-    from omniweave.data.audio import load_audio, probe_audio
+    from omniweave.data.media.audio import load_audio, probe_audio
     from omniweave.data.demo import AUDIO_CLASSES, PITCHES, generate
 
     summary = generate(tmp_path / "demo", samples=66, eval_samples=36, seed=0, audio=True)
@@ -396,7 +396,7 @@ def test_audio_placeholder_renders_and_exports_like_the_other_media():
     from transformers.utils.chat_template_utils import render_jinja_template
 
     from omniweave.data.sample import Message
-    from omniweave.data.template import BUILTIN_TEMPLATES, hf_chat_template, render
+    from omniweave.data.text.template import BUILTIN_TEMPLATES, hf_chat_template, render
 
     t = BUILTIN_TEMPLATES["chatml"]
     messages = [Message("user", "<image>Look, then <audio>listen."), Message("assistant", "done")]
@@ -412,7 +412,7 @@ def test_audio_placeholder_renders_and_exports_like_the_other_media():
 
 
 def test_eval_prompts_packed_together_keep_each_prompts_audio(raw):
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.text.tokenize import SampleProcessor
     from omniweave.rl.rollout import Prompt, pack_prompts
     from omniweave.train.evaluate import prompt_batch, row_to_raw
 

@@ -15,8 +15,8 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAu
 from transformers.models.qwen2_audio.configuration_qwen2_audio import Qwen2AudioEncoderConfig as HFQwen2AudioEncoderConfig
 from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder as HFQwen2AudioEncoder
 
-from omniweave.data.audio import encoder_tokens
-from omniweave.data.mel import HOP_LENGTH, SAMPLE_RATE, log_mel
+from omniweave.data.media.audio import encoder_tokens
+from omniweave.data.media.mel import HOP_LENGTH, SAMPLE_RATE, log_mel
 from omniweave.models.components.audio_encoder import pool_pairs
 from omniweave.models.registry import build_component
 from tests.audio_factory import signal

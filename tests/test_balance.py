@@ -8,8 +8,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from omniweave.data import packing as P
-from omniweave.data.loader import PackedLoader
+from omniweave.data.packing import bins as P
+from omniweave.data.loading.loader import PackedLoader
 from omniweave.parallel.balance import (NUM_FEATURES, CostModel, Refitter, assign, imbalance, nnls, pack_features,
                                         round_robin)
 from tests.fakes_data import build_packed

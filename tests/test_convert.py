@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from data_factory import png_bytes, video_bytes
-from omniweave.data.shards import RawDataset
+from omniweave.data.sources.shards import RawDataset
 from test_shards import run_convert
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from omniweave.data.formats import MAX_ROW_DEPTH, FormatError, decode_row
+from omniweave.data.sources.formats import MAX_ROW_DEPTH, FormatError, decode_row
 from test_shards import run_convert
 
 CHAT = '[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]'

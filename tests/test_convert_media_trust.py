@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from data_factory import blank_png, png_bytes, png_with_garbage_pixels, truncated_jpeg
-from omniweave.data.shards import RawDataset
+from omniweave.data.sources.shards import RawDataset
 from test_shards import run_convert
 
 REPO = Path(__file__).resolve().parents[1]

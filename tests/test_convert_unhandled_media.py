@@ -15,9 +15,9 @@ import pytest
 
 from audio_factory import encode, signal
 from data_factory import png_bytes, video_bytes
-from omniweave.data.formats import FormatError, parse_row, unused_columns
-from omniweave.data.mapping import Mapping
-from omniweave.data.shards import RawDataset
+from omniweave.data.sources.formats import FormatError, parse_row, unused_columns
+from omniweave.data.sources.mapping import Mapping
+from omniweave.data.sources.shards import RawDataset
 from test_shards import run_convert
 
 OPENAI = Mapping().resolved("openai")

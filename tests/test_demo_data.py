@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from omniweave.data.demo import BACKGROUND, CLASSES, COLORS, EVAL_TASKS, TRAIN_TASKS, generate
-from omniweave.data.media import probe_video
+from omniweave.data.media.vision import probe_video
 
 
 @pytest.fixture(scope="module")

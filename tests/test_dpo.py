@@ -1,4 +1,4 @@
-"""DPO (train/dpo.py, data/preference.py, data/pairs.py): the loss against a hand computation
+"""DPO (train/dpo.py, data/sources/preference.py, data/packing/pairs.py): the loss against a hand computation
 and TRL's DPOTrainer code on the same log-probs; preference rows through convert (both layouts,
 bad pairs counted); pairs kept together, media shared, through pack / loader / DP balancing; a
 short training run whose first step is exactly log 2 (policy = reference)."""
@@ -91,7 +91,7 @@ def _write_jsonl(path, rows):
 
 
 def test_convert_reads_both_preference_layouts_and_counts_bad_pairs(tmp_path):
-    from omniweave.data.shards import RawDataset
+    from omniweave.data.sources.shards import RawDataset
     from tests.data_factory import png_bytes
 
     (tmp_path / "a.png").write_bytes(png_bytes(28, 28))
@@ -122,7 +122,7 @@ def test_convert_reads_pairs_of_whole_conversations(tmp_path):
     """LLaMA-Factory's newer preference rows (issue 32, item 5): ``chosen_messages`` /
     ``rejected_messages`` sharing all turns but the last become the stored pair; sides that
     diverge earlier are a counted reject."""
-    from omniweave.data.shards import RawDataset
+    from omniweave.data.sources.shards import RawDataset
 
     prompt = [{"role": "user", "content": [{"type": "text", "value": "2+2?"}]},
               {"role": "assistant", "content": "Let me think."}, {"role": "user", "content": "Well?"}]
@@ -148,8 +148,8 @@ def pairs(tmp_path_factory):
 
 
 def test_pairs_stay_together_and_share_their_media_through_pack_and_balance(pairs):
-    from omniweave.data.loader import PackedLoader
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.loading.loader import PackedLoader
+    from omniweave.data.packing.packed import PackedDataset
 
     ds = PackedDataset(pairs)
     assert ds.manifest["kind"] == "pairs"
@@ -182,8 +182,8 @@ def test_pairs_stay_together_and_share_their_media_through_pack_and_balance(pair
 def test_shared_media_features_give_the_same_logprobs_as_encoding_twice(pairs):
     """The pair's media encoded once (feature_rows to both sides) = each side encoding its own copy."""
     from omniweave.config import load_recipe, to_dict
-    from omniweave.data.loader import _processor, collate_pack, media_batch, span_from_record
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.loading.loader import _processor, collate_pack, media_batch, span_from_record
+    from omniweave.data.packing.packed import PackedDataset
     from omniweave.models.registry import build_model
 
     ds = PackedDataset(pairs)

@@ -67,7 +67,7 @@ def test_a_precomputed_reference_gives_the_losses_and_rewards_of_the_reference_m
 
 
 def test_the_stored_file_holds_every_pair_with_its_reference(pairs):
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.packing.packed import PackedDataset
 
     with np.load(pairs / "ref_logps.npz", allow_pickle=False) as z:
         logps, offsets, index, identity = z["logps"], z["offsets"], z["pair_index"], str(z["identity"])

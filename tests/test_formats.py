@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omniweave.data.formats import FormatError, parse_row
-from omniweave.data.mapping import Mapping, detect_format, mapping_from_yaml
+from omniweave.data.sources.formats import FormatError, parse_row
+from omniweave.data.sources.mapping import Mapping, detect_format, mapping_from_yaml
 
 OPENAI = Mapping().resolved("openai")
 SHAREGPT = Mapping().resolved("sharegpt")
@@ -239,7 +239,7 @@ def test_convert_reads_alpaca_with_column_flags(tmp_path):
     import json
 
     from omniweave.cli import main
-    from omniweave.data.shards import RawDataset
+    from omniweave.data.sources.shards import RawDataset
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"prompt": "Add.", "numbers": "2 3", "answer": "5", "sys": "Be exact."}) + "\n")

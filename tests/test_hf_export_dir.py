@@ -26,9 +26,9 @@ from data_factory import png_bytes, video_bytes
 from PIL import Image
 from vl_factory import hf_class, save_tiny
 
-from omniweave.data.media import VisionConfig, video_settings_from_hf, vision_settings_from_hf
+from omniweave.data.media.vision import VisionConfig, video_settings_from_hf, vision_settings_from_hf
 from omniweave.data.sample import Conversation, Message, RawSample
-from omniweave.data.tokenize import SampleProcessor
+from omniweave.data.text.tokenize import SampleProcessor
 from omniweave.models.hf import verify
 from omniweave.models.hf.export import export_hf
 from omniweave.models.hf.loading import load_hf
@@ -116,14 +116,14 @@ def test_hf_verify_compares_images_with_transformers_processor(exported, capsys)
     verify.add_arguments(parser)
     assert verify.run(parser.parse_args([str(out)])) == 0
     report = capsys.readouterr().out
-    assert "pixel_values  max|Δ| = 0.000e+00  images: omniweave.data.media vs Qwen2VLImageProcessorPil" in report
+    assert "pixel_values  max|Δ| = 0.000e+00  images: omniweave.data.media.vision vs Qwen2VLImageProcessorPil" in report
     assert "HF renders the directory's chat template" in report and "images: no preprocessor_config" not in report
 
 
 def test_text_model_export_renders_its_recipe_template(tmp_path):
     from transformers import AutoTokenizer
 
-    from omniweave.data.template import load_template, render
+    from omniweave.data.text.template import load_template, render
     from tests.hf_factory import save_tiny as save_tiny_text
 
     save_tiny_text("qwen2", tmp_path / "src")

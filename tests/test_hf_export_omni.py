@@ -27,11 +27,11 @@ from audio_factory import encode, signal, video_with_audio_bytes
 from data_factory import png_bytes
 from PIL import Image
 
-from omniweave.data.audio import load_audio
-from omniweave.data.loader import media_batch
-from omniweave.data.media import VisionConfig, video_settings_from_hf, vision_settings_from_hf
+from omniweave.data.media.audio import load_audio
+from omniweave.data.loading.loader import media_batch
+from omniweave.data.media.vision import VisionConfig, video_settings_from_hf, vision_settings_from_hf
 from omniweave.data.sample import Conversation, Message, RawSample
-from omniweave.data.tokenize import SampleProcessor
+from omniweave.data.text.tokenize import SampleProcessor
 
 PROMPT = "What do you see and hear?"
 MEDIA_TOKENS = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
@@ -204,7 +204,7 @@ def test_auto_processor_loads_the_export(exported, tmp_path):
 def test_a_template_token_the_tokenizer_lacks_is_refused(exported, tmp_path):
     """The processor looks the media tokens up by name: one the tokenizer does not hold is an export
     error naming it, not a directory whose processor fails later."""
-    from omniweave.data.tokenizer import load_tokenizer
+    from omniweave.data.text.tokenizer import load_tokenizer
     from omniweave.models.hf.processor_files import write_processor_files
 
     out, _, data = exported

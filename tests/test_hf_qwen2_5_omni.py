@@ -18,7 +18,7 @@ from omniweave.models.hf.loading import adapter_for, load_hf, load_hf_into
 from omniweave.models.registry import build_model
 from tests.hf_factory import perturb_norms_and_biases
 
-# the demo tokenizer's ids (data/tokenizer.py), so the tiny recipe's exports agree with the tests
+# the demo tokenizer's ids (data/text/tokenizer.py), so the tiny recipe's exports agree with the tests
 IDS = dict(audio_token_index=693, audio_start_token_id=692, audio_end_token_id=694, image_token_index=5,
            video_token_index=6, vision_start_token_id=3, vision_end_token_id=4)  # fmt: skip
 AUDIO = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=72, d_model=40,
@@ -88,7 +88,7 @@ def omni_row(seed: int = 0, text: int = 5, token_ids: dict = IDS) -> tuple[dict,
     """(our batch, transformers' inputs) of one row: text, an image, an audio clip, a video, a
     second clip, each framed by its start / end tokens (``token_ids``: IDS's keys);
     positions from transformers' get_rope_index."""
-    from omniweave.data.audio import encoder_tokens
+    from omniweave.data.media.audio import encoder_tokens
 
     g = torch.Generator().manual_seed(seed)
     rand = lambda n: torch.randint(10, 600, (n,), generator=g)  # noqa: E731

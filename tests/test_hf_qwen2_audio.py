@@ -131,8 +131,8 @@ CLIP_SECONDS = (2.37, 7.0)
 def audio_sample(seed: int = 0, text: int = 6) -> dict:
     """One packed row: text, then per clip <audio_bos> <audio>×N <audio_eos> + text, and the clips'
     log-mel features padded to 30 s as Qwen2AudioProcessor pads them."""
-    from omniweave.data.mel import SAMPLE_RATE, log_mel
-    from omniweave.data.audio import encoder_tokens
+    from omniweave.data.media.mel import SAMPLE_RATE, log_mel
+    from omniweave.data.media.audio import encoder_tokens
     from tests.audio_factory import signal
 
     g = torch.Generator().manual_seed(seed)
@@ -262,7 +262,7 @@ def test_export_with_its_recipe_is_a_whole_qwen2_audio_directory(ours, tmp_path)
 
     from transformers import AutoProcessor
 
-    from omniweave.data.mel import log_mel
+    from omniweave.data.media.mel import log_mel
     from omniweave.models.hf.export import export_hf
     from tests.audio_factory import signal
 
@@ -282,9 +282,9 @@ def test_tiny_recipe_trains_on_a_pipeline_batch_and_exports_as_qwen2_audio(tmp_p
     audio_projector), takes the loader's audio batch of a conversation with a 35 s clip (two
     encoder items) with gradients reaching the tower, and exports as a directory transformers loads."""
     from omniweave.config import load_recipe, to_dict
-    from omniweave.data.loader import media_batch
+    from omniweave.data.loading.loader import media_batch
     from omniweave.data.sample import Conversation, Message, RawSample
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.text.tokenize import SampleProcessor
     from omniweave.models.hf.export import export_hf
     from omniweave.models.registry import build_model
     from tests.audio_factory import encode, signal

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from omniweave.data.loader import PackedLoader
-from omniweave.data.packed import PackedDataset
+from omniweave.data.loading.loader import PackedLoader
+from omniweave.data.packing.packed import PackedDataset
 from tests.fakes_data import DATA_CFG, build_packed
 
 KEYS = {"input_ids", "labels", "position_ids", "cu_seqlens", "pixel_values", "grid_thw", "media_spans",
@@ -125,8 +125,8 @@ def test_cost_balance_gives_each_rank_its_share_of_the_global_batch(packed):
 def test_fingerprint_mismatch_names_the_field(packed, field, value, message):
     cfg = {**DATA_CFG, field: value}
     if field == "template":
-        pytest.importorskip("omniweave.data.template")
-        from omniweave.data.template import BUILTIN_TEMPLATES
+        pytest.importorskip("omniweave.data.text.template")
+        from omniweave.data.text.template import BUILTIN_TEMPLATES
 
         others = [t for t in BUILTIN_TEMPLATES if t != "chatml"]
         if not others:

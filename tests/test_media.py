@@ -11,7 +11,7 @@ import pytest
 from data_factory import png_bytes, video_bytes
 from PIL import Image
 
-from omniweave.data import media as M
+from omniweave.data.media import vision as M
 
 # Small video limits keep the tests fast; the sampling rules are the real ones.
 SMALL_VIDEO = M.VisionConfig(video_min_pixels=28 * 28 * 2, video_max_pixels=28 * 28 * 12, video_total_pixels=28 * 28 * 40)

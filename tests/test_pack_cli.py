@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from omniweave.data import packing
-from omniweave.data.packed import PackedDataset
+from omniweave.data.packing import bins as packing
+from omniweave.data.packing.packed import PackedDataset
 from omniweave.errors import UserError
 from tests.fakes_data import make_samples, pack_cli, write_raw
 
@@ -168,7 +168,7 @@ def test_undesirable_kto_samples_are_dropped_from_sft_packs_with_a_reason(tmp_pa
 def test_per_turn_loss_weights_survive_convert_shards_and_packing(tmp_path):
     """Issue 32, item 4, on packed rows: the first answer (loss_weight 0) has no label in the pack."""
     from omniweave.data.sample import Conversation, Message
-    from omniweave.data.tokenizer import load_tokenizer
+    from omniweave.data.text.tokenizer import load_tokenizer
     from tests.fakes_data import build_packed
 
     turns = [Message("user", "first question"), Message("assistant", "first answer", 0.0),

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from omniweave.data.packed import PackedDataset
-from omniweave.data.shards import RawDataset
-from omniweave.data.template import IGNORE_INDEX, render
-from omniweave.data.tokenize import SampleProcessor
+from omniweave.data.packing.packed import PackedDataset
+from omniweave.data.sources.shards import RawDataset
+from omniweave.data.text.template import IGNORE_INDEX, render
+from omniweave.data.text.tokenize import SampleProcessor
 from tests.fakes_data import DATA_CFG, build_packed
 
 
@@ -116,7 +116,7 @@ def test_a_shard_cut_short_is_named_when_the_dataset_opens(packed, tmp_path):
     """Issue 31, item 11: not at the step that reads the damaged pack."""
     import os
 
-    from omniweave.data.packed import PackedDamaged
+    from omniweave.data.packing.packed import PackedDamaged
 
     dst = copy_packed(packed[2], tmp_path)
     shard = sorted(dst.glob("packs-*.bin"))[0]
@@ -132,7 +132,7 @@ def test_a_shard_cut_short_is_named_when_the_dataset_opens(packed, tmp_path):
 def test_a_pack_with_impossible_tokens_or_labels_is_named_when_read(packed, tmp_path):
     import numpy as np
 
-    from omniweave.data.packed import PackedDamaged
+    from omniweave.data.packing.packed import PackedDamaged
 
     dst = copy_packed(packed[2], tmp_path)
     ds = PackedDataset(dst)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omniweave.data import packing as P
-from omniweave.data.gap_closing import close_gaps
+from omniweave.data.packing import bins as P
+from omniweave.data.packing.gap_closing import close_gaps
 
 
 def lognormal_mixture(n: int, capacity: int, seed: int = 0) -> np.ndarray:

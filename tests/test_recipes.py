@@ -139,8 +139,8 @@ def test_tiny_qwen3_vl_recipe_trains_on_packed_data(name, tmp_path):
     load a pack through the loader's collate, forward + backward through every part."""
     from omniweave.cli import main
     from omniweave.config import to_dict
-    from omniweave.data.loader import LOADER_ONLY_KEYS, collate_pack
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
+    from omniweave.data.packing.packed import PackedDataset
     from tests.fakes_data import make_samples, write_raw
 
     raw = write_raw(tmp_path / "raw", make_samples(n_text=2, n_image=3, n_video=2, rejects=False))

@@ -75,7 +75,7 @@ def test_swapping_the_foundation_of_a_recipe_builds_and_runs(tmp_path, monkeypat
 
 
 def test_every_media_kind_has_exactly_one_modality():
-    """Media kinds map to the modality whose encoder takes them (data/loader.py reads it); an unknown
+    """Media kinds map to the modality whose encoder takes them (data/loading/loader.py reads it); an unknown
     kind is an error naming the known ones."""
     from omniweave.models.registry import MODALITIES, modality_of
 

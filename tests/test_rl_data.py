@@ -1,4 +1,4 @@
-"""RL prompts through convert and pack (data/prompts.py): the answer comes from the ``solution``
+"""RL prompts through convert and pack (data/packing/prompts.py): the answer comes from the ``solution``
 column or the last assistant turn, a prompt without one is a counted reject, and the packed
 prompt is exactly what generation is given (the conversation minus its answer + the header)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 from omniweave.cli import main
-from omniweave.data.loader import PackedLoader
-from omniweave.data.packed import PackedDataset
+from omniweave.data.loading.loader import PackedLoader
+from omniweave.data.packing.packed import PackedDataset
 from tests.data_factory import png_bytes
 
 
@@ -36,7 +36,7 @@ def test_prompts_carry_their_answers_and_bad_rows_are_counted(tmp_path):
     loader = PackedLoader(tmp_path / "prompts", 3, 0, 1, kind="prompts")
     (batch,) = [next(iter(loader))]
     by_answer = {p["prompt"]["answer"]: p for p in batch}
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.text.tokenize import SampleProcessor
 
     tok = SampleProcessor(loader.data_cfg).tokenizer
     text = tok.decode(by_answer["red"]["input_ids"].tolist())

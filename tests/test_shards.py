@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from omniweave.data import convert, shards
+from omniweave.data.sources import convert
+from omniweave.data.sources import shards
 from omniweave.data.demo import generate
 from omniweave.data.sample import Conversation, Message
-from omniweave.data.shards import RawDataset, ShardWriter, read_tar_index
+from omniweave.data.sources.shards import RawDataset, ShardWriter, read_tar_index
 
 
 def run_convert(*argv: str) -> int:
@@ -173,7 +174,7 @@ def test_indices_equal_what_energon_prepare_builds(converted, tmp_path):
 def test_raw_samples_feed_the_sample_processor(converted):
     """The contract with packing: RawSample media parts resolve and the demo's 56-px media become
     4 tokens (image) / 8 tokens (4-frame video) with min_pixels lowered to 56*56."""
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.text.tokenize import SampleProcessor
 
     root, _ = converted
     proc = SampleProcessor({"tokenizer": "demo", "template": "chatml", "max_len": 512,

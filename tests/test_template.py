@@ -10,7 +10,7 @@ import pytest
 from data_factory import to_hf_messages
 
 from omniweave.data.sample import Message
-from omniweave.data.template import (
+from omniweave.data.text.template import (
     BUILTIN_TEMPLATES,
     IGNORE_INDEX,
     encode_conversation,
@@ -18,7 +18,7 @@ from omniweave.data.template import (
     load_template,
     render,
 )
-from omniweave.data.tokenizer import DEMO_TOKENIZER_DIR, load_tokenizer
+from omniweave.data.text.tokenizer import DEMO_TOKENIZER_DIR, load_tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
 

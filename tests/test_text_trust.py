@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from omniweave.data.sample import Conversation, Message, RawSample
-from omniweave.data.tokenize import SampleProcessor, SampleRejected
+from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
 from tests.data_factory import png_bytes
 from tests.fakes_data import make_samples, write_raw
 

@@ -13,8 +13,8 @@ import torch
 from data_factory import png_bytes, to_hf_messages, video_bytes
 
 from omniweave.data.sample import Conversation, Message, RawSample
-from omniweave.data.template import IGNORE_INDEX
-from omniweave.data.tokenize import SampleProcessor, SampleRejected
+from omniweave.data.text.template import IGNORE_INDEX
+from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
 
 VISION = {"min_pixels": 28 * 28 * 2, "max_pixels": 28 * 28 * 24, "video_min_pixels": 28 * 28 * 2,
           "video_max_pixels": 28 * 28 * 12, "video_total_pixels": 28 * 28 * 60}
@@ -287,8 +287,8 @@ def test_mask_history_keeps_the_last_answer_and_train_on_prompt_adds_the_prompts
 
 
 def test_loss_weights_are_read_from_rows_and_kept_in_the_shard_json():
-    from omniweave.data.formats import FormatError, parse_row
-    from omniweave.data.mapping import Mapping
+    from omniweave.data.sources.formats import FormatError, parse_row
+    from omniweave.data.sources.mapping import Mapping
     from omniweave.data.sample import Conversation
 
     row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "loss_weight": 0},

@@ -24,13 +24,13 @@ import torch
 from audio_factory import encode, signal, video_with_audio_bytes
 from data_factory import png_bytes, video_bytes
 
-from omniweave.data.audio import load_audio, qwen2_5_omni_frames
-from omniweave.data.loader import media_batch
-from omniweave.data.mel import log_mel
+from omniweave.data.media.audio import load_audio, qwen2_5_omni_frames
+from omniweave.data.loading.loader import media_batch
+from omniweave.data.media.mel import log_mel
 from omniweave.data.sample import Conversation, Message, RawSample
-from omniweave.data.template import encode_conversation
-from omniweave.data.tokenize import SampleProcessor, SampleRejected
-from omniweave.data.tokenizer import load_tokenizer
+from omniweave.data.text.template import encode_conversation
+from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
+from omniweave.data.text.tokenizer import load_tokenizer
 
 VISION = {"min_pixels": 28 * 28 * 2, "max_pixels": 28 * 28 * 24, "video_min_pixels": 28 * 28 * 2,
           "video_max_pixels": 28 * 28 * 4, "video_total_pixels": 28 * 28 * 400, "max_frames": 64}
@@ -259,8 +259,8 @@ def test_pack_counts_silent_videos_and_loads_the_sound_track(tmp_path):
     from test_audio_data import convert, sharegpt
 
     from omniweave.cli import main
-    from omniweave.data.loader import collate_pack
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.loading.loader import collate_pack
+    from omniweave.data.packing.packed import PackedDataset
 
     rows = [sharegpt("<video>Heard?", "a tone", id="av", videos=["av.mp4"]),
             sharegpt("<video>Heard?", "nothing", id="silent", videos=["silent.mp4"]),

@@ -17,10 +17,10 @@ import pytest
 import torch
 from data_factory import png_bytes, video_bytes
 
-from omniweave.data import media as M
+from omniweave.data.media import vision as M
 from omniweave.data.sample import Conversation, Message, RawSample
-from omniweave.data.template import IGNORE_INDEX, encode_conversation
-from omniweave.data.tokenize import SampleProcessor
+from omniweave.data.text.template import IGNORE_INDEX, encode_conversation
+from omniweave.data.text.tokenize import SampleProcessor
 
 # Qwen3-VL processing (patch 16 -> resize factor 32, mean/std 0.5) with small pixel budgets
 VISION = {"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "min_pixels": 32 * 32 * 2,

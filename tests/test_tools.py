@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from omniweave.data.formats import FormatError, parse_row
-from omniweave.data.mapping import Mapping
+from omniweave.data.sources.formats import FormatError, parse_row
+from omniweave.data.sources.mapping import Mapping
 from omniweave.data.sample import Conversation, RawSample
-from omniweave.data.template import IGNORE_INDEX, load_template, render
-from omniweave.data.tokenize import SampleProcessor, SampleRejected
-from omniweave.data.tools import apply_tool_style
+from omniweave.data.text.template import IGNORE_INDEX, load_template, render
+from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
+from omniweave.data.text.tools import apply_tool_style
 
 QWEN2_5 = (Path(__file__).parent / "assets/chat_templates/qwen2_5.jinja").read_text()
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city, °C",

@@ -46,7 +46,7 @@ def test_broken_torchvision_gives_one_warning_and_verify_still_compares_images(t
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from vl_factory import save_tiny
 
-    from omniweave.data.media import VisionConfig
+    from omniweave.data.media.vision import VisionConfig
     from omniweave.models.hf.processor_files import video_processor_config
 
     path = save_tiny("qwen2_5_vl", tmp_path / "hf")
@@ -62,6 +62,6 @@ def test_broken_torchvision_gives_one_warning_and_verify_still_compares_images(t
     warnings = [ln for ln in r.stderr.splitlines() if "warning" in ln.lower() or "torchvision" in ln]  # not progress bars
     assert len(warnings) == 1 and "torchvision is installed but does not load beside this torch" in warnings[0], r.stderr
     assert "operator torchvision::nms does not exist" in warnings[0]
-    assert "images: omniweave.data.media vs Qwen2VLImageProcessorPil" in r.stdout
+    assert "images: omniweave.data.media.vision vs Qwen2VLImageProcessorPil" in r.stdout
     assert "HF given ours (its video processor needs torchvision; torchvision does not load here:" in r.stdout
     assert "OK: all differences within atol" in r.stdout

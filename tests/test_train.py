@@ -315,9 +315,9 @@ def _hf_kwargs(sample: dict, kinds: list[str], config) -> dict:
 def test_exported_checkpoint_gives_transformers_the_trained_logits(short_run, demo_packed, tmp_path):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from omniweave.data.loader import collate_pack
-    from omniweave.data.packed import PackedDataset
-    from omniweave.data.tokenizer import load_tokenizer
+    from omniweave.data.loading.loader import collate_pack
+    from omniweave.data.packing.packed import PackedDataset
+    from omniweave.data.text.tokenizer import load_tokenizer
     from omniweave.train.checkpoint import load_model
 
     run, _ = short_run

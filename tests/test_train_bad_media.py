@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from data_factory import png_with_garbage_pixels
-from omniweave.data.loader import PackedLoader, collate_pack
-from omniweave.data.media import MediaError
-from omniweave.data.packed import PackedDataset
+from omniweave.data.loading.loader import PackedLoader, collate_pack
+from omniweave.data.media.vision import MediaError
+from omniweave.data.packing.packed import PackedDataset
 from omniweave.train.loss import drop_skipped_docs
 from train_factory import make_demo_packed, read_metrics, recipe, train_in_process
 

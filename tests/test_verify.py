@@ -104,7 +104,7 @@ def test_video_pixels_are_compared_with_the_video_processor(tmp_path, capsys):
     pytest.importorskip("torchvision", reason="transformers' video processors need torchvision")
     from data_factory import video_bytes
 
-    from omniweave.data.media import VisionConfig
+    from omniweave.data.media.vision import VisionConfig
     from omniweave.models.hf.processor_files import video_processor_config
 
     path = _tiny_dir(tmp_path, "qwen2_5_vl")
@@ -114,6 +114,6 @@ def test_video_pixels_are_compared_with_the_video_processor(tmp_path, capsys):
     clip.write_bytes(video_bytes(30, fps=10.0, height=77, width=131, seed=3))
     assert verify.verify(_args(path, video=clip)) == 0
     out = capsys.readouterr().out
-    assert "videos: omniweave.data.media vs Qwen2VLVideoProcessor on its own frames (do_sample_frames)" in out
+    assert "videos: omniweave.data.media.vision vs Qwen2VLVideoProcessor on its own frames (do_sample_frames)" in out
     video_pixels = next(line for line in out.splitlines() if "vs Qwen2VLVideoProcessor" in line)
     assert "max|Δ| = 0.000e+00" in video_pixels

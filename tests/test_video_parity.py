@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from omniweave.data import media as M
+from omniweave.data.media import vision as M
 from omniweave.models.hf.processor_files import video_processor_config
 from tests.data_factory import video_bytes
 

@@ -109,8 +109,8 @@ def _cli(*argv: str) -> None:
 def demo_rows(root: Path, n: int = 2) -> list[dict]:
     """The ``n`` packed demo rows with the most media items, as the loader hands them to the model."""
     from omniweave.data.demo import generate
-    from omniweave.data.loader import collate_pack
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.loading.loader import collate_pack
+    from omniweave.data.packing.packed import PackedDataset
 
     generate(root / "demo", samples=DEMO_SAMPLES, eval_samples=0, rl_samples=0)
     _cli("data", "convert", "--input", str(root / "demo" / "train.jsonl"), "--media-dir", str(root / "demo" / "media"),

@@ -4,7 +4,7 @@ Raw (``RAW/.nv-meta`` + shards): samples by modality (text-only / image / video 
 turns per conversation, media sizes (bytes, and pixel sizes / frames / audio durations, sample
 rates and channels read from the headers),
 the reject summary of ``convert_report.json``, and a few rendered samples.
-Packed (``PATH/manifest.json``): handed to ``omniweave.data.inspect_packed``.
+Packed (``PATH/manifest.json``): handed to ``omniweave.data.packing.inspect``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ def run(args) -> int:
     color = sys.stdout.isatty()
     if (path / "manifest.json").is_file():
         try:
-            from omniweave.data.inspect_packed import inspect_packed
+            from omniweave.data.packing.inspect import inspect_packed
         except ImportError as e:
             print(f"omniweave data inspect: {path} is a packed dataset, but packed inspection is not "
                   f"available in this install ({e})", file=sys.stderr)
             return 2
         return int(inspect_packed(path, color=color) or 0)
     try:
-        from omniweave.data.shards import RawDataset
+        from omniweave.data.sources.shards import RawDataset
 
         ds = RawDataset(path)
     except (FileNotFoundError, ValueError) as e:
@@ -74,8 +74,8 @@ def _bar_histogram(counter: Counter, color: bool, width: int = 40) -> list[str]:
 
 
 def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -> int:
-    from omniweave.data.audio import probe_audio
-    from omniweave.data.media import MediaError, probe_image, probe_video
+    from omniweave.data.media.audio import probe_audio
+    from omniweave.data.media.vision import MediaError, probe_image, probe_video
 
     probes = {"image": probe_image, "video": probe_video, "audio": probe_audio}
     total = len(ds)

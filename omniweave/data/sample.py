@@ -1,9 +1,9 @@
 """The data types that the pipeline stages hand to each other.
 
-    formats.py  -> Conversation          (parsed, validated user input)
-    shards.py   -> RawSample             (one sample read back from a raw shard)
-    tokenize.py -> TokenizedSample       (ids, loss mask, M-RoPE positions, media spans)
-    packed.py   -> packs of TokenizedSamples + media bytes
+    sources/formats.py -> Conversation    (parsed, validated user input)
+    sources/shards.py  -> RawSample       (one sample read back from a raw shard)
+    text/tokenize.py   -> TokenizedSample (ids, loss mask, M-RoPE positions, media spans)
+    packing/packed.py  -> packs of TokenizedSamples + media bytes
 
 Roles are normalised to: system, user, assistant, observation, function.
 Media placeholders inside message text are exactly ``<image>``, ``<video>`` and ``<audio>``; the
@@ -85,7 +85,7 @@ class MediaSpan:
     """Where one media item sits in a tokenized sample and how to turn its bytes into patches.
 
     Everything here is computed from the file's header / stream metadata alone, and equals what
-    full decoding + processing produces later (``media.py`` / ``audio.py`` guarantee it).
+    full decoding + processing produces later (``media/vision.py`` / ``media/audio.py`` guarantee it).
 
     Audio items have no patch grid: ``grid_thw`` / ``resized_hw`` are zeros, ``num_samples`` is the
     clip's length at 16 kHz and ``pieces`` holds one run of pad tokens per encoder item (Qwen2-Audio

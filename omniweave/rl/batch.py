@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from omniweave.data.packing import pack
+from omniweave.data.packing.bins import pack
 from omniweave.models.omni import cat_items
 from omniweave.models.registry import MODALITIES
 from omniweave.rl.rollout import Prompt, Rollout

@@ -105,8 +105,8 @@ def _train_rl(cfg, resume) -> dict:
 
 
 def _rl_loop(engine: Engine, cfg, resume) -> dict:
-    from omniweave.data.loader import PackedLoader
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.loading.loader import PackedLoader
+    from omniweave.data.text.tokenize import SampleProcessor
     from omniweave.rl.rollout import TorchRollout, build_rollout_model
 
     loader = PackedLoader(cfg.data.path, int(cfg.train.global_batch), dp_rank=engine.meshes.dp_rank,

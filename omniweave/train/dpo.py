@@ -1,6 +1,6 @@
 """DPO (``train.phase=dpo``): the loss of preference pairs, and the objective the training loop runs.
 
-A packed row holds whole pairs (data/pairs.py): documents 2p and 2p+1 are ``prompt ‖ chosen`` and
+A packed row holds whole pairs (data/packing/pairs.py): documents 2p and 2p+1 are ``prompt ‖ chosen`` and
 ``prompt ‖ rejected`` of its p-th pair, with labels on the answers only. ``collate_pack`` gives
 each loss token its slot in ``token_data["pair_slot"]`` (1 + 2p for the chosen answer, 2 + 2p for
 the rejected one, 0 elsewhere), so a pair's sequence log-prob is the sum of its answer's token
@@ -289,8 +289,8 @@ class PipelineRowLoss:
 def preference_accuracy(model, packed_path) -> dict:
     """Held-out pairs (a packed pairs dataset): how often the model gives the chosen answer a higher
     log-prob than the rejected one (``accuracy``), and the mean log-prob margin, over ``n`` pairs."""
-    from omniweave.data.loader import collate_pack
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.loading.loader import collate_pack
+    from omniweave.data.packing.packed import PackedDataset
 
     ds = PackedDataset(packed_path)
     wins, margin, n = 0, 0.0, 0

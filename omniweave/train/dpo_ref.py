@@ -123,8 +123,8 @@ def _precompute(cfg, path: Path, progress: bool) -> int:
     from omegaconf import OmegaConf
     from tqdm import tqdm
 
-    from omniweave.data.loader import LOADER_ONLY_KEYS, collate_pack
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
+    from omniweave.data.packing.packed import PackedDataset
     from omniweave.device import detect
     from omniweave.parallel.dims import ParallelDims
     from omniweave.train.dpo import sequence_logps
@@ -174,7 +174,7 @@ class StoredReference:
     ``pack(i)`` -> float32 [pairs of pack i, 2]."""
 
     def __init__(self, cfg):
-        from omniweave.data.packed import PackedDataset
+        from omniweave.data.packing.packed import PackedDataset
 
         self.path = path = ref_path(cfg)
         if not path.is_file():
@@ -200,7 +200,7 @@ class StoredReference:
                             "recompute it (`omniweave dpo precompute-ref`)")
 
     def _check_identity(self, stored: dict, wanted: dict) -> None:
-        from omniweave.data.packed import fingerprint_diff
+        from omniweave.data.packing.packed import fingerprint_diff
 
         if stored.get("format") != FORMAT:
             raise UserError(f"train.dpo.ref_path={self.path}: format {stored.get('format')!r}, expected {FORMAT!r}")

@@ -28,9 +28,9 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from omniweave.data.loader import media_batch
+from omniweave.data.loading.loader import media_batch
 from omniweave.data.sample import Conversation, Message, RawSample, TokenizedSample
-from omniweave.data.tokenize import SampleProcessor, SampleRejected
+from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
 from omniweave.rl.rollout import Prompt, SamplingParams, TorchRollout
 
 _ROLE_ALIASES = {"human": "user", "gpt": "assistant"}

@@ -73,7 +73,7 @@ def listed(args: argparse.Namespace) -> bool:
 def phase_kind(cfg) -> str:
     """The packed data a ``train.phase`` trains on (SFT packs or preference pairs); its settings
     checked (``train.dpo.*``, layouts DPO cannot run yet) before any rank starts."""
-    from omniweave.data.prompts import dataset_kind
+    from omniweave.data.packing.prompts import dataset_kind
 
     phase = str(cfg.train.get("phase", "sft"))
     if phase not in PHASES:
@@ -93,8 +93,8 @@ def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
     import json
 
     from omniweave.config import require, to_dict
-    from omniweave.data.loader import check_kind
-    from omniweave.data.packed import MANIFEST
+    from omniweave.data.loading.loader import check_kind
+    from omniweave.data.packing.packed import MANIFEST
     from omniweave.errors import UserError
     from omniweave.models.lora import check_lora
 
@@ -157,7 +157,7 @@ def _train(cfg, resume, fault_hook) -> dict:
 def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
     from omegaconf import OmegaConf
 
-    from omniweave.data.loader import LOADER_ONLY_KEYS, PackedLoader
+    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, PackedLoader
     from omniweave.device import peak_memory_bytes
     from omniweave.parallel.cost_model import Refitter
 
@@ -257,7 +257,7 @@ def report_media_skips(engine: Engine, skips: list[dict], outcome: str = "traine
 
 
 def _vision_pad_ids(data_cfg: dict) -> tuple[int, ...]:
-    from omniweave.data.loader import _processor
+    from omniweave.data.loading.loader import _processor
 
     proc = _processor(data_cfg)
     return (proc.image_pad_id, proc.video_pad_id)

@@ -31,8 +31,8 @@ GRAD_RTOL = 1e-5  # per parameter: max |g_cp - g_1| / max |g_1|
 def _rows(packed: str, n: int) -> list[dict]:
     """The n packs with the most kinds of media, then the most items (text-only, image, video and
     audio documents mixed; the demo_omni packs have no row with all three)."""
-    from omniweave.data.loader import collate_pack
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.loading.loader import collate_pack
+    from omniweave.data.packing.packed import PackedDataset
 
     ds = PackedDataset(packed)
     kinds = [{m["kind"] for m in ds.record(i)["media"]} for i in range(len(ds))]

@@ -373,8 +373,8 @@ def _text_and_video_packs(root, demo_dir):
 
 
 def test_text_only_rank_next_to_video_rank_does_not_hang(demo_packed, tmp_path):
-    from omniweave.data.loader import PackedLoader
-    from omniweave.data.packed import PackedDataset
+    from omniweave.data.loading.loader import PackedLoader
+    from omniweave.data.packing.packed import PackedDataset
 
     packed = _text_and_video_packs(tmp_path, demo_packed.parent / "demo")
     ds = PackedDataset(packed)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from omniweave.data.rope_index import mrope_position_ids
+from omniweave.data.text.rope_index import mrope_position_ids
 from omniweave.data.sample import MediaSpan
 
 IN_DIM = 3 * 2 * 14 * 14  # patch vector of the real Qwen2-VL patchify (C·t·p·p)

@@ -4,7 +4,7 @@
 
 ``audio_features`` holds A encoder items (log-mel frames, ``data/mel.log_mel``), each padded on the
 right to W frames; ``audio_lengths`` are their valid frames. The output concatenates the items in
-order, ``encoder_tokens(audio_lengths[i])`` rows each (``data/audio.py``: conv stride 2, then
+order, ``encoder_tokens(audio_lengths[i])`` rows each (``data/media/audio.py``: conv stride 2, then
 AvgPool(2)). Both towers share the stem and the layers:
 
     conv1 (k3 p1) → GELU → conv2 (k3 s2 p1) → GELU → + positions → pre-LN layers (k_proj without
@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from omniweave.data.audio import encoder_tokens
+from omniweave.data.media.audio import encoder_tokens
 from omniweave.models.components.attention import attn
 from omniweave.models.components.mlp import activation
 from omniweave.models.registry import register

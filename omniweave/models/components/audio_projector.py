@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from omniweave.data.audio import encoder_tokens
+from omniweave.data.media.audio import encoder_tokens
 from omniweave.models.registry import register
 
 

@@ -3,7 +3,7 @@
     encoder(pixel_values [P, C·t·p·p], grid_thw [M, 3]) -> hidden [P, D]   (patch order kept)
 
 ``pixel_values`` holds every image / video of the row in span order, patches ordered as
-``omniweave.data.media.patchify`` writes them (each merge×merge block contiguous). Attention is
+``omniweave.data.media.vision.patchify`` writes them (each merge×merge block contiguous). Attention is
 bidirectional and never crosses a frame: ``cu_seqlens`` has one segment per frame (t segments of
 h·w patches per item), exactly like transformers' Qwen2-VL vision tower.
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from omniweave.data.media import VisionConfig
+from omniweave.data.media.vision import VisionConfig
 from omniweave.models.hf.loading import adapter_for, assign_state_dict
 from omniweave.models.hf.processor_files import media_tokens, write_processor_files
 from omniweave.models.registry import build_model
@@ -42,8 +42,8 @@ def tokenizer_hf_fields(data_cfg: dict | None) -> tuple[dict, Path | None]:
     training (chatml: ``<|image_pad|>``, qwen2_5_omni: ``<|IMAGE|>`` …); ({}, None) without one."""
     if not data_cfg or not data_cfg.get("tokenizer"):
         return {}, None
-    from omniweave.data.template import load_template
-    from omniweave.data.tokenizer import load_tokenizer
+    from omniweave.data.text.template import load_template
+    from omniweave.data.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data_cfg["tokenizer"])
     media = media_tokens(load_template(str(data_cfg.get("template", "chatml"))))  # what training wrote

@@ -3,8 +3,8 @@ the tokenizer, the chat template, and (VL models) the image / video processor co
 
 Everything comes from the recipe's ``data:`` section, because that is what the model was
 trained on: the tokenizer files are copied, ``chat_template.jinja`` renders ``data.template``
-(:func:`omniweave.data.template.hf_chat_template`), and the processor configs carry the resize
-rules of ``data.vision`` (:class:`omniweave.data.media.VisionConfig`), so that
+(:func:`omniweave.data.text.template.hf_chat_template`), and the processor configs carry the resize
+rules of ``data.vision`` (:class:`omniweave.data.media.vision.VisionConfig`), so that
 ``AutoProcessor.from_pretrained(export)`` gives the grids and pixels training saw.
 
     tokenizer.json, tokenizer_config.json, …  the recipe's tokenizer (its own chat_template key dropped)
@@ -14,7 +14,7 @@ rules of ``data.vision`` (:class:`omniweave.data.media.VisionConfig`), so that
     processor_config.json                       processor_class (Qwen2VLProcessor / Qwen2_5_VLProcessor / Qwen3VLProcessor)
 
 Audio models (Qwen2-Audio) get ``preprocessor_config.json`` as ``WhisperFeatureExtractor`` (the
-mel bins of the exported audio tower; 16 kHz, 30 s windows: ``data/mel.py``'s constants) and
+mel bins of the exported audio tower; 16 kHz, 30 s windows: ``data/media/mel.py``'s constants) and
 ``processor_config.json`` naming ``Qwen2AudioProcessor``.
 
 The Qwen2.5-Omni thinker (``Qwen2_5OmniProcessor``: image processor, video processor, feature
@@ -35,8 +35,8 @@ import json
 import shutil
 from pathlib import Path
 
-from omniweave.data.media import VisionConfig
-from omniweave.data.mel import CHUNK_SAMPLES, HOP_LENGTH, N_FFT, SAMPLE_RATE
+from omniweave.data.media.vision import VisionConfig
+from omniweave.data.media.mel import CHUNK_SAMPLES, HOP_LENGTH, N_FFT, SAMPLE_RATE
 
 PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                      "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor",
@@ -131,8 +131,8 @@ def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str, name
     next to it) is not copied: the exported one is what the model was trained with.
     ``named_tokens``: tokenizer_config.json also names the template's media tokens
     (``image_token``: ``<|IMAGE|>`` …), which the tokenizer must hold."""
-    from omniweave.data.template import hf_chat_template, load_template
-    from omniweave.data.tokenizer import TOKENIZER_FILES, load_tokenizer
+    from omniweave.data.text.template import hf_chat_template, load_template
+    from omniweave.data.text.tokenizer import TOKENIZER_FILES, load_tokenizer
 
     template = load_template(template_name)
     names = media_tokens(template) if named_tokens else {}

@@ -10,10 +10,10 @@ runs the same conversation through both, printing max|Δ| for every stage:
                   transformers' ``_calculate_timestamps``); without a chat template in the
                   directory, our rendered text with HF's pad counts
     grid_thw      per media item
-    pixel_values  images: ours (omniweave.data.media) vs transformers' Qwen2VLImageProcessorPil,
+    pixel_values  images: ours (omniweave.data.media.vision) vs transformers' Qwen2VLImageProcessorPil,
                   when the directory has a preprocessor_config.json; videos: ours vs its
                   video processor (see Media below)
-    position_ids  ours (data/rope_index.py) vs the model's get_rope_index
+    position_ids  ours (data/text/rope_index.py) vs the model's get_rope_index
     logits        OmniModel.logits vs transformers' forward (fp32)
 
 Audio-language models (an ``audio_config`` and no ``vision_config``: Qwen2-Audio) are checked by
@@ -100,9 +100,9 @@ def random_media(seed: int) -> tuple[bytes, bytes]:
 
 
 def _sample(args, hf_dir: Path, hf_cfg: dict):
-    from omniweave.data.media import video_settings_from_hf
+    from omniweave.data.media.vision import video_settings_from_hf
     from omniweave.data.sample import Conversation, Message, RawSample
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.text.tokenize import SampleProcessor
 
     images = [Path(p).read_bytes() for p in args.image]
     videos = [Path(p).read_bytes() for p in args.video]
@@ -186,7 +186,7 @@ def _hf_video_inputs(hf_dir: Path, hf_cfg: dict, raw, sample) -> tuple[tuple | N
             pixels.append(out["pixel_values_videos"])
             grids.append(out["video_grid_thw"])
     how = "its own frames (do_sample_frames)" if processor.do_sample_frames else "our frames"
-    return (torch.cat(pixels), torch.cat(grids)), f"videos: omniweave.data.media vs {type(processor).__name__} on {how}"
+    return (torch.cat(pixels), torch.cat(grids)), f"videos: omniweave.data.media.vision vs {type(processor).__name__} on {how}"
 
 
 def _hf_rendered_ids(hf_dir: Path, raw, proc, replacements: list[str]) -> torch.Tensor | None:
@@ -362,7 +362,7 @@ def verify(args) -> int:
         rows.append(("grid_thw", 0.0 if same_grid else None, f"images {ours_grid[img].tolist()}"))
         if hf_images is not None and same_grid:
             d = (hf_kw["pixel_values"] - torch.cat([ours_pv[i] for i in img])).abs().max().item()
-            rows.append(("pixel_values", d, "images: omniweave.data.media vs Qwen2VLImageProcessorPil"))
+            rows.append(("pixel_values", d, "images: omniweave.data.media.vision vs Qwen2VLImageProcessorPil"))
         elif hf_images is None:
             rows.append(("pixel_values", 0.0, "images: no preprocessor_config.json, HF given ours"))
     if vid and hf_videos is None:

@@ -13,7 +13,7 @@ transformers, and every stage is compared (max|Δ|):
     logits         OmniModel.logits vs transformers' forward (fp32), on our input_ids
 
 Qwen2-Audio's processor truncates audio at 30 s; we cut a longer clip into <= 30 s encoder items
-(``data/audio.py``), each its own feature row and pad run, so transformers is given the same items
+(``data/media/audio.py``), each its own feature row and pad run, so transformers is given the same items
 and the same ids (its ``masked_scatter`` fills the pad runs in order). The tokenizer is the
 directory's (tokenizer.json) or omniweave's demo tokenizer; its ``<|AUDIO|>`` id must equal the
 config's ``audio_token_index``. Without ``--audio``, a 3.3 s and a 41 s synthetic tone (the second
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omniweave.data.mel import SAMPLE_RATE
+from omniweave.data.media.mel import SAMPLE_RATE
 from omniweave.models.hf.loading import adapter_for, load_hf
 
 DEFAULT_SECONDS = (3.3, 41.0)
@@ -53,9 +53,9 @@ def synthetic_wavs(seed: int) -> list[bytes]:
 
 def _sample(args, hf_dir: Path, n_mels: int, files: list[bytes]):
     """(processor, tokenized sample, the row's audio tensors) from our data pipeline."""
-    from omniweave.data.loader import media_batch
+    from omniweave.data.loading.loader import media_batch
     from omniweave.data.sample import Conversation, Message, RawSample
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.text.tokenize import SampleProcessor
 
     media = {f"aud{i}.wav": b for i, b in enumerate(files)}
     conv = Conversation(id="verify", messages=[Message("user", "<audio>" * len(files) + args.prompt),

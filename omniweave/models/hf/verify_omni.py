@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omniweave.data.mel import SAMPLE_RATE
+from omniweave.data.media.mel import SAMPLE_RATE
 from omniweave.models.hf.loading import adapter_for, load_hf
 
 
@@ -53,7 +53,7 @@ def _sample(args, hf_dir: Path, model_cfg: dict, media: dict[str, list[bytes]]):
     """(processor, raw sample, tokenized sample) from our data pipeline, TMRoPE positions included
     (``rope: mrope_omni`` with the thinker's time scale)."""
     from omniweave.data.sample import Conversation, Message, RawSample
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.text.tokenize import SampleProcessor
 
     files = {f"{kind}{i}.bin": b for kind, items in media.items() for i, b in enumerate(items)}
     conv = Conversation(id="verify", messages=[
@@ -111,8 +111,8 @@ def _hf_thinker(hf_dir: Path, hf_cfg: dict):
 
 
 def verify_omni(args, hf_dir: Path, hf_cfg: dict, report) -> int:
-    from omniweave.data.loader import media_batch
-    from omniweave.data.tokenize import SampleRejected
+    from omniweave.data.loading.loader import media_batch
+    from omniweave.data.text.tokenize import SampleRejected
 
     if args.use_audio_in_video and not args.video:
         print("error: --use-audio-in-video needs --video files that carry a sound track", file=sys.stderr)

@@ -43,8 +43,8 @@ import numpy as np
 import yaml
 
 from omniweave.data.sample import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, ROLES, VIDEO_PLACEHOLDER, Message
-from omniweave.data.tokenizer import Tokenizer
-from omniweave.data.tools import TOOL_STYLES
+from omniweave.data.text.tokenizer import Tokenizer
+from omniweave.data.text.tools import TOOL_STYLES
 
 IGNORE_INDEX = -100
 LOSS_ROLES = ("assistant", "function")
@@ -69,7 +69,7 @@ class ChatTemplate:
     audio: str = "<|audio_bos|><|AUDIO|><|audio_eos|>"  # Qwen2-Audio / Qwen2.5-Omni
     audio_pad: str = "<|AUDIO|>"  # repeated once per audio token
     stop_tokens: tuple[str, ...] = ()
-    tool_style: str | None = None  # how tools and tool calls render (data/tools.py); None: this template has none
+    tool_style: str | None = None  # how tools and tool calls render (data/text/tools.py); None: this template has none
 
     def __post_init__(self):
         for role in ROLES:
@@ -260,7 +260,7 @@ def hf_chat_template(template: ChatTemplate) -> str:
     # JSON string escapes are Jinja string escapes; non-ASCII stays literal (Jinja re-escapes it)
     literal = json.dumps(constants, ensure_ascii=False)
     return (
-        "{#- omniweave chat template t.name (omniweave/data/template.py): the text the model was trained on -#}\n"
+        "{#- omniweave chat template t.name (omniweave/data/text/template.py): the text the model was trained on -#}\n"
         f"{{%- set t = {literal} -%}}\n"
         "{{- t.bos -}}\n"
         "{%- if t.default_system is not none and (messages | length == 0 or messages[0]['role'] != 'system') -%}\n"

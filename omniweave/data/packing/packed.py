@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from omniweave.data.sample import TokenizedSample
-from omniweave.data.template import IGNORE_INDEX
+from omniweave.data.text.template import IGNORE_INDEX
 from omniweave.errors import UserError
 
 FORMAT = "omniweave-packed/1"
@@ -247,7 +247,7 @@ class PackMismatch(UserError, ValueError):
 
 def check_fingerprint(manifest: dict, data_cfg, where: str = "") -> None:
     """Raise ValueError naming every field where ``data_cfg`` disagrees with what built the packs."""
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.text.tokenize import SampleProcessor
 
     wanted = SampleProcessor(data_cfg).fingerprint()
     diffs = fingerprint_diff(manifest["fingerprint"], wanted)

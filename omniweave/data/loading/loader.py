@@ -32,7 +32,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from omniweave.data.packed import PackedDataset, check_fingerprint
+from omniweave.data.packing.packed import PackedDataset, check_fingerprint
 from omniweave.data.sample import MediaSpan
 from omniweave.errors import UserError
 from omniweave.parallel.balance import CostModel, assign, imbalance, pack_features, round_robin
@@ -45,7 +45,7 @@ SKIPS_KEY = "_media_skips"  # how a pack's skip records travel from a loader wor
 
 
 def _processor(data_cfg: dict):
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.text.tokenize import SampleProcessor
 
     key = json.dumps(data_cfg, sort_keys=True)
     if key not in _PROCESSORS:  # one per process (loader workers build their own)
@@ -54,7 +54,7 @@ def _processor(data_cfg: dict):
 
 
 def span_from_record(m: dict) -> MediaSpan:
-    """A packed media descriptor (``packed.py``) as the MediaSpan it was written from."""
+    """A packed media descriptor (``packing/packed.py``) as the MediaSpan it was written from."""
     pieces = [tuple(p) for p in m["pieces"]] if m.get("pieces") else None
     if m["kind"] == "audio":
         return MediaSpan(kind="audio", part=m["part"], grid_thw=(0, 0, 0), resized_hw=(0, 0), start=m["start"],
@@ -105,7 +105,7 @@ def media_batch(proc, items: list[tuple[MediaSpan, bytes]], failed: list | None 
 
 def _decoded(decode, i: int, span: MediaSpan, data: bytes, failed: list | None, zeros):
     """``decode(span, data)``; with a ``failed`` list, a ``MediaError`` is recorded there and ``zeros()`` returned."""
-    from omniweave.data.media import MediaError
+    from omniweave.data.media.vision import MediaError
 
     if failed is None:
         return decode(span, data)
@@ -118,8 +118,8 @@ def _decoded(decode, i: int, span: MediaSpan, data: bytes, failed: list | None, 
 
 def _audio_tensors(proc, audio: list[tuple[int, MediaSpan, bytes]], failed: list | None) -> dict:
     """Decode each clip, cut it into the encoder items it was planned with, log-mel them in one batch."""
-    from omniweave.data.audio import encoder_items, encoder_tokens
-    from omniweave.data.mel import log_mel
+    from omniweave.data.media.audio import encoder_items, encoder_tokens
+    from omniweave.data.media.mel import log_mel
 
     clips, runs = [], []
     for i, span, data in audio:
@@ -142,12 +142,12 @@ def collate_pack(pack: dict, data_cfg: dict, skips: list | None = None) -> dict:
     trainer then takes the loss off the documents they name); None: the ``MediaError`` propagates."""
     proc = _processor(data_cfg)
     extra = {}
-    if pack["docs"] and "answer" in pack["docs"][0]:  # an RL prompt (data/prompts.py): who it is, what it expects
+    if pack["docs"] and "answer" in pack["docs"][0]:  # an RL prompt (data/packing/prompts.py): who it is, what it expects
         extra["prompt"] = {"uid": int(pack["docs"][0]["index"]), "id": pack["docs"][0]["id"],
                            "answer": pack["docs"][0]["answer"]}
     labels = torch.from_numpy(pack["labels"].astype(np.int64))  # [L] shifted
     cu_seqlens = torch.from_numpy(pack["cu_seqlens"].astype(np.int32))  # [D+1]
-    if pack["docs"] and "side" in pack["docs"][0]:  # preference pairs (data/pairs.py, train/dpo.py)
+    if pack["docs"] and "side" in pack["docs"][0]:  # preference pairs (data/packing/pairs.py, train/dpo.py)
         from omniweave.train.dpo import pair_slots
 
         extra["token_data"] = {"pair_slot": pair_slots(labels, cu_seqlens, [d["side"] for d in pack["docs"]])}
@@ -231,7 +231,7 @@ def _as_list(batch: list) -> list:
 
 
 def check_kind(manifest: dict, kind: str, where: str) -> None:
-    """SFT packs, RL prompts (``data/prompts.py``) and preference pairs (``data/pairs.py``) are not
+    """SFT packs, RL prompts (``data/packing/prompts.py``) and preference pairs (``data/packing/pairs.py``) are not
     interchangeable."""
     have = manifest.get("kind", "sft")
     if have != kind:
@@ -250,7 +250,7 @@ class PackedLoader:
         manifest = self.dataset.manifest
         check_kind(manifest, kind, self.path)
         if data_cfg is not None:
-            from omniweave.data.tokenize import _plain
+            from omniweave.data.text.tokenize import _plain
 
             cfg = {k: v for k, v in _plain(data_cfg).items() if k != "path"}
             check_fingerprint(manifest, cfg, where=self.path)

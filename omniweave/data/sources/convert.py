@@ -33,13 +33,13 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from omniweave.data import shards as sh
-from omniweave.data.formats import FormatError, decode_row, parse_row
-from omniweave.data.mapping import COLUMN_FIELDS, FORMATS, TAG_FIELDS, Mapping, detect_format, mapping_from_yaml
-from omniweave.data.media import DEFAULT_MAX_IMAGE_PIXELS, IMAGE_PIXELS_CEILING
-from omniweave.data.media_files import DEFAULT_MAX_MEDIA_BYTES, MediaLimits, load_media, media_extension, source_name
-from omniweave.data.preference import REJECT_REASONS as PREFERENCE_REJECTS
-from omniweave.data.preference import from_conversation_pair, is_preference_row, split_preference_row
+from omniweave.data.sources import shards as sh
+from omniweave.data.sources.formats import FormatError, decode_row, parse_row
+from omniweave.data.sources.mapping import COLUMN_FIELDS, FORMATS, TAG_FIELDS, Mapping, detect_format, mapping_from_yaml
+from omniweave.data.media.vision import DEFAULT_MAX_IMAGE_PIXELS, IMAGE_PIXELS_CEILING
+from omniweave.data.media.files import DEFAULT_MAX_MEDIA_BYTES, MediaLimits, load_media, media_extension, source_name
+from omniweave.data.sources.preference import REJECT_REASONS as PREFERENCE_REJECTS
+from omniweave.data.sources.preference import from_conversation_pair, is_preference_row, split_preference_row
 
 # the fixed reasons; parameterised ones are "unsupported_modality:<kind>", "unknown_content_part:<type>",
 # "unknown_media_column:<column>" (docs/data.md, "Reject reasons")
@@ -50,7 +50,7 @@ REJECT_REASONS = (
     "bad_data_url",
     # audio whose header does not read (audio.probe_audio's MediaError reasons)
     "not_audio", "no_audio_stream", "empty_audio", "audio_truncated", "bad_audio",
-    *PREFERENCE_REJECTS,  # preference pairs: a missing side, identical sides (data/preference.py)
+    *PREFERENCE_REJECTS,  # preference pairs: a missing side, identical sides (data/sources/preference.py)
 )
 KILL_ENV = "OMNIWEAVE_TEST_KILL_AFTER_ROWS"  # tests: a worker os._exit()s after this many rows
 

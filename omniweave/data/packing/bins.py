@@ -128,7 +128,7 @@ def bfd(lengths, capacity: int, refine: bool = True) -> PackPlan:
     With ``refine`` (default) the BFD plan then goes through :func:`close_gaps`, which dissolves
     least-full packs while the pack count is above ``ceil(sum(lengths) / capacity)``; ``refine=False``
     returns plain best-fit decreasing (what ``bfd_capped`` computes with caps)."""
-    from omniweave.data.gap_closing import close_gaps
+    from omniweave.data.packing.gap_closing import close_gaps
 
     plan = _bfd(lengths, capacity)
     return close_gaps(plan, lengths) if refine else plan

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as RustTokenizer
 
-DEMO_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizers" / "demo"
+DEMO_TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "assets" / "tokenizers" / "demo"
 # Files of a tokenizer directory that define its behaviour (hashed into the fingerprint).
 TOKENIZER_FILES = (
     "tokenizer.json",

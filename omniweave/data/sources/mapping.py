@@ -32,14 +32,14 @@ class Mapping:
     system: str | None = None  # optional column holding a system prompt
     id: str = "id"
     solution: str = "solution"  # RL: the reference answer (then the row may end with the user's turn)
-    chosen: str = "chosen"  # DPO: the preferred answer (data/preference.py)
+    chosen: str = "chosen"  # DPO: the preferred answer (data/sources/preference.py)
     rejected: str = "rejected"  # DPO: the dispreferred answer
     instruction: str | None = None  # alpaca: the prompt (+ the input column's text on a new line)
     input: str | None = None  # alpaca: optional text appended to the instruction
     output: str | None = None  # alpaca: the answer
     history: str | None = None  # alpaca: earlier [prompt, answer] pairs, as earlier turns
     kto_tag: str | None = None  # KTO: a bool, the answer is desirable (default: a bool `kto_tag` or `label`)
-    tools: str = "tools"  # tool definitions (a list, or LLaMA-Factory's JSON string of one): data/tools.py
+    tools: str = "tools"  # tool definitions (a list, or LLaMA-Factory's JSON string of one): data/text/tools.py
     role_tag: str | None = None
     content_tag: str | None = None
     user_tag: str | None = None

@@ -39,14 +39,14 @@ from typing import Mapping
 import numpy as np
 
 from omniweave.config import DataSchema
-from omniweave.data import media as M
-from omniweave.data.audio import AudioConfig, AudioPlan, audio_items, plan_audio, probe_audio
-from omniweave.data.rope_index import ROPE_KINDS, chunk_bounds, position_ids
+from omniweave.data.media import vision as M
+from omniweave.data.media.audio import AudioConfig, AudioPlan, audio_items, plan_audio, probe_audio
+from omniweave.data.text.rope_index import ROPE_KINDS, chunk_bounds, position_ids
 from omniweave.data.sample import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MediaSpan, Message,
                                    RawSample, TokenizedSample)
-from omniweave.data.template import IGNORE_INDEX, LOSS_ROLES, encode_conversation, load_template
-from omniweave.data.tokenizer import load_tokenizer
-from omniweave.data.tools import ToolError, apply_tool_style
+from omniweave.data.text.template import IGNORE_INDEX, LOSS_ROLES, encode_conversation, load_template
+from omniweave.data.text.tokenizer import load_tokenizer
+from omniweave.data.text.tools import ToolError, apply_tool_style
 
 TRUNCATION_POLICIES = ("drop", "drop_turns")
 SPECIAL_TOKEN_POLICIES = ("reject", "keep")  # data.special_tokens_in_text
@@ -175,7 +175,7 @@ class SampleProcessor:
 
     def messages(self, conv) -> list[Message]:
         """The turns as the template renders them: the user's text checked (``check_text``), then its
-        tools and tool calls in the template's style (data/tools.py)."""
+        tools and tool calls in the template's style (data/text/tools.py)."""
         self.check_text(conv.messages)
         try:
             return apply_tool_style(self.template.tool_style, self.template.default_system, conv.messages,

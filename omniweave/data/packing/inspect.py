@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from omniweave.data.pack_stats import text_histogram
-from omniweave.data.packed import PackedDataset
-from omniweave.data.template import IGNORE_INDEX
+from omniweave.data.packing.stats import text_histogram
+from omniweave.data.packing.packed import PackedDataset
+from omniweave.data.text.template import IGNORE_INDEX
 
 GREEN, CYAN, DIM, RESET = "\x1b[32m", "\x1b[36m", "\x1b[2m", "\x1b[0m"
 
@@ -56,7 +56,7 @@ def render_pack(pack: dict, tokenizer, color: bool, max_chars: int | None = 4000
 
 
 def inspect_packed(root, color: bool, pack_id: int = 0) -> int:
-    from omniweave.data.tokenizer import load_tokenizer
+    from omniweave.data.text.tokenizer import load_tokenizer
 
     root = Path(root)
     ds = PackedDataset(root)

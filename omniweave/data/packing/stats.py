@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from omniweave.data.mel import SAMPLE_RATE
-from omniweave.data.packing import PackPlan, cost_spread
+from omniweave.data.media.mel import SAMPLE_RATE
+from omniweave.data.packing.bins import PackPlan, cost_spread
 
 
 def build_stats(scan: dict, plan: PackPlan, rejects: Counter, pack_drops: Counter, algorithm: str) -> dict:

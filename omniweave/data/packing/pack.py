@@ -33,10 +33,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from omniweave.data import packing
-from omniweave.data.packed import FORMAT, MANIFEST, PackedShardWriter, atomic_write_json, fingerprint_diff, pack_shard_name
-from omniweave.data.pack_stats import build_stats, plot_lengths
-from omniweave.data.shards import META_DIR
+from omniweave.data.packing import bins as packing
+from omniweave.data.packing.packed import FORMAT, MANIFEST, PackedShardWriter, atomic_write_json, fingerprint_diff, pack_shard_name
+from omniweave.data.packing.stats import build_stats, plot_lengths
+from omniweave.data.sources.shards import META_DIR
 from omniweave.errors import UserError
 
 SCAN_FIELDS = ("index", "length", "media", "vision", "images", "videos", "audios", "audio_tokens", "audio_samples",
@@ -76,8 +76,8 @@ def data_config(recipe: str, max_len: int | None, overrides: list[str] = ()) -> 
     what to write: ``sft`` packs or RL ``prompts``, from its ``train.phase``; the media kinds its
     model consumes, ``consumable_media``)."""
     from omniweave.config import load_recipe, to_dict
-    from omniweave.data.loader import LOADER_ONLY_KEYS
-    from omniweave.data.prompts import dataset_kind
+    from omniweave.data.loading.loader import LOADER_ONLY_KEYS
+    from omniweave.data.packing.prompts import dataset_kind
 
     cfg = to_dict(load_recipe(recipe, overrides))
     data = cfg.get("data") or {}
@@ -116,8 +116,8 @@ _W: dict = {}
 
 def _init_worker(raw_root: str, data_cfg: dict, kind: str, media_kinds: list[str] | None,
                  plan_file: str | None = None) -> None:
-    from omniweave.data.shards import RawDataset
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.sources.shards import RawDataset
+    from omniweave.data.text.tokenize import SampleProcessor
 
     _W["ds"] = RawDataset(raw_root)
     _W["proc"] = SampleProcessor(data_cfg)
@@ -131,9 +131,9 @@ def _init_worker(raw_root: str, data_cfg: dict, kind: str, media_kinds: list[str
 def _tokenize(raw) -> list[tuple]:
     """[(tokenized document, extra doc info)]: an SFT sample, an RL prompt with its answer, or the
     two documents of a preference pair (packed as one item, so they stay together)."""
-    from omniweave.data.pairs import tokenize_pair
-    from omniweave.data.prompts import KIND_PAIRS, KIND_PROMPTS, tokenize_rl_prompt
-    from omniweave.data.tokenize import SampleRejected
+    from omniweave.data.packing.pairs import tokenize_pair
+    from omniweave.data.packing.prompts import KIND_PAIRS, KIND_PROMPTS, tokenize_rl_prompt
+    from omniweave.data.text.tokenize import SampleRejected
 
     conv, allowed = raw.conversation, _W["media_kinds"]
     heard = conv.videos if _W["proc"].audio.use_audio_in_video else []  # a video's sound track is audio too
@@ -151,7 +151,7 @@ def _tokenize(raw) -> list[tuple]:
 
 
 def _scan_range(bounds: tuple[int, int]) -> tuple[dict, dict]:
-    from omniweave.data.tokenize import SampleRejected
+    from omniweave.data.text.tokenize import SampleRejected
 
     ds = _W["ds"]
     rows, rejects = [], {}
@@ -328,8 +328,8 @@ def maybe_finish(out: Path, data_cfg: dict, build: dict, info: dict) -> bool:
 
 
 def run(args) -> int:
-    from omniweave.data.shards import RawDataset
-    from omniweave.data.tokenize import SampleProcessor
+    from omniweave.data.sources.shards import RawDataset
+    from omniweave.data.text.tokenize import SampleProcessor
 
     if not 0 <= args.worker_index < args.num_workers:
         raise UserError(f"--worker-index {args.worker_index} must be in [0, --num-workers {args.num_workers})")

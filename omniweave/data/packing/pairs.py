@@ -1,6 +1,6 @@
 """Preference pairs: what ``omniweave data pack`` stores when the recipe's ``train.phase`` is ``dpo``.
 
-A pair (``data/preference.py``: prompt + chosen answer, the rejected answer in ``meta``) becomes
+A pair (``data/sources/preference.py``: prompt + chosen answer, the rejected answer in ``meta``) becomes
 two documents, ``prompt ‖ chosen`` then ``prompt ‖ rejected``, tokenized like SFT samples but with
 loss labels on the final answer only (earlier assistant turns of a multi-turn prompt are context).
 The packer sees the pair as ONE item of the two documents' total length, so both sides always
@@ -22,8 +22,8 @@ import dataclasses
 import numpy as np
 
 from omniweave.data.sample import Message, RawSample, TokenizedSample
-from omniweave.data.template import IGNORE_INDEX
-from omniweave.data.tokenize import SampleProcessor, SampleRejected
+from omniweave.data.text.template import IGNORE_INDEX
+from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
 
 SIDES = ("chosen", "rejected")
 

@@ -40,8 +40,8 @@ import json
 import re
 from typing import Any
 
-from omniweave.data.mapping import Mapping
-from omniweave.data.tools import parse_tools
+from omniweave.data.sources.mapping import Mapping
+from omniweave.data.text.tools import parse_tools
 from omniweave.data.sample import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation, Message
 
 PLACEHOLDER_RE = re.compile(r"<image>|<video>|<audio>")

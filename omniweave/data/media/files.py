@@ -23,8 +23,8 @@ _MIME_EXT = {"mpeg": "mp3", "mp3": "mp3", "x-wav": "wav", "wave": "wav", "vnd.wa
              "mp4": "m4a", "x-m4a": "m4a", "aac": "aac", "jpeg": "jpg", "svg+xml": "svg"}
 _DATA_URL_RE = re.compile(r"data:(?P<type>\w+)/(?P<sub>[\w.+-]+)(?P<params>(;[^;,]*)*?)(?P<b64>;base64)?,", re.ASCII)
 
-from omniweave.data.formats import FormatError
-from omniweave.data.media import DEFAULT_MAX_IMAGE_PIXELS
+from omniweave.data.sources.formats import FormatError
+from omniweave.data.media.vision import DEFAULT_MAX_IMAGE_PIXELS
 
 DEFAULT_MAX_MEDIA_BYTES = 1 << 30  # --max-media-size: 1 GiB
 
@@ -154,7 +154,7 @@ def _check_image(path: str, data: bytes, limits: MediaLimits) -> None:
 
     from PIL import Image
 
-    from omniweave.data.media import MediaError, load_image
+    from omniweave.data.media.vision import MediaError, load_image
 
     try:
         load_image(data, limits.max_image_pixels).close()
@@ -169,7 +169,7 @@ def _check_image(path: str, data: bytes, limits: MediaLimits) -> None:
 
 def _check_video(path: str, data: bytes, limits: MediaLimits) -> None:
     """The container / stream header (frame count, rate, size) as ``media.probe_video`` reads it."""
-    from omniweave.data.media import MediaError, check_pixels, probe_video
+    from omniweave.data.media.vision import MediaError, check_pixels, probe_video
 
     try:
         info = probe_video(data)
@@ -184,8 +184,8 @@ def _check_video(path: str, data: bytes, limits: MediaLimits) -> None:
 def _check_audio(path: str, data: bytes, limits: MediaLimits) -> None:
     """The container / stream header as ``audio.probe_audio`` reads it (sample count, rate, channels);
     its reason (``empty_audio``, ``audio_truncated`` ...) is the reject reason."""
-    from omniweave.data.audio import probe_audio
-    from omniweave.data.media import MediaError
+    from omniweave.data.media.audio import probe_audio
+    from omniweave.data.media.vision import MediaError
 
     try:
         probe_audio(data)

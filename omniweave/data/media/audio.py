@@ -1,6 +1,6 @@
 """Audio the Qwen2-Audio / Qwen2.5-Omni way: header probing, decoding to 16 kHz mono, token counts.
 
-Two paths that must always agree (as for images and videos in ``media.py``):
+Two paths that must always agree (as for images and videos in ``vision.py``):
 
     audio_tokens(probe_audio(data), family)      header only -> token count          (packing time)
     load_audio(data) -> log_mel(...) -> frames   decode + resample + log-mel features (train time)
@@ -47,8 +47,8 @@ from typing import Mapping
 
 import numpy as np
 
-from omniweave.data.media import MediaError
-from omniweave.data.mel import CHUNK_SAMPLES, SAMPLE_RATE, mel_frames
+from omniweave.data.media.vision import MediaError
+from omniweave.data.media.mel import CHUNK_SAMPLES, SAMPLE_RATE, mel_frames
 
 WINDOW_SAMPLES = CHUNK_SAMPLES  # 30 s at 16 kHz: Qwen2-Audio's fixed encoder input
 

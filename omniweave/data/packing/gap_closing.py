@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from omniweave.data.packing import PackPlan, _from_assignment
+from omniweave.data.packing.bins import PackPlan, _from_assignment
 
 
 def _best_swap(first_b: dict[int, int], first_a: dict[int, int], limit: int) -> tuple[int, int, int]:

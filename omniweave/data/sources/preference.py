@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from omniweave.data.formats import FormatError, _content_text
-from omniweave.data.mapping import Mapping
+from omniweave.data.sources.formats import FormatError, _content_text
+from omniweave.data.sources.mapping import Mapping
 
 REJECT_REASONS = ("preference_missing_side", "preference_identical", "preference_sides_diverge")
 PAIR_CONVERSATIONS = ("chosen_messages", "rejected_messages")  # LLaMA-Factory's newer (v1) preference rows

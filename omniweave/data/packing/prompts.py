@@ -12,7 +12,7 @@ resumable and split over the data-parallel ranks exactly as it hands out SFT pac
 from __future__ import annotations
 
 from omniweave.data.sample import RawSample, TokenizedSample
-from omniweave.data.tokenize import SampleProcessor, SampleRejected
+from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
 
 RL_PHASES = ("grpo",)
 PREFERENCE_PHASES = ("dpo",)
@@ -21,7 +21,7 @@ KIND_SFT, KIND_PROMPTS, KIND_PAIRS = "sft", "prompts", "pairs"
 
 def dataset_kind(phase: str | None) -> str:
     """What ``data pack`` writes for a recipe's ``train.phase``: training packs, RL prompts or
-    preference pairs (data/pairs.py)."""
+    preference pairs (data/packing/pairs.py)."""
     return KIND_PROMPTS if phase in RL_PHASES else KIND_PAIRS if phase in PREFERENCE_PHASES else KIND_SFT
 
 
