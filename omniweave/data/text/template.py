@@ -70,12 +70,18 @@ class ChatTemplate:
     audio_pad: str = "<|AUDIO|>"  # repeated once per audio token
     stop_tokens: tuple[str, ...] = ()
     tool_style: str | None = None  # how tools and tool calls render (data/text/tools.py); None: this template has none
+    # fields added later: left out of spec() at their defaults, so packs built before them stay valid
+    generation_prompt: str | None = None  # what add_generation_prompt appends; None: the assistant header
+    think_style: str | None = None  # "qwen3" | "drop": how <think> blocks render (apply_think_style)
+    trim_content: bool | None = None  # True: each turn's text stripped of surrounding whitespace (Llama 3)
 
     def __post_init__(self):
         for role in ROLES:
             fmt = getattr(self, role)
             if fmt.count("{content}") != 1:
                 raise ValueError(f"template {self.name!r}: {role} format must hold '{{content}}' once: {fmt!r}")
+        if self.think_style is not None and self.think_style not in THINK_STYLES:
+            raise ValueError(f"template {self.name!r}: think_style {self.think_style!r}; choose one of {THINK_STYLES}")
         if self.tool_style is not None and self.tool_style not in TOOL_STYLES:
             raise ValueError(f"template {self.name!r}: tool_style {self.tool_style!r}; choose one of {TOOL_STYLES}")
         if self.image_pad not in self.image or self.video_pad not in self.video or self.audio_pad not in self.audio:
@@ -85,10 +91,58 @@ class ChatTemplate:
         """JSON-serialisable description (for fingerprints)."""
         d = dataclasses.asdict(self)
         d["stop_tokens"] = list(self.stop_tokens)
+        for key in _LATER_FIELDS:
+            if d[key] is None:
+                del d[key]
         return d
+
+    renders_tools = False  # its tool text is in the messages already (tools.apply_tool_style); HFChatTemplate's is not
+
+    def render(self, messages: list[Message], add_generation_prompt: bool = False, mask_history: bool = False,
+               train_on_prompt: bool = False, tools: list[dict] | None = None) -> "Rendered":
+        """:func:`render` (``tools`` are already in the messages)."""
+        return render(self, messages, add_generation_prompt, mask_history, train_on_prompt)
+
+    def generation_header(self) -> str:
+        """What ``add_generation_prompt`` appends: the assistant's header unless the template says otherwise."""
+        return self.assistant.split("{content}")[0] if self.generation_prompt is None else self.generation_prompt
+
+
+_LATER_FIELDS = ("generation_prompt", "think_style", "trim_content")
+THINK_STYLES = ("qwen3", "drop")
+
+
+def apply_think_style(style: str | None, messages: list[Message]) -> list[Message]:
+    """How assistant turns' ``<think>…</think>`` render, as the family's released template does it.
+
+    ``qwen3``: kept only after the last user query (as ``<think>\nR\n</think>\n\n``; the final turn
+    always has the block, empty when it had none); earlier turns lose it. Tool results are
+    ``observation`` turns here, so they never count as a query (the template skips
+    ``<tool_response>`` user turns for the same reason). ``drop`` (DeepSeek-V3): every assistant
+    turn keeps only what follows its last ``</think>``."""
+    if style is None:
+        return messages
+    if style == "drop":
+        return [dataclasses.replace(m, content=m.content.split("</think>")[-1]) if m.role == "assistant" else m
+                for m in messages]
+    last_query = max((k for k, m in enumerate(messages) if m.role == "user"), default=len(messages) - 1)
+    out = []
+    for k, m in enumerate(messages):
+        if m.role not in LOSS_ROLES:
+            out.append(m)
+            continue
+        content, reasoning = m.content, ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+        if k > last_query and (k == len(messages) - 1 or reasoning):
+            content = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+        out.append(dataclasses.replace(m, content=content))
+    return out
 
 
 # Qwen2.5-Omni's default system prompt (its model card asks for exactly this one when generating speech)
+QWEN2_5_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 QWEN2_5_OMNI_SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of "
                        "perceiving auditory and visual inputs, as well as generating text and speech.")
 
@@ -116,6 +170,27 @@ BUILTIN_TEMPLATES = {
         image_pad="<|IMAGE|>",
         video_pad="<|VIDEO|>",
     ),
+    # Qwen2.5 (Instruct): ChatML whose default system prompt names Qwen
+    "qwen2_5": dataclasses.replace(_CHATML, name="qwen2_5", default_system=QWEN2_5_SYSTEM),
+    # Qwen3: no default system prompt; <think> blocks kept after the last user query only
+    "qwen3": dataclasses.replace(_CHATML, name="qwen3", default_system=None, think_style="qwen3"),
+    # Qwen3-Instruct-2507 and Qwen3-VL (Instruct): ChatML without a default system prompt or <think> rules
+    "qwen3_nothink": dataclasses.replace(_CHATML, name="qwen3_nothink", default_system=None),
+    "qwen3_vl": dataclasses.replace(_CHATML, name="qwen3_vl", default_system=None),
+    # DeepSeek-V3 (its released template, as TRL keeps it): the system prompt bare after BOS, earlier
+    # reasoning dropped from every assistant turn, generation opening a <think> block
+    "deepseek3": ChatTemplate(
+        name="deepseek3",
+        bos="<｜begin▁of▁sentence｜>",
+        system="{content}",
+        user="<｜User｜>{content}",
+        assistant="<｜Assistant｜>{content}<｜end▁of▁sentence｜>",
+        observation="<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{content}<｜tool▁output▁end｜><｜tool▁outputs▁end｜>",
+        function="<｜Assistant｜>{content}<｜end▁of▁sentence｜>",
+        stop_tokens=("<｜end▁of▁sentence｜>",),
+        generation_prompt="<｜Assistant｜><think>\n",
+        think_style="drop",
+    ),
     "llama3": ChatTemplate(
         name="llama3",
         bos="<|begin_of_text|>",
@@ -125,6 +200,7 @@ BUILTIN_TEMPLATES = {
         observation="<|start_header_id|>ipython<|end_header_id|>\n\n{content}<|eot_id|>",
         function="<|start_header_id|>assistant<|end_header_id|>\n\n{content}<|eot_id|>",
         stop_tokens=("<|eot_id|>",),
+        trim_content=True,  # Llama 3's template writes message['content'] | trim
     ),
     "plain": ChatTemplate(
         name="plain",
@@ -138,17 +214,30 @@ BUILTIN_TEMPLATES = {
 }
 
 
-def load_template(name_or_path: str | Path) -> ChatTemplate:
-    """A built-in template by name (chatml | qwen2_5_omni | llama3 | plain) or a YAML file of ChatTemplate fields.
+# LLaMA-Factory's template names, for recipes written for it. Its qwen3_vl is Qwen3-VL *Thinking*'s
+# template; ours is the Instruct one (LLaMA-Factory: qwen3_vl_nothink); data.template=hf renders any
+# checkpoint's own.
+ALIASES = {"qwen": "qwen2_5", "qwen2_vl": "chatml", "qwen3_vl_nothink": "qwen3_vl", "qwen2_omni": "qwen2_5_omni",
+           "empty": "plain"}
 
-    A YAML template may name ``base: chatml`` and override only some fields.
+
+def load_template(name_or_path: str | Path, tokenizer: str | Path | None = None):
+    """A built-in template by name (or LLaMA-Factory's name for it, ``ALIASES``), ``hf`` (the
+    tokenizer directory's own Jinja template, data/text/hf_template.py), or a YAML file of
+    ChatTemplate fields. A YAML template may name ``base: chatml`` and override only some fields.
     """
-    if str(name_or_path) in BUILTIN_TEMPLATES:
-        return BUILTIN_TEMPLATES[str(name_or_path)]
+    name = ALIASES.get(str(name_or_path), str(name_or_path))
+    if name == "hf":
+        from omniweave.data.text.hf_template import HFChatTemplate
+
+        return HFChatTemplate.from_tokenizer_dir(tokenizer if tokenizer is not None else "demo")
+    if name in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[name]
     path = Path(name_or_path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"template {str(name_or_path)!r}: not a built-in ({', '.join(BUILTIN_TEMPLATES)}) nor a YAML file"
+            f"template {str(name_or_path)!r}: not a built-in ({', '.join(BUILTIN_TEMPLATES)}; LLaMA-Factory's names "
+            f"{', '.join(ALIASES)}), not 'hf' (the tokenizer directory's own), nor a YAML file"
         )
     spec = yaml.safe_load(path.read_text()) or {}
     known = {f.name for f in dataclasses.fields(ChatTemplate)}
@@ -182,6 +271,7 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
     ``loss_weight`` is 0; ``mask_history``: the last such turn only; ``train_on_prompt``: every
     turn's (LLaMA-Factory's switches of the same names).
     """
+    messages = apply_think_style(template.think_style, messages)
     out = Rendered(text=template.bos)
     if template.default_system is not None and (not messages or messages[0].role != "system"):
         out.text += template.system.format(content=template.default_system)
@@ -193,13 +283,14 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
         if fmt is None or msg.role not in ROLES:
             raise ValueError(f"unknown role {msg.role!r}")
         prefix, suffix = fmt.split("{content}")
+        content = msg.content.strip() if template.trim_content else msg.content
         if train_on_prompt and msg.loss_weight and len(prefix):  # the turn's header is prompt too
             out.loss_spans.append((len(out.text), len(out.text) + len(prefix)))
         out.text += prefix
         carries_loss = bool(msg.loss_weight) and (train_on_prompt or (
             msg.role in LOSS_ROLES and (not mask_history or k == last)))
         loss_from = len(out.text)
-        for piece in _PLACEHOLDER_RE.split(msg.content):
+        for piece in _PLACEHOLDER_RE.split(content):
             if piece in _PLACEHOLDER_KINDS:
                 kind = _PLACEHOLDER_KINDS[piece]
                 if carries_loss and loss_from < len(out.text):
@@ -214,7 +305,7 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
             out.loss_spans.append((loss_from, len(out.text)))
         out.message_ends.append(len(out.text))
     if add_generation_prompt:
-        out.text += template.assistant.split("{content}")[0]
+        out.text += template.generation_header()
     return out
 
 
@@ -229,11 +320,12 @@ def loss_mask_from_offsets(offsets: list[tuple[int, int]], loss_spans: list[tupl
 
 def encode_conversation(
     template: ChatTemplate, tokenizer: Tokenizer, messages: list[Message], add_generation_prompt: bool = False,
-    mask_history: bool = False, train_on_prompt: bool = False,
+    mask_history: bool = False, train_on_prompt: bool = False, tools: list[dict] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, Rendered, list[tuple[int, int]]]:
     """Token ids int32 [L] and unshifted labels int32 [L] (-100 where no loss), before media
-    expansion; also the rendering and each token's character offsets."""
-    rendered = render(template, messages, add_generation_prompt, mask_history, train_on_prompt)
+    expansion; also the rendering and each token's character offsets. ``tools`` reach templates
+    that render them (``renders_tools``)."""
+    rendered = template.render(messages, add_generation_prompt, mask_history, train_on_prompt, tools=tools)
     ids, offsets = tokenizer.encode_with_offsets(rendered.text)
     input_ids = np.asarray(ids, dtype=np.int32)
     labels = np.where(loss_mask_from_offsets(offsets, rendered.loss_spans), input_ids, IGNORE_INDEX)
@@ -256,7 +348,8 @@ def hf_chat_template(template: ChatTemplate) -> str:
     if template.default_system is not None:
         default_system = template.system.format(content=template.default_system)
     constants = {"name": template.name, "bos": template.bos, "roles": roles, "default_system": default_system,
-                 "image": template.image, "video": template.video, "audio": template.audio}  # fmt: skip
+                 "image": template.image, "video": template.video, "audio": template.audio,
+                 "generation": template.generation_header()}  # fmt: skip
     # JSON string escapes are Jinja string escapes; non-ASCII stays literal (Jinja re-escapes it)
     literal = json.dumps(constants, ensure_ascii=False)
     return (
@@ -266,22 +359,41 @@ def hf_chat_template(template: ChatTemplate) -> str:
         "{%- if t.default_system is not none and (messages | length == 0 or messages[0]['role'] != 'system') -%}\n"
         "{{- t.default_system -}}\n"
         "{%- endif -%}\n"
+        "{%- set ns = namespace(last_query=messages | length - 1) -%}\n"
+        "{%- for message in messages -%}{%- if message['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}"
+        "{%- endif -%}{%- endfor -%}\n"
         "{%- for message in messages -%}\n"
         "{%- if message['role'] not in t.roles -%}{{- raise_exception('unknown role ' ~ message['role']) -}}{%- endif -%}\n"
         "{{- t.roles[message['role']][0] -}}\n"
-        "{%- if message['content'] is string -%}\n"
-        "{{- message['content'] | replace('<image>', t.image) | replace('<video>', t.video)"
-        " | replace('<audio>', t.audio) -}}\n"
-        "{%- else -%}{%- for part in message['content'] -%}\n"
-        "{%- if part['type'] == 'image' -%}{{- t.image -}}\n"
-        "{%- elif part['type'] == 'video' -%}{{- t.video -}}\n"
-        "{%- elif part['type'] == 'audio' -%}{{- t.audio -}}\n"
-        "{%- elif part['type'] == 'text' -%}{{- part['text'] | replace('<image>', t.image) | replace('<video>', t.video)"
-        " | replace('<audio>', t.audio) -}}\n"
+        # content parts become one string with our placeholders, then take the string's path
+        "{%- if message['content'] is string -%}{%- set c = message['content'] -%}\n"
+        "{%- else -%}{%- set parts = namespace(text='') -%}{%- for part in message['content'] -%}\n"
+        "{%- if part['type'] in ['image', 'video', 'audio'] -%}{%- set parts.text = parts.text ~ '<' ~ part['type'] ~ '>' -%}\n"
+        "{%- elif part['type'] == 'text' -%}{%- set parts.text = parts.text ~ part['text'] -%}\n"
         "{%- else -%}{{- raise_exception('unsupported content part ' ~ part['type']) -}}\n"
-        "{%- endif -%}\n"
-        "{%- endfor -%}{%- endif -%}\n"
+        "{%- endif -%}{%- endfor -%}{%- set c = parts.text -%}{%- endif -%}\n"
+        + _JINJA_THINK.get(template.think_style, "")
+        + ("{%- set c = c | trim -%}\n" if template.trim_content else "")
+        + "{{- c | replace('<image>', t.image) | replace('<video>', t.video) | replace('<audio>', t.audio) -}}\n"
         "{{- t.roles[message['role']][1] -}}\n"
         "{%- endfor -%}\n"
-        "{%- if add_generation_prompt -%}{{- t.roles['assistant'][0] -}}{%- endif -%}\n"
+        "{%- if add_generation_prompt -%}{{- t.generation -}}{%- endif -%}\n"
     )
+
+
+# apply_think_style in Jinja (hf_chat_template): ``c`` is a turn's text (placeholders for media), ``ns.last_query`` the last user turn
+_JINJA_THINK = {
+    "qwen3": (
+        "{%- if message['role'] in ['assistant', 'function'] -%}\n"
+        "{%- set r = '' -%}\n"
+        "{%- if '</think>' in c -%}\n"
+        "{%- set r = c.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}\n"
+        "{%- set c = c.split('</think>')[-1].lstrip('\\n') -%}\n"
+        "{%- endif -%}\n"
+        "{%- if loop.index0 > ns.last_query and (loop.last or r) -%}\n"
+        "{%- set c = '<think>\\n' + r.strip('\\n') + '\\n</think>\\n\\n' + c.lstrip('\\n') -%}\n"
+        "{%- endif -%}\n"
+        "{%- endif -%}\n"
+    ),
+    "drop": "{%- if message['role'] == 'assistant' -%}{%- set c = c.split('</think>')[-1] -%}{%- endif -%}\n",
+}

@@ -44,6 +44,7 @@ from omniweave.data.media.audio import AudioConfig, AudioPlan, audio_items, plan
 from omniweave.data.text.rope_index import ROPE_KINDS, chunk_bounds, position_ids
 from omniweave.data.sample import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MediaSpan, Message,
                                    RawSample, TokenizedSample)
+from omniweave.data.text.hf_template import TemplateRejected
 from omniweave.data.text.template import IGNORE_INDEX, LOSS_ROLES, encode_conversation, load_template
 from omniweave.data.text.tokenizer import load_tokenizer
 from omniweave.data.text.tools import ToolError, apply_tool_style
@@ -90,7 +91,7 @@ class SampleProcessor:
     def __init__(self, data_cfg: Mapping | None = None):
         cfg = {**DATA_DEFAULTS, **_plain(data_cfg)}
         self.tokenizer = load_tokenizer(cfg["tokenizer"])
-        self.template = load_template(cfg["template"])
+        self.template = load_template(cfg["template"], tokenizer=cfg["tokenizer"])
         self.vision = M.VisionConfig.from_mapping(_plain(cfg.get("vision")))
         self.audio = AudioConfig.from_mapping(_plain(cfg.get("audio")))
         self.max_len = int(cfg["max_len"])
@@ -157,31 +158,40 @@ class SampleProcessor:
 
     def tokenize(self, raw: RawSample) -> TokenizedSample:
         conv = raw.conversation
-        messages = self.messages(conv)
+        messages, tools = self.messages(conv), self.template_tools(conv)
         plans = self._plan_all(raw)
         may_fit = self._messages_that_may_fit(messages)
         if may_fit < len(messages):  # certainly over max_len: never tokenized whole
             if self.truncation == "drop" or not any(m.role in LOSS_ROLES for m in messages[:may_fit]):
                 raise SampleRejected("too_long", f"its text alone needs more than {self.max_len} tokens")
-            return self._drop_turns(conv.id, messages, plans, may_fit, "too_long")
-        sample = self._encode(conv.id, messages, plans)
+            return self._drop_turns(conv.id, messages, plans, may_fit, "too_long", tools)
+        sample = self._encode(conv.id, messages, plans, tools=tools)
         if not (sample.labels != IGNORE_INDEX).any():
             raise SampleRejected("no_assistant_turn", "nothing carries loss")
         if len(sample) <= self.max_len:
             return sample
         if self.truncation == "drop":
             raise SampleRejected(overflow_reason(sample.media, self.max_len), f"{len(sample)} > {self.max_len}")
-        return self._drop_turns(conv.id, messages, plans, len(messages) - 1, overflow_reason(sample.media, self.max_len))
+        return self._drop_turns(conv.id, messages, plans, len(messages) - 1, overflow_reason(sample.media, self.max_len),
+                                tools)
 
     def messages(self, conv) -> list[Message]:
         """The turns as the template renders them: the user's text checked (``check_text``), then its
-        tools and tool calls in the template's style (data/text/tools.py)."""
+        tools and tool calls in the template's style (data/text/tools.py; a template that renders tools
+        itself, ``hf``, gets them as they are)."""
         self.check_text(conv.messages)
+        if self.template.renders_tools:
+            return conv.messages
         try:
             return apply_tool_style(self.template.tool_style, self.template.default_system, conv.messages,
                                     conv.meta.get("tools"))
         except ToolError as e:
             raise SampleRejected(e.reason, str(e)) from None
+
+    def template_tools(self, conv) -> list[dict] | None:
+        """The tool definitions the template renders itself (``renders_tools``); None for the others,
+        whose messages carry them already (``messages``)."""
+        return conv.meta.get("tools") if self.template.renders_tools else None
 
     def check_text(self, messages: list[Message]) -> None:
         """Reject typed special tokens (``data.special_tokens_in_text: reject``)."""
@@ -215,7 +225,8 @@ class SampleProcessor:
             raise SampleRejected("empty_conversation", "no prompt left once the assistant turns are removed")
         if bounded and self._messages_that_may_fit(messages) < len(messages):
             raise SampleRejected("too_long", f"its prompt's text alone needs more than {self.max_len} tokens")
-        sample = self._encode(conv.id, messages, self._plan_all(raw), add_generation_prompt=True)
+        sample = self._encode(conv.id, messages, self._plan_all(raw), add_generation_prompt=True,
+                              tools=self.template_tools(conv))
         sample.labels[:] = IGNORE_INDEX
         return sample
 
@@ -232,10 +243,15 @@ class SampleProcessor:
                     raise SampleRejected(e.reason, f"{part}: {e}") from e
         return plans
 
-    def _encode(self, sample_id: str, messages: list[Message], plans: dict, add_generation_prompt: bool = False) -> TokenizedSample:
+    def _encode(self, sample_id: str, messages: list[Message], plans: dict, add_generation_prompt: bool = False,
+                tools: list[dict] | None = None) -> TokenizedSample:
         """Render, tokenize, and expand each media pad token to the item's token count."""
-        ids, labels, rendered, _ = encode_conversation(self.template, self.tokenizer, messages, add_generation_prompt,
-                                                       self.mask_history, self.train_on_prompt)
+        try:
+            ids, labels, rendered, _ = encode_conversation(self.template, self.tokenizer, messages,
+                                                           add_generation_prompt, self.mask_history,
+                                                           self.train_on_prompt, tools)
+        except TemplateRejected as e:
+            raise SampleRejected(e.reason, str(e)) from None
         kinds = rendered.media_kinds
         if any(kinds.count(k) != len(plans[k]) for k in MEDIA_KINDS):
             raise SampleRejected(
@@ -319,14 +335,15 @@ class SampleProcessor:
         seq += self.audio_eos_ids
         return np.asarray(seq, dtype=np.int64), video_runs, audio_runs
 
-    def _drop_turns(self, sample_id: str, messages: list[Message], plans: dict, upto: int, reason: str):
+    def _drop_turns(self, sample_id: str, messages: list[Message], plans: dict, upto: int, reason: str,
+                    tools: list[dict] | None = None):
         """Longest prefix of ``messages[:upto]`` ending in an assistant turn that fits max_len (≥ 1
         assistant turn); else rejected with ``reason``."""
         ends = [k + 1 for k, m in enumerate(messages[:upto]) if m.role in LOSS_ROLES]
         for k in reversed(ends):
             kept = messages[:k]
             counts = {kind: sum(m.content.count(PLACEHOLDERS[kind]) for m in kept) for kind in MEDIA_KINDS}
-            sample = self._encode(sample_id, kept, {kind: plans[kind][:n] for kind, n in counts.items()})
+            sample = self._encode(sample_id, kept, {kind: plans[kind][:n] for kind, n in counts.items()}, tools=tools)
             if len(sample) <= self.max_len:
                 return dataclasses.replace(sample, truncated=True)
         raise SampleRejected(reason, "no assistant turn fits max_len")

@@ -63,7 +63,7 @@ def parse_tools(value: Any) -> list[dict] | None:
     return value or None
 
 
-def _calls(content: str) -> tuple[str, list[dict]]:
+def parse_calls(content: str) -> tuple[str, list[dict]]:
     """A function turn's (text, [{"name", "arguments"}])."""
     try:
         value = json.loads(content)
@@ -112,7 +112,7 @@ def apply_tool_style(style: str | None, default_system: str | None, messages: li
         messages = messages[1:] if has_system else messages
     for m in messages:
         if m.role == "function":
-            text, calls = _calls(m.content)
+            text, calls = parse_calls(m.content)
             wrapped = [f'<tool_call>\n{{"name": "{c["name"]}", "arguments": {_tojson(c["arguments"])}}}\n</tool_call>'
                        for c in calls]
             out.append(Message("function", "\n".join(([text] if text else []) + wrapped), m.loss_weight))

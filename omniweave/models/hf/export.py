@@ -46,7 +46,7 @@ def tokenizer_hf_fields(data_cfg: dict | None) -> tuple[dict, Path | None]:
     from omniweave.data.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data_cfg["tokenizer"])
-    media = media_tokens(load_template(str(data_cfg.get("template", "chatml"))))  # what training wrote
+    media = media_tokens(load_template(str(data_cfg.get("template", "chatml")), tokenizer=data_cfg["tokenizer"]))  # what training wrote
     ids = {}
     for key, token in (("image_token_id", media["image_token"]), ("video_token_id", media["video_token"]),
                        ("vision_start_token_id", media["vision_bos_token"]), ("vision_end_token_id", media["vision_eos_token"]),

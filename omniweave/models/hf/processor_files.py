@@ -10,7 +10,8 @@ rules of ``data.vision`` (:class:`omniweave.data.media.vision.VisionConfig`), so
     tokenizer.json, tokenizer_config.json, …  the recipe's tokenizer (its own chat_template key dropped)
     chat_template.jinja                         data.template as Jinja
     preprocessor_config.json                    Qwen2VLImageProcessor: min/max_pixels, patch, merge, mean/std
-    video_preprocessor_config.json              Qwen2VLVideoProcessor: video_min/max_pixels, fps, min/max_frames
+    video_preprocessor_config.json              Qwen2VLVideoProcessor / Qwen3VLVideoProcessor (data.vision.frame_sampling):
+                                                video_min/max_pixels, fps, min/max_frames
     processor_config.json                       processor_class (Qwen2VLProcessor / Qwen2_5_VLProcessor / Qwen3VLProcessor)
 
 Audio models (Qwen2-Audio) get ``preprocessor_config.json`` as ``WhisperFeatureExtractor`` (the
@@ -76,27 +77,44 @@ def image_processor_config(vision: VisionConfig, processor_class: str) -> dict:
 
 
 def video_processor_config(vision: VisionConfig, processor_class: str) -> dict:
-    """``video_preprocessor_config.json``: ``fps`` sampling clamped to [min_frames, max_frames],
-    frames resized into [video_min_pixels, video_max_pixels] with the whole-video pixel budget
-    (``cap_pixels_per_frame``; transformers counts it in tokens of ``factor``² pixels × 0.9).
+    """``video_preprocessor_config.json``: the video processor of ``processor_class`` set to sample
+    and resize as ``data.vision`` does (``frame_sampling``; ``ValueError`` when that rule is not the
+    processor's own).
 
-    transformers places the sampled frames only its own way (``arange(0, n, n / k)``), so the
-    processor samples them itself (``do_sample_frames``) when the recipe trained on that placement
-    (``frame_sampling: transformers``: then its pixels equal ours). With the default placement
-    (qwen-vl-utils' rounded ``linspace``), as for Qwen's own checkpoints, the caller gives it the
-    sampled frames (qwen-vl-utils does), and it keeps them.
+    Qwen3-VL (``qwen3_vl``): ``Qwen3VLVideoProcessor`` samples the frames itself
+    (``do_sample_frames``), ``size`` = [video_min_pixels, video_max_pixels] bounding frames ×
+    height × width, without its per-frame cap (``cap_pixels_per_frame: false``, as released).
+
+    Qwen2-VL / Qwen2.5-VL / Qwen2.5-Omni (``Qwen2VLVideoProcessor``): ``fps`` sampling clamped to
+    [min_frames, max_frames], frames resized into [video_min_pixels, video_max_pixels] with the
+    whole-video pixel budget (``cap_pixels_per_frame``; transformers counts it in tokens of
+    ``factor``² pixels × 0.9). transformers places the sampled frames only its own way
+    (``arange(0, n, n / k)``), so the processor samples them itself (``do_sample_frames``) when the
+    recipe trained on that placement (``frame_sampling: transformers``: then its pixels equal ours).
+    With the default placement (qwen-vl-utils' rounded ``linspace``), as for Qwen's own
+    checkpoints, the caller gives it the sampled frames (qwen-vl-utils does), and it keeps them.
     """
-    budget_tokens = vision.video_total_pixels / (vision.factor**2 * 0.9)
-    return {
-        "video_processor_type": VIDEO_PROCESSOR_TYPES.get(processor_class, "Qwen2VLVideoProcessor"),
+    video_type = VIDEO_PROCESSOR_TYPES.get(processor_class, "Qwen2VLVideoProcessor")
+    own = "qwen3_vl" if video_type == "Qwen3VLVideoProcessor" else "qwen_vl_utils or transformers"
+    if (vision.frame_sampling == "qwen3_vl") != (own == "qwen3_vl"):
+        raise ValueError(f"data.vision.frame_sampling={vision.frame_sampling!r}, but {processor_class}'s "
+                         f"{video_type} samples videos as {own}")  # fmt: skip
+    common = {
+        "video_processor_type": video_type,
         **_normalisation(vision, processor_class),
         "size": {"shortest_edge": vision.video_min_pixels, "longest_edge": vision.video_max_pixels},
-        "min_pixels": vision.video_min_pixels,
-        "max_pixels": vision.video_max_pixels,
-        "do_sample_frames": vision.frame_sampling == "transformers",
         "fps": vision.fps,
         "min_frames": vision.min_frames,
         "max_frames": vision.max_frames,
+    }
+    if video_type == "Qwen3VLVideoProcessor":
+        return {**common, "do_sample_frames": True, "cap_pixels_per_frame": False}
+    budget_tokens = vision.video_total_pixels / (vision.factor**2 * 0.9)
+    return {
+        **common,
+        "min_pixels": vision.video_min_pixels,
+        "max_pixels": vision.video_max_pixels,
+        "do_sample_frames": vision.frame_sampling == "transformers",
         "cap_pixels_per_frame": True,
         "max_video_tokens": round(budget_tokens) if abs(budget_tokens - round(budget_tokens)) < 1e-6 else budget_tokens,
     }
@@ -134,7 +152,7 @@ def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str, name
     from omniweave.data.text.template import hf_chat_template, load_template
     from omniweave.data.text.tokenizer import TOKENIZER_FILES, load_tokenizer
 
-    template = load_template(template_name)
+    template = load_template(template_name, tokenizer=tok_dir)
     names = media_tokens(template) if named_tokens else {}
     if names:  # a name the processor looks up must be a token of the tokenizer
         tok = load_tokenizer(str(tok_dir))
@@ -154,7 +172,9 @@ def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str, name
         else:
             shutil.copyfile(tok_dir / name, out_dir / name)
         written.append(name)
-    (out_dir / "chat_template.jinja").write_text(hf_chat_template(template))
+    # data.template=hf trained on the directory's own template: it is exported as it is
+    jinja = template.source if getattr(template, "renders_tools", False) else hf_chat_template(template)
+    (out_dir / "chat_template.jinja").write_text(jinja)
     return written + ["chat_template.jinja"]
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from omniweave.data.media.mel import SAMPLE_RATE
+from omniweave.data.text.hf_template import verify_template
 from omniweave.models.hf.loading import adapter_for, load_hf
 
 DEFAULT_SECONDS = (3.3, 41.0)
@@ -61,7 +62,8 @@ def _sample(args, hf_dir: Path, n_mels: int, files: list[bytes]):
     conv = Conversation(id="verify", messages=[Message("user", "<audio>" * len(files) + args.prompt),
                                                Message("assistant", "A sound.")], audios=list(media))  # fmt: skip
     tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else "demo"
-    proc = SampleProcessor({"tokenizer": tokenizer, "template": args.template, "max_len": 1 << 20, "rope": "rope1d",
+    template = verify_template(args.template, tokenizer)
+    proc = SampleProcessor({"tokenizer": tokenizer, "template": template, "max_len": 1 << 20, "rope": "rope1d",
                             "audio": {"family": "qwen2_audio", "n_mels": n_mels}})  # fmt: skip
     sample = proc.tokenize(RawSample(key="verify", conversation=conv, media=media))
     return proc, sample, media_batch(proc, [(s, media[s.part]) for s in sample.media])
