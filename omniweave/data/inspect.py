@@ -144,6 +144,8 @@ def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -
         print(bold("  convert report"))
         print(f"    input {rep['input']:,} rows: written {rep['written']:,}, rejected {rep['rejected']:,}"
               f" in {rep.get('seconds', 0):.1f}s")
+        for name, d in rep.get("datasets", {}).items():  # --dataset-info: per entry
+            print(f"    dataset {name}: {d['input']:,} rows, written {d['written']:,}, rejected {d['rejected']:,}")
         if rep.get("media_items"):
             print("    media stored: " + ", ".join(f"{kind} {n:,}" for kind, n in rep["media_items"].items()))
         for reason, n in rep.get("rejected_by_reason", {}).items():

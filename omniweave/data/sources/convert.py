@@ -3,6 +3,8 @@
     omniweave data convert --input train.jsonl --media-dir media/ --output RAW \
         [--maxcount N] [--maxsize BYTES] [--workers W] [--strict] [--format F] [--mapping YAML]
         [--max-media-size BYTES] [--max-image-pixels N]
+    omniweave data convert --dataset-info data/dataset_info.json --dataset a,b --output RAW   (LLaMA-Factory's
+        registry: each entry's files with its own formatting / columns / tags, data/sources/dataset_info.py)
 
 Every input row is either written (sample key ``s{global_row:09d}``, the row's 0-based position
 across all inputs) or rejected with a reason into ``RAW/rejects.jsonl``; ``RAW/convert_report.json``
@@ -33,6 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from omniweave.data.sources import dataset_info as registry
 from omniweave.data.sources import shards as sh
 from omniweave.data.sources.formats import FormatError, decode_row, parse_row
 from omniweave.data.sources.mapping import COLUMN_FIELDS, FORMATS, TAG_FIELDS, Mapping, detect_format, mapping_from_yaml
@@ -65,8 +68,12 @@ def parse_size(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from omniweave.argtypes import integer
 
-    p.add_argument("--input", required=True, nargs="+", help="JSON array or JSONL file(s) of conversations")
-    p.add_argument("--media-dir", help="root that media paths are relative to (default: the input's folder)")
+    p.add_argument("--input", nargs="+", help="JSON array or JSONL file(s) of conversations")
+    p.add_argument("--dataset-info", metavar="PATH", help="a LLaMA-Factory dataset_info.json (instead of --input and "
+                   "the mapping flags): convert the --dataset entries, each with its own formatting/columns/tags")
+    p.add_argument("--dataset", metavar="NAME[,NAME...]", help="the --dataset-info entries to convert into one output")
+    p.add_argument("--media-dir", help="root that media paths are relative to (default: the input's folder, or "
+                   "the dataset_info.json's)")
     p.add_argument("--output", required=True, help="raw dataset directory to write")
     p.add_argument("--maxcount", type=integer(1), default=1000, help="rows per job; a shard holds at most this many samples")
     p.add_argument("--maxsize", type=parse_size, default=parse_size("1G"), help="start a new shard past this size (e.g. 512M)")
@@ -106,9 +113,10 @@ class Row:
     index: int  # 0-based row index within the file
     line: int | None  # 1-based line number (JSONL)
     raw: object  # JSONL: the line's text (parsed in the worker; bytes if not UTF-8); JSON: the parsed object
+    dataset: str | None = None  # its --dataset-info entry
 
 
-def read_rows(path: str) -> list[Row]:
+def read_rows(path: str, dataset: str | None = None) -> list[Row]:
     data = Path(path).read_bytes()
     if not path.endswith(".jsonl") and data.lstrip().startswith(b"{") and data.count(b"\n") > 1:
         try:  # a pretty-printed single object is not JSONL
@@ -126,7 +134,7 @@ def read_rows(path: str) -> list[Row]:
                 text: str | bytes = line.decode("utf-8")
             except UnicodeDecodeError:
                 text = line  # bytes: rejected as malformed_json by the worker
-            rows.append(Row(path, len(rows), n, text))
+            rows.append(Row(path, len(rows), n, text, dataset))
         return rows
     try:
         parsed = json.loads(data)
@@ -135,7 +143,7 @@ def read_rows(path: str) -> list[Row]:
                          "file unreadable, JSONL keeps going") from e
     if not isinstance(parsed, list):
         raise SystemExit(f"{path}: a .json input must hold a list of conversations, got {type(parsed).__name__}")
-    return [Row(path, i, None, obj) for i, obj in enumerate(parsed)]
+    return [Row(path, i, None, obj, dataset) for i, obj in enumerate(parsed)]
 
 
 def build_mapping(args) -> Mapping:
@@ -155,6 +163,23 @@ def resolve_mapping(rows: list[Row], mapping: Mapping) -> Mapping:
         except FormatError:  # rejected with its reason when the row is converted
             continue
     return mapping.resolved(detect_format(sample, mapping))
+
+
+def read_sources(args, datasets: list | None) -> tuple[list[Row], dict, dict]:
+    """(rows in order, (dataset, file) -> Mapping, (dataset, file) -> media dir): from --input files
+    (one mapping from the flags, its format detected per file) or from registry entries."""
+    if datasets is None:
+        base = build_mapping(args)
+        rows_by_file = {f: read_rows(f) for f in args.input}
+        mappings = {(None, f): resolve_mapping(rows, base) for f, rows in rows_by_file.items()}
+        media_dirs = {(None, f): args.media_dir or str(Path(f).parent) for f in args.input}
+        return [r for f in args.input for r in rows_by_file[f]], mappings, media_dirs
+    rows, mappings, media_dirs = [], {}, {}
+    for ds in datasets:
+        for f in ds.files:
+            rows += read_rows(f, ds.name)
+            mappings[(ds.name, f)], media_dirs[(ds.name, f)] = ds.mapping, args.media_dir or ds.root
+    return rows, mappings, media_dirs
 
 
 # ---------------------------------------------------------------------------- one row
@@ -178,7 +203,7 @@ def convert_row(row: Row, mapping: Mapping, media_dir: str, auto_placeholders: b
             name = f"{prefix}{i}.{media_extension(path)}"
             media[name] = load_media(path, media_dir, kind, limits)
             names[kind].append(name)
-    conv.meta = {"source": Path(row.file).name, "index": row.index,
+    conv.meta = {"source": Path(row.file).name, "index": row.index, **({"dataset": row.dataset} if row.dataset else {}),
                  "source_images": conv.images, "source_videos": conv.videos,
                  **({"source_audios": [source_name(p) for p in conv.audios]} if conv.audios else {}), **conv.meta}
     conv.images, conv.videos, conv.audios = names["image"], names["video"], names["audio"]
@@ -193,8 +218,8 @@ class Job:
     number: int
     first: int  # global index of the first row
     rows: list[Row]
-    mappings: dict  # file -> Mapping
-    media_dirs: dict  # file -> media dir
+    mappings: dict  # (dataset, file) -> Mapping
+    media_dirs: dict  # (dataset, file) -> media dir
     work: str
     maxcount: int
     maxsize: int
@@ -228,11 +253,11 @@ def run_job(job: Job) -> dict:
     for offset, row in enumerate(job.rows):
         g = job.first + offset
         try:
-            conv, media = convert_row(row, job.mappings[row.file], job.media_dirs[row.file], job.auto_placeholders,
-                                      job.limits)
+            source = (row.dataset, row.file)
+            conv, media = convert_row(row, job.mappings[source], job.media_dirs[source], job.auto_placeholders, job.limits)
         except FormatError as e:
-            rejects.append({"row": g, "file": row.file, "index": row.index, "line": row.line,
-                            "reason": e.reason, "message": e.message})
+            rejects.append({"row": g, **({"dataset": row.dataset} if row.dataset else {}), "file": row.file,
+                            "index": row.index, "line": row.line, "reason": e.reason, "message": e.message})
         else:
             if writer is not None and writer.size >= job.maxsize:
                 close_writer()
@@ -262,6 +287,7 @@ def _fingerprint(args, files: list[str]) -> str:
     spec = {
         "inputs": [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files],
         "mapping": Path(args.mapping).read_text() if args.mapping else None,
+        "dataset_info": Path(args.dataset_info).read_text() if args.dataset_info else None,  # the entries
         "args": {k: v for k, v in sorted(vars(args).items()) if k not in ("workers", "no_progress", "strict")},
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -280,7 +306,9 @@ def _clear_output(out: Path, keep_work: bool) -> None:
 def run(args) -> int:
     t0 = time.perf_counter()
     out = Path(args.output)
-    files = list(args.input)
+    registry.check_flags(args)
+    datasets = registry.select(args.dataset_info, args.dataset) if args.dataset_info else None
+    files = [f for ds in datasets for f in ds.files] if datasets else list(args.input)
     if not 0 < args.max_image_pixels <= IMAGE_PIXELS_CEILING or args.max_media_size <= 0:
         print(f"omniweave data convert: --max-image-pixels must be in 1..{IMAGE_PIXELS_CEILING} (training decodes "
               "up to that) and --max-media-size positive", file=sys.stderr)
@@ -290,14 +318,10 @@ def run(args) -> int:
             print(f"omniweave data convert: input {f} not found", file=sys.stderr)
             return 2
     try:
-        base = build_mapping(args)
-        rows_by_file = {f: read_rows(f) for f in files}
-        mappings = {f: resolve_mapping(rows, base) for f, rows in rows_by_file.items()}
+        rows, mappings, media_dirs = read_sources(args, datasets)
     except (ValueError, SystemExit) as e:
         print(f"omniweave data convert: {e}", file=sys.stderr)
         return 2
-    media_dirs = {f: args.media_dir or str(Path(f).parent) for f in files}
-    rows = [r for f in files for r in rows_by_file[f]]
 
     out.mkdir(parents=True, exist_ok=True)
     work = out / ".work"
@@ -328,7 +352,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     import PIL.Image  # noqa: F401 - imported once here so forked workers inherit it
-    if any(rows_by_file.values()):
+    if rows:
         import av  # noqa: F401
 
     tqdm.monitor_interval = 0  # no monitor thread in a process that forks workers
@@ -353,10 +377,12 @@ def run(args) -> int:
         print(f"omniweave data convert: failed ({type(e).__name__}: {e}); rerun the same command to resume", file=sys.stderr)
         return 1
     bar.close()
-    return _finish(args, out, work, jobs, done, len(rows), t0)
+    return _finish(args, out, work, jobs, done, files, datasets, t0)
 
 
-def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, n_rows: int, t0: float) -> int:
+def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, files: list[str], datasets: list | None,
+            t0: float) -> int:
+    n_rows = sum(len(job.rows) for job in jobs)
     shard_records, rejects, media_bytes = [], [], 0
     media_items = Counter({"image": 0, "video": 0, "audio": 0})
     unused: dict[str, Counter] = {}
@@ -385,9 +411,12 @@ def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, n_rows: in
         "input": n_rows, "written": written, "rejected": len(rejects), "rejected_by_reason": by_reason,
         "bytes": total_bytes, "media_bytes": media_bytes, "media_items": dict(media_items),
         "unused_columns": {f: dict(sorted(c.items())) for f, c in unused.items()}, "seconds": round(seconds, 3),
-        "inputs": list(args.input), "workers": args.workers, "maxcount": args.maxcount, "maxsize": args.maxsize,
+        "inputs": files, "workers": args.workers, "maxcount": args.maxcount, "maxsize": args.maxsize,
         "shards": [{"name": s["name"], "count": s["count"], "bytes": s["bytes"]} for s in shard_records],
     }
+    if datasets:
+        report.update(dataset_info=str(args.dataset_info), datasets=registry.per_dataset(
+            datasets, Counter(r.dataset for job in jobs for r in job.rows), rejects))
     assert n_rows == written + len(rejects), "row accounting is broken"
     (out / "convert_report.json").write_text(json.dumps(report, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
@@ -395,8 +424,8 @@ def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, n_rows: in
         print(f"convert: warning: {file}: column(s) no mapping reads: "
               + ", ".join(f"'{c}' ({n} rows)" for c, n in sorted(columns.items()))
               + "; they are kept in each sample's meta.extra but not trained on. If one holds turns, a system "
-              "prompt or media, map it (--messages-key, --system-key, --images-key, --videos-key, --audios-key or "
-              "--mapping)",
+              "prompt or media, map it (" + ("the entry's columns in --dataset-info" if datasets else "--messages-key, "
+              "--system-key, --images-key, --videos-key, --audios-key or --mapping") + ")",
               file=sys.stderr)
     reasons = ", ".join(f"{k}: {v}" for k, v in by_reason.items())
     stored = ", ".join(f"{n} {kind}(s)" for kind, n in media_items.items())
@@ -406,6 +435,9 @@ def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, n_rows: in
         f"{len(rejects)} rejected{f' ({reasons})' if reasons else ''} in {seconds:.1f}s -> {out}"
         + (f"; see {out / 'rejects.jsonl'}" if rejects else "")
     )
+    if datasets:
+        print("convert: per dataset: " + ", ".join(f"{name} {d['input']} -> {d['written']}"
+                                                   for name, d in report["datasets"].items()))
     if n_rows and not written:  # nothing to pack: a mapping or media-dir mistake, not a dataset
         print(f"omniweave data convert: error: every row was rejected ({reasons}); the first few reasons with their "
               f"rows are in {out / 'rejects.jsonl'}", file=sys.stderr)

@@ -47,6 +47,7 @@ class Mapping:
     system_tag: str | None = None
     observation_tag: str | None = None
     function_tag: str | None = None
+    ranking: bool = False  # every row is a preference pair (LLaMA-Factory's `ranking: true`): data/sources/preference.py
 
     def resolved(self, fmt: str) -> "Mapping":
         """Fill the format's defaults into every field left ``None``."""

@@ -8,6 +8,7 @@ Input layouts, read by ``omniweave data convert`` beside plain conversations::
     openai    {"messages": [{"role": "user", "content": "<image>What colour?"},
                             {"role": "assistant", "content": "red"}],          <- the chosen answer
                "rejected": {"role": "assistant", "content": "blue"}, "images": ["a.png"]}
+    alpaca    {"instruction": "<image>What colour?", "chosen": "red", "rejected": "blue", "images": ["a.png"]}
 
 and LLaMA-Factory's newer ``{"chosen_messages": [...], "rejected_messages": [...]}`` (two whole
 conversations that differ in their last assistant turn: ``from_conversation_pair``).
@@ -56,8 +57,9 @@ def from_conversation_pair(row: Any) -> Any:
 
 
 def is_preference_row(row: Any, m: Mapping) -> bool:
-    """A row carrying either side of a pair (a missing other side is then a counted reject)."""
-    return isinstance(row, dict) and (m.chosen in row or m.rejected in row)
+    """A row carrying either side of a pair, or any row of a ``ranking`` dataset (a missing side is
+    then a counted reject)."""
+    return isinstance(row, dict) and (m.ranking or m.chosen in row or m.rejected in row)
 
 
 def _answer_text(value: Any, side: str, m: Mapping) -> str:
@@ -80,6 +82,8 @@ def _answer_text(value: Any, side: str, m: Mapping) -> str:
 
 def split_preference_row(row: dict, m: Mapping) -> tuple[dict, str]:
     """(the row as a plain conversation: prompt + chosen answer, the rejected answer's text)."""
+    if m.format == "alpaca":
+        return _split_alpaca(row, m)
     turns = row.get(m.messages)
     if not isinstance(turns, list):
         raise FormatError("bad_schema", f"'{m.messages}' must be a list of turns")
@@ -97,4 +101,19 @@ def split_preference_row(row: dict, m: Mapping) -> tuple[dict, str]:
         raise FormatError("preference_identical", "the chosen and rejected answers are the same text")
     plain = {k: v for k, v in row.items() if k not in (m.chosen, m.rejected)}
     plain[m.messages] = turns
+    return plain, rejected
+
+
+def _split_alpaca(row: dict, m: Mapping) -> tuple[dict, str]:
+    """LLaMA-Factory's alpaca pair: the instruction (+ input, history, system) is the prompt and the
+    ``chosen`` / ``rejected`` columns the two answers; the chosen one becomes the row's output."""
+    rejected = _answer_text(row.get(m.rejected), "rejected", m)
+    chosen = _answer_text(row.get(m.chosen), "chosen", m)
+    if row.get(m.output):
+        raise FormatError("bad_schema", f"a preference pair with an '{m.output}' column too: which answer is the "
+                          f"preferred one, '{m.output}' or '{m.chosen}'?")
+    if chosen.strip() == rejected.strip():
+        raise FormatError("preference_identical", "the chosen and rejected answers are the same text")
+    plain = {k: v for k, v in row.items() if k not in (m.chosen, m.rejected)}
+    plain[m.output] = chosen
     return plain, rejected
