@@ -27,6 +27,7 @@ IMPORTS = {
         "assert sys.meta_path == hooks; import torch, torchvision; "
         "from transformers import AutoVideoProcessor, Qwen2_5_VLForConditionalGeneration; "
         "from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor; "
+        "from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor; "
         "from omniweave.models.hf import verify, peft_adapter; "
         "from omniweave.models.hf.torchvision_guard import torchvision_loads; assert torchvision_loads(); "
         "keep = torchvision.ops.nms(torch.tensor([[0., 0, 2, 2], [0, 0, 2, 2.1]]), torch.tensor([1., .9]), 0.5); "
@@ -74,6 +75,19 @@ def main() -> None:
     step("hf verify (an image and a video; HF's torchvision video processor as the reference)",
          [OMNI, "hf", "verify", "hf"],
          expect=("videos: omniweave.data.media.vision vs Qwen2VLVideoProcessor", "OK: all differences within atol"))
+    # Qwen3-VL samples and resizes videos its own way (frame_sampling: qwen3_vl): the tiny recipe on the
+    # same raw shards, exported, verified against transformers' Qwen3VLVideoProcessor picking its own frames
+    step("data pack --recipe tiny_qwen3_vl",
+         [OMNI, "data", "pack", "--input", "raw", "--output", "packed_qwen3_vl", "--recipe", "tiny_qwen3_vl",
+          "--max-len", "1024", "--workers", "1"], expect=("packed 64/64 samples",))
+    step("train tiny_qwen3_vl 2 steps", [OMNI, "train", "tiny_qwen3_vl", "data.path=packed_qwen3_vl", *DEMO[1:],
+                                         "output_dir=run_qwen3_vl", "train.steps=2", "train.global_batch=2"],
+         expect=("trained 2 steps",))
+    step("hf export (Qwen3-VL)", [OMNI, "hf", "export", "run_qwen3_vl", "--output", "hf_qwen3_vl"])
+    step("hf verify (Qwen3-VL: an image and a video; HF's Qwen3VLVideoProcessor picks the frames)",
+         [OMNI, "hf", "verify", "hf_qwen3_vl"],
+         expect=("frame_indices max|Δ| = 0.000e+00", "videos: omniweave.data.media.vision vs Qwen3VLVideoProcessor",
+                 "OK: all differences within atol"))
     step("train --nproc 2 (dp 2)", [OMNI, "train", "demo", *DEMO, "output_dir=run_dp2", "train.steps=2",
                                      "train.global_batch=2", "--nproc", "2"], expect=("cpu x2 (dp=2", "trained 2 steps"))
     step("train --nproc 2 parallel.cp=2", [OMNI, "train", "demo", *DEMO, "output_dir=run_cp2", "train.steps=2",

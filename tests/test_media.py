@@ -140,6 +140,29 @@ def test_video_counting_from_header_equals_full_processing(num_frames, fps, cont
     assert plan.second_per_grid == pytest.approx(2 / (n / num_frames * info.fps))
 
 
+# Qwen3-VL's rule (frame_sampling: qwen3_vl): the limits bound frames x height x width
+SMALL_QWEN3 = M.VisionConfig(patch_size=16, frame_sampling="qwen3_vl", video_min_pixels=32 * 32 * 4,
+                             video_max_pixels=32 * 32 * 24)  # fmt: skip
+
+
+@pytest.mark.parametrize("num_frames,fps,container", VIDEO_CASES)
+def test_qwen3_vl_video_counting_from_header_equals_full_processing(num_frames, fps, container):
+    """Its plan (tests/test_video_sampling.py: equal to Qwen3VLVideoProcessor's) is what decoding
+    makes; a clip of fewer frames than the temporal patch is a named reject, as transformers raises."""
+    data = video_bytes(num_frames, fps=fps, height=50, width=76, container=container, seed=num_frames)
+    if num_frames < 2:
+        with pytest.raises(M.MediaError) as err:
+            M.process_video(data, SMALL_QWEN3)
+        assert err.value.reason == "video_too_short"
+        return
+    plan = M.plan_video(M.probe_video(data), SMALL_QWEN3)
+    pixel_values, processed = M.process_video(data, SMALL_QWEN3)
+    t, h, w = plan.grid_thw
+    assert processed == plan
+    assert pixel_values.shape == (t * h * w, 3 * 2 * 16 * 16) and pixel_values.dtype == np.float32
+    assert len(plan.frame_indices) == 2 * t and max(plan.frame_indices) < num_frames
+
+
 def test_video_patches_follow_the_image_processors_temporal_patch_layout(hf_image_processor):
     """Each temporal slot of a video patch holds the image processor's patch of that frame (up to
     float32 rounding: frames are normalised as the video processor does, ``(x - 255·mean) /

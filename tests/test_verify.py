@@ -117,3 +117,68 @@ def test_video_pixels_are_compared_with_the_video_processor(tmp_path, capsys):
     assert "videos: omniweave.data.media.vision vs Qwen2VLVideoProcessor on its own frames (do_sample_frames)" in out
     video_pixels = next(line for line in out.splitlines() if "vs Qwen2VLVideoProcessor" in line)
     assert "max|Δ| = 0.000e+00" in video_pixels
+
+
+def _qwen3_vl_dir(tmp_path, vision):
+    """A tiny Qwen3-VL directory with an image processor config (patch 16, mean/std 0.5) and the
+    video processor config an export of ``vision`` writes (Qwen3VLVideoProcessor)."""
+    import json
+
+    from qwen3_vl_factory import save_tiny as save_tiny_qwen3
+
+    from omniweave.models.hf.processor_files import video_processor_config
+
+    path, _ = save_tiny_qwen3("qwen3_vl", tmp_path / "qwen3_vl")
+    Qwen2VLImageProcessorPil(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3, min_pixels=32 * 32 * 2,
+                             max_pixels=32 * 32 * 64).save_pretrained(path)  # fmt: skip
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video_processor_config(vision, "Qwen3VLProcessor")))
+    return path
+
+
+def test_qwen3_vl_video_is_compared_with_its_own_video_processor(tmp_path, monkeypatch, capsys):
+    """Qwen3-VL (issue 32, item 7): transformers' Qwen3VLVideoProcessor samples, resizes and
+    normalises the clip itself; its frames, grid and pixels, and the timestamps of its frames in
+    the text, equal ours. With Qwen2-VL's frame placement on our side (the old bug) verify fails
+    on the frames, before any model runs."""
+    import pytest
+
+    pytest.importorskip("torchvision", reason="transformers' video processors need torchvision")
+    from data_factory import video_bytes
+
+    from omniweave.data.media import vision as M
+
+    vision = M.VisionConfig(patch_size=16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3, frame_sampling="qwen3_vl",
+                            video_min_pixels=32 * 32 * 4, video_max_pixels=32 * 32 * 24, fps=3.0)  # fmt: skip
+    path = _qwen3_vl_dir(tmp_path, vision)
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(video_bytes(13, fps=6.0, height=213, width=97, seed=13))  # the issue's clip: 6 frames of 13
+    assert verify.verify(_args(path, video=clip)) == 0
+    out = capsys.readouterr().out
+    assert "videos: omniweave.data.media.vision vs Qwen3VLVideoProcessor on its own frames (do_sample_frames)" in out
+    assert "frame_indices max|Δ| = 0.000e+00" in out and "[0, 2, 5, 7, 10, 12]" in out
+    assert "input_ids     max|Δ| = 0.000e+00" in out
+    video_pixels = next(line for line in out.splitlines() if "vs Qwen3VLVideoProcessor" in line)
+    assert "max|Δ| = 0.000e+00" in video_pixels
+
+    monkeypatch.setitem(M.FRAME_SAMPLING, "qwen3_vl", M._arange_frames)  # transformers' Qwen2-VL placement
+    monkeypatch.setattr(verify, "load_pair", lambda *a: pytest.fail("models run on inputs that differ"))
+    assert verify.verify(_args(path, video=clip)) == 1
+    out = capsys.readouterr().out
+    assert "frame_indices max|Δ| = DIFFER" in out and "[0, 2, 4, 6, 8, 10]" in out
+
+
+def test_qwen3_vl_random_video_through_the_video_processor(tmp_path, capsys):
+    """No --video: the random clip (6 frames at 4 fps) goes through Qwen3VLVideoProcessor too, and
+    the whole model comparison passes."""
+    import pytest
+
+    pytest.importorskip("torchvision", reason="transformers' video processors need torchvision")
+    from omniweave.data.media.vision import VisionConfig
+
+    vision = VisionConfig(patch_size=16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3, frame_sampling="qwen3_vl",
+                          video_min_pixels=32 * 32 * 4, video_max_pixels=32 * 32 * 24)  # fmt: skip
+    assert verify.verify(_args(_qwen3_vl_dir(tmp_path, vision))) == 0
+    out = capsys.readouterr().out
+    assert "vs Qwen3VLVideoProcessor on its own frames" in out and "OK" in out
+    for what in ("frame_indices", "grid_thw", "position_ids", "logits"):
+        assert f"{what:<13} max|Δ| = " in out

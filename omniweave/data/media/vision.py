@@ -10,16 +10,25 @@ the stream header alone: frame count, frame rate, size), so decoding reads exact
 
 Images follow ``transformers.Qwen2VLImageProcessorPil`` exactly (RGB with alpha composited on
 white, PIL bicubic resize of uint8 pixels, rescale in float64 then float32, normalise, patchify).
-Videos follow qwen-vl-utils and transformers' ``Qwen2VLVideoProcessor``: ``fps`` sampling clamped
-to [min_frames, max_frames] and rounded down to a multiple of the temporal patch, evenly spaced
-frame indices, a per-frame pixel cap from the whole video's ``video_total_pixels`` budget, and the
-last frame repeated up to a multiple of ``temporal_patch_size``. The two references place the
-frames differently (``frame_sampling``): qwen-vl-utils rounds ``linspace(0, n - 1, k)`` (the
-default, what Qwen trained with), transformers truncates ``arange(0, n, n / k)`` (what an exported
-directory's ``video_preprocessor_config.json`` does with ``do_sample_frames``). Both resize the
-decoded uint8 frames with torchvision's bicubic antialiased resize, which on the CPU is torch's
+Videos follow one of three rules, ``VisionConfig.frame_sampling`` (a recipe's family sets it):
+
+- ``qwen_vl_utils`` (default; Qwen2-VL / Qwen2.5-VL as Qwen trained them) and ``transformers``
+  (``Qwen2VLVideoProcessor``, which Qwen2.5-VL uses too, with ``do_sample_frames``): ``fps``
+  sampling clamped to [min_frames, max_frames] and rounded down to a multiple of the temporal patch,
+  a per-frame pixel cap of ``video_max_pixels`` and the whole video's ``video_total_pixels`` share.
+  qwen-vl-utils rounds ``linspace(0, n - 1, k)``, ceils ``min_frames`` to the temporal patch and
+  divides the budget in floats; transformers truncates ``arange(0, n, n / k)`` and divides in
+  integers (``total * tp // k``).
+- ``qwen3_vl`` (``Qwen3VLVideoProcessor``): ``int(n / fps_src * fps)`` frames clamped to
+  [min_frames, min(max_frames, n)], not rounded to the temporal patch, at rounded
+  ``linspace(0, n - 1, k)``; one resize for the whole clip whose pixel limits
+  ``video_min_pixels`` / ``video_max_pixels`` (its ``size`` dict) bound frames × height × width.
+
+In every rule the last frame is repeated up to a multiple of ``temporal_patch_size``. All resize
+the decoded uint8 frames with torchvision's bicubic antialiased resize, which on the CPU is torch's
 uint8 ``interpolate`` (not PIL), and normalise in float32 as ``(x - 255·mean) / (255·std)``; so do
-we, which makes our video pixels equal transformers' (tests/test_video_parity.py).
+we, which makes our video pixels equal transformers' (tests/test_video_parity.py,
+tests/test_video_sampling.py).
 """
 
 from __future__ import annotations
@@ -71,7 +80,7 @@ class VisionConfig:
     position_id_per_seconds: int = 25  # Qwen2.5-Omni (rope: mrope_omni): temporal positions per second
     image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
     image_std: tuple[float, ...] = OPENAI_CLIP_STD
-    frame_sampling: str = "qwen_vl_utils"  # or "transformers": where the k frames of n are taken
+    frame_sampling: str = "qwen_vl_utils"  # video rule: qwen_vl_utils | transformers | qwen3_vl (module doc)
 
     def __post_init__(self):
         if self.frame_sampling not in FRAME_SAMPLING:
@@ -129,19 +138,33 @@ def _pixel_limits(hf: dict, min_key: str, max_key: str) -> dict:
 
 
 def video_settings_from_hf(path: str | Path) -> dict:
-    """Pixel limits, fps sampling and frame limits of a Qwen2-VL-style
-    ``video_preprocessor_config.json`` (a file, or the model directory holding it); the
-    whole-video pixel budget is transformers' ``max_video_tokens`` × factor² × 0.9, and
-    ``do_sample_frames`` means transformers' frame placement (``frame_sampling: transformers``)."""
+    """Pixel limits, fps sampling and frame limits of a Qwen-VL ``video_preprocessor_config.json``
+    (a file, or the model directory holding it), and the rule it samples by (``frame_sampling``):
+    ``Qwen3VLVideoProcessor`` means ``qwen3_vl`` (its ``size`` bounds frames × height × width);
+    ``Qwen2VLVideoProcessor`` with ``do_sample_frames`` means ``transformers``, whose whole-video
+    pixel budget is ``max_video_tokens`` × factor² × 0.9 (``cap_pixels_per_frame``). ``ValueError``
+    for settings no rule here reproduces: sampling without ``fps``, Qwen3-VL's per-frame cap."""
     path = Path(path)
-    hf = json.loads((path / "video_preprocessor_config.json" if path.is_dir() else path).read_text())
-    out = _pixel_limits(hf, "video_min_pixels", "video_max_pixels")
+    file = path / "video_preprocessor_config.json" if path.is_dir() else path
+    hf = json.loads(file.read_text())
+    qwen3 = hf.get("video_processor_type") == "Qwen3VLVideoProcessor"
+    if hf.get("num_frames") is not None or ("fps" in hf and hf["fps"] is None):
+        raise ValueError(f"{file}: sampling without fps (num_frames, or fps: null) is not supported")
+    if qwen3 and hf.get("cap_pixels_per_frame"):
+        raise ValueError(f"{file}: Qwen3VLVideoProcessor's cap_pixels_per_frame is not supported")
+    if qwen3:  # its size dict alone (no min_pixels / max_pixels keys), else its class defaults
+        size = hf.get("size") or {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
+        out = {"video_min_pixels": int(size["shortest_edge"]), "video_max_pixels": int(size["longest_edge"])}
+    else:
+        out = _pixel_limits(hf, "video_min_pixels", "video_max_pixels")
     for key, kind in (("fps", float), ("min_frames", int), ("max_frames", int)):
         if hf.get(key) is not None:
             out[key] = kind(hf[key])
-    if hf.get("do_sample_frames"):  # the processor picks the frames itself, its own way
+    if qwen3:  # samples its own way whether it samples itself or is handed frames sampled its way
+        out["frame_sampling"] = "qwen3_vl"
+    elif hf.get("do_sample_frames"):  # the processor picks the frames itself, its own way
         out["frame_sampling"] = "transformers"
-    if hf.get("cap_pixels_per_frame") and hf.get("max_video_tokens") is not None:
+    if not qwen3 and hf.get("cap_pixels_per_frame") and hf.get("max_video_tokens") is not None:
         factor = hf.get("patch_size", VisionConfig.patch_size) * hf.get("merge_size", VisionConfig.merge_size)
         out["video_total_pixels"] = int(hf["max_video_tokens"] * factor * factor * 0.9)
     return out
@@ -184,8 +207,11 @@ class MediaPlan:
 # ---------------------------------------------------------------------------- pure rules
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL resize target: sides multiples of ``factor``, area within [min, max], aspect kept."""
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
+                 frames: int = 1, temporal_factor: int = 1) -> tuple[int, int]:  # fmt: skip
+    """Qwen2-VL resize target: sides multiples of ``factor``, area within [min, max], aspect kept.
+    With ``frames`` (Qwen3-VL videos: transformers' ``qwen3_vl`` ``smart_resize``) the bounds are on
+    frames × area, the frames rounded to a multiple of ``temporal_factor``."""
     if min(height, width) <= 0:
         raise MediaError("empty_media", f"size {height}x{width}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
@@ -195,28 +221,32 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    t_bar = round(frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
 
 
 def video_frame_count(num_frames: int, fps: float, cfg: VisionConfig) -> int:
-    """Frames to sample (before padding): duration × cfg.fps, clamped, floored to the temporal patch."""
+    """Frames to sample (before padding), by ``cfg.frame_sampling`` (see the module doc)."""
     tp = cfg.temporal_patch_size
-    min_frames = math.ceil(cfg.min_frames / tp) * tp
-    max_frames = math.floor(min(cfg.max_frames, num_frames) / tp) * tp
     wanted = num_frames / fps * cfg.fps
+    if cfg.frame_sampling == "qwen3_vl":  # Qwen3VLVideoProcessor.sample_frames
+        return min(max(int(wanted), cfg.min_frames), cfg.max_frames, num_frames)
+    # qwen-vl-utils' smart_nframes ceils min_frames to the temporal patch; Qwen2VLVideoProcessor does not
+    min_frames = cfg.min_frames if cfg.frame_sampling == "transformers" else math.ceil(cfg.min_frames / tp) * tp
+    max_frames = math.floor(min(cfg.max_frames, num_frames) / tp) * tp
     n = math.floor(min(max(wanted, min_frames), max_frames, num_frames) / tp) * tp
     return max(n, min(num_frames, tp))  # a 1-frame video still yields one frame (padded later)
 
 
-def _linspace_frames(num_frames: int, n: int) -> list[int]:  # qwen-vl-utils' fetch_video
+def _linspace_frames(num_frames: int, n: int) -> list[int]:  # qwen-vl-utils' fetch_video, Qwen3VLVideoProcessor
     return np.linspace(0, num_frames - 1, n).round().astype(np.int64).tolist()
 
 
@@ -226,7 +256,7 @@ def _arange_frames(num_frames: int, n: int) -> list[int]:  # transformers' Qwen2
     return torch.arange(0, num_frames, num_frames / n).int().tolist()
 
 
-FRAME_SAMPLING = {"qwen_vl_utils": _linspace_frames, "transformers": _arange_frames}
+FRAME_SAMPLING = {"qwen_vl_utils": _linspace_frames, "transformers": _arange_frames, "qwen3_vl": _linspace_frames}
 
 
 def video_frame_indices(num_frames: int, n: int, temporal_patch_size: int,
@@ -236,6 +266,25 @@ def video_frame_indices(num_frames: int, n: int, temporal_patch_size: int,
     idx = FRAME_SAMPLING[sampling](num_frames, n)
     idx += [idx[-1]] * (-len(idx) % temporal_patch_size)
     return tuple(idx)
+
+
+def video_resize(info: VideoInfo, n: int, cfg: VisionConfig) -> tuple[int, int]:
+    """Resize target of every frame of a video sampled to ``n`` frames (before padding)."""
+    tp, factor = cfg.temporal_patch_size, cfg.factor
+    if cfg.frame_sampling == "qwen3_vl":  # Qwen3VLVideoProcessor.resize (its smart_resize) over n frames
+        if n < tp:
+            raise MediaError("video_too_short", f"{n} sampled frame(s); Qwen3-VL's video processor needs {tp}")
+        height, width = info.height, info.width
+        if min(height, width) > 0 and (height < factor or width < factor):  # small sides scaled up first
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        return smart_resize(height, width, factor, cfg.video_min_pixels, cfg.video_max_pixels, n, tp)
+    if cfg.frame_sampling == "transformers":  # Qwen2VLVideoProcessor.resize, cap_pixels_per_frame
+        share = cfg.video_total_pixels * tp // n
+    else:  # qwen-vl-utils' fetch_video
+        share = cfg.video_total_pixels / n * tp
+    max_pixels = max(min(cfg.video_max_pixels, share), int(cfg.video_min_pixels * 1.05))
+    return smart_resize(info.height, info.width, factor, cfg.video_min_pixels, max_pixels)
 
 
 def plan_image(info: ImageInfo, cfg: VisionConfig) -> MediaPlan:
@@ -248,11 +297,9 @@ def plan_video(info: VideoInfo, cfg: VisionConfig) -> MediaPlan:
     if info.num_frames < 1:
         raise MediaError("video_no_frames", "the stream has no frames")
     n = video_frame_count(info.num_frames, info.fps, cfg)
+    h, w = video_resize(info, n, cfg)
     indices = video_frame_indices(info.num_frames, n, tp, cfg.frame_sampling)
-    # per-frame pixel cap from the whole-video budget (qwen-vl-utils)
-    max_pixels = max(min(cfg.video_max_pixels, cfg.video_total_pixels / n * tp), int(cfg.video_min_pixels * 1.05))
-    h, w = smart_resize(info.height, info.width, cfg.factor, cfg.video_min_pixels, max_pixels)
-    sample_fps = n / info.num_frames * info.fps
+    sample_fps = n / info.num_frames * info.fps  # transformers' VideoMetadata.sampled_fps
     grid = (len(indices) // tp, h // cfg.patch_size, w // cfg.patch_size)
     return MediaPlan("video", grid, (h, w), indices, tp / sample_fps, info.fps)
 

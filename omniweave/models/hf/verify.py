@@ -5,10 +5,12 @@ runs the same conversation through both, printing max|Δ| for every stage:
 
     input_ids     ours (SampleProcessor, ``--template``) vs transformers' tokenizer rendering
                   the directory's chat template, each pad token repeated as Qwen2VLProcessor
-                  does (grid / merge², grids from HF's image processor; a Qwen3-VL video as
-                  ``<t seconds>`` + vision_start + pads + vision_end per temporal patch, t from
-                  transformers' ``_calculate_timestamps``); without a chat template in the
-                  directory, our rendered text with HF's pad counts
+                  does (grid / merge², grids from HF's image / video processor; a Qwen3-VL video
+                  as ``<t seconds>`` + vision_start + pads + vision_end per temporal patch, t from
+                  transformers' ``_calculate_timestamps`` of the frames its video processor
+                  picked); without a chat template in the directory, our rendered text with HF's
+                  pad counts
+    frame_indices videos its video processor samples itself (``do_sample_frames``): its frames
     grid_thw      per media item
     pixel_values  images: ours (omniweave.data.media.vision) vs transformers' Qwen2VLImageProcessorPil,
                   when the directory has a preprocessor_config.json; videos: ours vs its
@@ -34,11 +36,13 @@ document alone through transformers.
 
 Media: the given files, or a random image and a random video when none are given. Videos go
 through transformers' video processor (``AutoVideoProcessor`` of the directory's
-video_preprocessor_config.json, frames decoded by its PyAV reader) and their grids and pixels are
-compared, where torchvision (which that processor needs) is installed; otherwise, without that
-file, or for Qwen3-VL, HF receives the pixel values our pipeline made and only positions and
-logits are compared for videos. Without a preprocessor_config.json, HF receives our pixel values
-for images too. Our side takes its
+video_preprocessor_config.json: ``Qwen2VLVideoProcessor``, or for Qwen3-VL
+``Qwen3VLVideoProcessor``; frames decoded by its PyAV reader) and their frames, grids and pixels
+are compared, where torchvision (which that processor needs) loads; otherwise, or without that
+file, HF receives the pixel values our pipeline made and only positions and logits are compared
+for videos (a Qwen3-VL model's videos then follow Qwen3VLVideoProcessor's rule on our side). An
+exact difference (ids, frames, grids) stops before the models run. Without a
+preprocessor_config.json, HF receives our pixel values for images too. Our side takes its
 image and video settings from the directory's preprocessor_config.json and
 video_preprocessor_config.json (an omniweave export writes both from its recipe). The tokenizer is
 the directory's (tokenizer.json) or, for tiny test models without one, omniweave's demo tokenizer;
@@ -126,8 +130,13 @@ def _sample(args, hf_dir: Path, hf_cfg: dict):
         vc = hf_cfg.get("vision_config") or {}
         vision |= {k: vc[k] for k in ("patch_size", "temporal_patch_size") if k in vc}
         vision |= {"merge_size": vc["spatial_merge_size"]} if "spatial_merge_size" in vc else {}
+    if hf_cfg["model_type"] in QWEN3_VL:  # Qwen3VLVideoProcessor's rule, also without its config file
+        vision["frame_sampling"] = "qwen3_vl"
     if (hf_dir / "video_preprocessor_config.json").exists():
-        vision |= video_settings_from_hf(hf_dir)
+        try:
+            vision |= video_settings_from_hf(hf_dir)
+        except ValueError as e:
+            raise UserError(str(e)) from None
     if qwen25:
         vision["tokens_per_second"] = float(hf_cfg.get("vision_config", {}).get("tokens_per_second", 2))
     tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else "demo"
@@ -152,11 +161,13 @@ def _hf_image_inputs(hf_dir: Path, raw, sample):
     return torch.as_tensor(np.asarray(out["pixel_values"])), torch.as_tensor(np.asarray(out["image_grid_thw"]))
 
 
-def _hf_video_inputs(hf_dir: Path, hf_cfg: dict, raw, sample) -> tuple[tuple | None, str]:
-    """(pixel_values_videos, video_grid_thw) from transformers' video processor of the directory
-    (its video_preprocessor_config.json), frames decoded by transformers' PyAV reader, or None and
-    why not. With ``do_sample_frames`` (an omniweave export) it picks the frames itself; without,
-    it is given the frames we picked, as Qwen's model cards give it qwen-vl-utils' frames."""
+def _hf_video_inputs(hf_dir: Path, raw, sample) -> tuple[tuple | None, str]:
+    """(pixel_values_videos, video_grid_thw, frames) from transformers' video processor of the
+    directory (its video_preprocessor_config.json: ``Qwen2VLVideoProcessor``,
+    ``Qwen3VLVideoProcessor``), frames decoded by transformers' PyAV reader, or None and why not.
+    With ``do_sample_frames`` (an omniweave export, Qwen3-VL's released config) it picks the frames
+    itself and ``frames`` holds, per video, the (indices, fps) it picked at; without, it is given
+    the frames we picked, as Qwen's model cards give it qwen-vl-utils' frames, and ``frames`` is None."""
     import tempfile
 
     from omniweave.models.hf.torchvision_guard import torchvision_loads, why_not
@@ -164,15 +175,13 @@ def _hf_video_inputs(hf_dir: Path, hf_cfg: dict, raw, sample) -> tuple[tuple | N
     spans = [s for s in sample.media if s.kind == "video"]
     if not torchvision_loads():
         return None, f"HF given ours (its video processor needs torchvision; {why_not()})"
-    if hf_cfg["model_type"] in QWEN3_VL:
-        return None, "HF given ours (Qwen3-VL's video processor is not compared)"
     if not (hf_dir / "video_preprocessor_config.json").exists():
         return None, "HF given ours (no video_preprocessor_config.json)"
     from transformers import AutoVideoProcessor
     from transformers.video_utils import load_video
 
     processor = AutoVideoProcessor.from_pretrained(str(hf_dir))
-    pixels, grids = [], []
+    pixels, grids, frames_at = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i, span in enumerate(spans):
             path = Path(tmp) / f"video{i}"
@@ -180,13 +189,16 @@ def _hf_video_inputs(hf_dir: Path, hf_cfg: dict, raw, sample) -> tuple[tuple | N
             frames, metadata = load_video(str(path), backend="pyav",
                                           sample_indices_fn=lambda metadata, **_: np.arange(metadata.total_num_frames))  # fmt: skip
             if processor.do_sample_frames:
-                out = processor(videos=[frames], video_metadata=[metadata], return_tensors="pt")
+                out = processor(videos=[frames], video_metadata=[metadata], return_metadata=True, return_tensors="pt")
+                picked = out["video_metadata"][0]
+                frames_at.append(([int(j) for j in picked.frames_indices], float(picked.fps)))
             else:  # our frames, without the padding repeats (the processor pads itself)
                 out = processor(videos=[frames[list(dict.fromkeys(span.frame_indices))]], return_tensors="pt")
             pixels.append(out["pixel_values_videos"])
             grids.append(out["video_grid_thw"])
     how = "its own frames (do_sample_frames)" if processor.do_sample_frames else "our frames"
-    return (torch.cat(pixels), torch.cat(grids)), f"videos: omniweave.data.media.vision vs {type(processor).__name__} on {how}"
+    return ((torch.cat(pixels), torch.cat(grids), frames_at if processor.do_sample_frames else None),
+            f"videos: omniweave.data.media.vision vs {type(processor).__name__} on {how}")  # fmt: skip
 
 
 def _hf_rendered_ids(hf_dir: Path, raw, proc, replacements: list[str]) -> torch.Tensor | None:
@@ -216,21 +228,22 @@ def _hf_rendered_ids(hf_dir: Path, raw, proc, replacements: list[str]) -> torch.
 QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")  # videos written with timestamps (rope: mrope_qwen3vl)
 
 
-def _hf_replacements(hf_cfg: dict, proc, raw, sample, counts: list[int]) -> list[str]:
+def _hf_replacements(hf_cfg: dict, proc, raw, sample, counts: list[int], hf_frames: dict | None = None) -> list[str]:
     """What transformers' processor writes for each media item's pad token: the pad repeated
     ``counts[i]`` times; for a Qwen3-VL video, per temporal patch ``<t seconds>`` + vision_start +
-    pads + vision_end, t from transformers' own ``Qwen3VLProcessor._calculate_timestamps`` (its
-    video processor needs torchvision; the frames and the stream's fps are ours)."""
+    pads + vision_end, t from transformers' own ``Qwen3VLProcessor._calculate_timestamps`` of the
+    frames its video processor picked (``hf_frames[i]``: indices, fps), else of ours."""
     out = []
-    for span, n in zip(sample.media, counts):
+    for i, (span, n) in enumerate(zip(sample.media, counts)):
         pad = proc.template.image_pad if span.kind == "image" else proc.template.video_pad
         if span.kind != "video" or hf_cfg["model_type"] not in QWEN3_VL:
             out.append(pad * n)
             continue
         from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-        fps = proc.plan_media("video", raw.media[span.part]).source_fps
-        times = Qwen3VLProcessor._calculate_timestamps(None, list(span.frame_indices), fps, proc.vision.temporal_patch_size)
+        indices, fps = (hf_frames or {}).get(i) or (span.frame_indices,
+                                                     proc.plan_media("video", raw.media[span.part]).source_fps)  # fmt: skip
+        times = Qwen3VLProcessor._calculate_timestamps(None, list(indices), fps, proc.vision.temporal_patch_size)
         per = n // len(times)
         out.append("".join(f"<{t:.1f} seconds><|vision_start|>{pad * per}<|vision_end|>" for t in times))
     return out
@@ -330,21 +343,22 @@ def verify(args) -> int:
     hf_kw: dict = {}
     if img:
         hf_kw["pixel_values"], hf_kw["image_grid_thw"] = hf_images or (torch.cat([ours_pv[i] for i in img]), ours_grid[img])
-    hf_videos, video_note = _hf_video_inputs(hf_dir, hf_cfg, raw, sample) if vid else (None, "")
+    hf_videos, video_note = _hf_video_inputs(hf_dir, raw, sample) if vid else (None, "")
+    hf_frames = dict(zip(vid, hf_videos[2])) if hf_videos and hf_videos[2] is not None else {}
     if vid:
-        hf_kw["pixel_values_videos"], hf_kw["video_grid_thw"] = hf_videos or (torch.cat([ours_pv[i] for i in vid]), ours_grid[vid])
+        hf_kw["pixel_values_videos"], hf_kw["video_grid_thw"] = hf_videos[:2] if hf_videos else (torch.cat([ours_pv[i] for i in vid]), ours_grid[vid])
         if hf_cfg["model_type"] == "qwen2_5_vl":
             hf_kw["second_per_grid_ts"] = torch.tensor([sample.media[i].second_per_grid for i in vid])
     hf_grids = {i: g for i, g in zip(img, hf_kw["image_grid_thw"].tolist())} if img else {}
     hf_grids |= {i: g for i, g in zip(vid, hf_kw["video_grid_thw"].tolist())} if vid else {}
     counts = [t * h * w // merge**2 for t, h, w in (hf_grids[i] for i in range(len(sample.media)))]
     ids = torch.from_numpy(sample.input_ids.astype(np.int64))
-    hf_ids = _hf_rendered_ids(hf_dir, raw, proc, _hf_replacements(hf_cfg, proc, raw, sample, counts))
+    hf_ids = _hf_rendered_ids(hf_dir, raw, proc, _hf_replacements(hf_cfg, proc, raw, sample, counts, hf_frames))
     how = "HF renders the directory's chat template" if hf_ids is not None else "HF given our text"
     if hf_ids is None:  # our rendered ids with each pad run replaced by HF's count for that item
         pieces, cursor = [], 0
         for s, n in zip(sample.media, counts):
-            if s.pieces:  # a Qwen3-VL video: HF is given our grid, so our runs are its runs
+            if s.pieces:  # a Qwen3-VL video: our runs (HF's own grid and frames are compared below)
                 pieces.append(ids[cursor : s.end])
             else:
                 pieces += [ids[cursor : s.start], ids[s.start : s.start + 1].repeat(n)]
@@ -368,12 +382,18 @@ def verify(args) -> int:
     if vid and hf_videos is None:
         rows.append(("pixel_values", 0.0, f"videos: {video_note}"))
     elif vid:
+        if hf_frames:  # the frames transformers picked, padded as its patchify pads them
+            tp = proc.vision.temporal_patch_size
+            picked = [idx + idx[-1:] * (-len(idx) % tp) for idx, _ in hf_frames.values()]
+            same_frames = picked == [list(sample.media[i].frame_indices) for i in vid]
+            rows.append(("frame_indices", 0.0 if same_frames else None,
+                         f"videos: ours {[sample.media[i].frame_indices for i in vid]}, HF {picked}"))  # fmt: skip
         same_grid = torch.equal(hf_kw["video_grid_thw"], ours_grid[vid])
         rows.append(("grid_thw", 0.0 if same_grid else None, f"videos {ours_grid[vid].tolist()}"))
         if same_grid:
             d = (hf_kw["pixel_values_videos"] - torch.cat([ours_pv[i] for i in vid])).abs().max().item()
             rows.append(("pixel_values", d, video_note))
-    if not same_ids:
+    if not same_ids or any(d is None for _, d, _ in rows):  # HF's inputs are not ours: no model run compares
         return _report(rows, args.atol)
 
     hf_model, ours = load_pair(args, hf_dir, hf_cfg)
