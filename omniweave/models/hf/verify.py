@@ -60,6 +60,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omniweave.data.text.hf_template import verify_template
 from omniweave.errors import UserError
 from omniweave.models.hf.loading import load_hf, read_hf_config
 
@@ -74,7 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--atol", type=float, default=1e-4, help="tolerance on max|Δ| (default 1e-4)")
     parser.add_argument("--prompt", default="Describe what you see.", help="user text after the media")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random media")
-    parser.add_argument("--template", default="chatml", help="our chat template (default chatml)")
+    parser.add_argument("--template", default="auto",
+                        help="our chat template: a built-in name, hf, or auto (default: the directory's own "
+                             "template when its tokenizer has one, i.e. hf; else chatml, qwen2_5_omni for Omni)")
     parser.add_argument("--adapter", default=None, metavar="ADAPTER_DIR",
                         help="a PEFT LoRA adapter of HF_DIR (hf export --adapter): transformers + peft's "
                              "PeftModel against omniweave with the adapter loaded (text and vision-language models)")
@@ -140,7 +143,8 @@ def _sample(args, hf_dir: Path, hf_cfg: dict):
     if qwen25:
         vision["tokens_per_second"] = float(hf_cfg.get("vision_config", {}).get("tokens_per_second", 2))
     tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else "demo"
-    proc = SampleProcessor({"tokenizer": tokenizer, "template": args.template, "max_len": 1 << 20,
+    template = verify_template(args.template, tokenizer)
+    proc = SampleProcessor({"tokenizer": tokenizer, "template": template, "max_len": 1 << 20,
                             "rope": rope, "vision": vision})  # fmt: skip
     raw = RawSample(key="verify", conversation=conv, media=media)
     return proc, raw, proc.tokenize(raw)
@@ -354,7 +358,8 @@ def verify(args) -> int:
     counts = [t * h * w // merge**2 for t, h, w in (hf_grids[i] for i in range(len(sample.media)))]
     ids = torch.from_numpy(sample.input_ids.astype(np.int64))
     hf_ids = _hf_rendered_ids(hf_dir, raw, proc, _hf_replacements(hf_cfg, proc, raw, sample, counts, hf_frames))
-    how = "HF renders the directory's chat template" if hf_ids is not None else "HF given our text"
+    how = (f"HF renders the directory's chat template, ours template {proc.template.name!r}" if hf_ids is not None
+           else "HF given our text")
     if hf_ids is None:  # our rendered ids with each pad run replaced by HF's count for that item
         pieces, cursor = [], 0
         for s, n in zip(sample.media, counts):
