@@ -68,7 +68,8 @@ def _audio_schema():
 
 @dataclass
 class DataSchema:
-    path: str = MISSING  # packed dataset (omniweave data pack)
+    path: Optional[str] = MISSING  # packed dataset (omniweave data pack); null with data.mix
+    mix: Optional[List[Any]] = None  # or several: [{path, weight | epochs, name}] (data/loading/mix.py)
     num_workers: int = 0
     balance: Optional[str] = None
     balance_refit: int = 20

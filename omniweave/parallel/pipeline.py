@@ -452,7 +452,8 @@ def check_model(model: nn.Module, sizes: list[int]) -> None:
 def unsupported_with_pp(cfg) -> str | None:
     """Why a pipelined run (``parallel.pp`` > 1) of this recipe cannot run yet: the settings it
     cannot honour, by their keys, in one line; None when it can."""
-    found = {"train.phase=grpo": cfg.train.get("phase") == "grpo"}
+    found = {"train.phase=grpo": cfg.train.get("phase") == "grpo",
+             "data.mix": (cfg.get("data") or {}).get("mix") is not None}  # the stage split reads data.path's stats
     named = [k for k, v in found.items() if v]
     pp = int(cfg.parallel.get("pp", 1) or 1)
     return f"parallel.pp={pp} does not support {', '.join(named)} yet" if named else None

@@ -106,12 +106,14 @@ def _train_rl(cfg, resume) -> dict:
 
 def _rl_loop(engine: Engine, cfg, resume) -> dict:
     from omniweave.data.loading.loader import PackedLoader
+    from omniweave.data.loading.mix import data_source
     from omniweave.data.text.tokenize import SampleProcessor
     from omniweave.rl.rollout import TorchRollout, build_rollout_model
 
-    loader = PackedLoader(cfg.data.path, int(cfg.train.global_batch), dp_rank=engine.meshes.dp_rank,
+    path, mix = data_source(cfg.data)  # one packed dataset of prompts, or a mix (data/loading/mix.py)
+    loader = PackedLoader(path, int(cfg.train.global_batch), dp_rank=engine.meshes.dp_rank,
                           dp_size=engine.dims.dp, seed=int(cfg.train.seed), num_workers=int(cfg.data.num_workers),
-                          kind="prompts")
+                          kind="prompts", mix=mix)
     processor = SampleProcessor(loader.data_cfg)
     stops = tuple(processor.tokenizer.token_id(t) for t in processor.template.stop_tokens)
     s = settings(cfg, stops)

@@ -83,6 +83,9 @@ def check_layout(cfg) -> None:
     if DPOConfig.from_recipe(cfg).ref == "precomputed":
         from omniweave.train.dpo_ref import StoredReference
 
+        if (cfg.get("data") or {}).get("mix") is not None:
+            raise UserError("train.dpo.ref=precomputed reads the reference log-probs of one packed dataset (data.path), "
+                            "not of a data.mix yet; use train.dpo.ref=model with a mix")
         StoredReference(cfg)
     par = cfg.get("parallel") or {}
     if int(par.get("pp", 1) or 1) > 1:

@@ -57,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_recipe(args.recipe, args.overrides)
     if str(cfg.train.get("phase", "sft")) != "dpo":
         raise UserError(f"train.phase={cfg.train.get('phase', 'sft')!r}: reference log-probs are for train.phase=dpo")
+    if (cfg.get("data") or {}).get("mix") is not None:
+        raise UserError("omniweave dpo precompute-ref stores the reference log-probs of one packed dataset (data.path), "
+                        "not of a data.mix yet")
     check_ready(cfg, None, kind="pairs")
     path = Path(args.output) if args.output else ref_path(cfg)
     n = precompute(cfg, path, progress=not args.no_progress)

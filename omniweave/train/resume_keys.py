@@ -7,7 +7,8 @@ weights with ``train.init_from`` instead). The keys below only say how to go on;
 is applied from the resumed step and recorded (the run's ``config.yaml`` and its next
 checkpoints hold the new values). The learning-rate keys take effect as if the run had had them
 from the start: the rate at step s is ``lr × factor(s)`` of the new schedule
-(``Engine.apply_schedule``).
+(``Engine.apply_schedule``). ``data.mix`` (a list) may change only in its entries' ``path``
+(the same datasets moved, as ``data.path`` may); its entries, weights, epochs and names are kept.
 """
 
 from __future__ import annotations
@@ -52,8 +53,19 @@ def changed_keys(saved: dict, now: dict) -> dict[str, tuple[Any, Any]]:
         {k: (old[k], None) for k in sorted(old) if k not in new and old[k] is not None}
 
 
-def may_change(key: str) -> bool:
+def may_change(key: str, old: Any = None, new: Any = None) -> bool:
+    """Whether ``key`` may go from ``old`` to ``new`` on resume."""
+    if key == "data.mix":
+        return _mix_moved(old, new)
     return any(fnmatchcase(key, pattern) for pattern in MAY_CHANGE)
+
+
+def _mix_moved(old: Any, new: Any) -> bool:
+    """The same mix (entries, weights or epochs, names), only its datasets' paths changed."""
+    if not isinstance(old, list) or not isinstance(new, list) or len(old) != len(new):
+        return False
+    rest = [[{k: v for k, v in e.items() if k != "path"} if isinstance(e, dict) else e for e in m] for m in (old, new)]
+    return rest[0] == rest[1]
 
 
 def _show(changes: dict[str, tuple[Any, Any]]) -> str:
@@ -68,7 +80,7 @@ def check_resume_keys(ckpt: Path, cfg) -> dict[str, tuple[Any, Any]]:
 
     saved = yaml.safe_load((Path(ckpt) / "config.yaml").read_text()) or {}
     changes = changed_keys(saved, OmegaConf.to_container(cfg, resolve=False))  # config.yaml is unresolved too
-    refused = {k: v for k, v in changes.items() if not may_change(k)}
+    refused = {k: v for k, v in changes.items() if not may_change(k, *v)}
     if refused:
         raise UserError(
             f"--resume {ckpt}: the recipe changes {_show(refused)}, which a resumed run must keep (they decide "

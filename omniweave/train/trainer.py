@@ -94,11 +94,13 @@ def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
 
     from omniweave.config import require, to_dict
     from omniweave.data.loading.loader import check_kind
+    from omniweave.data.loading.mix import check_mix_ready, data_source
     from omniweave.data.packing.packed import MANIFEST
     from omniweave.errors import UserError
     from omniweave.models.lora import check_lora
 
-    require(cfg, "data.path", "train.steps", "train.global_batch", "train.lr")
+    path, mix = data_source(cfg.data)  # data.path or data.mix
+    require(cfg, "train.steps", "train.global_batch", "train.lr")
     check_attn_backends(to_dict(cfg.model))
     check_lora(to_dict(cfg.model))
     pp = int((cfg.get("parallel") or {}).get("pp", 1) or 1)
@@ -116,11 +118,13 @@ def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
         raise UserError(str(e)) from None
     if why:
         raise UserError(why)
-    manifest = Path(cfg.data.path) / MANIFEST
-    if not manifest.is_file():
-        raise UserError(f"data.path={cfg.data.path}: no packed dataset there (no {MANIFEST}); build it with "
-                        f"`omniweave data pack --input RAW --output {cfg.data.path} --recipe RECIPE`")
-    check_kind(json.loads(manifest.read_text()), kind, str(cfg.data.path))
+    if mix is not None:
+        check_mix_ready(mix, kind)
+    elif not (Path(path) / MANIFEST).is_file():
+        raise UserError(f"data.path={path}: no packed dataset there (no {MANIFEST}); build it with "
+                        f"`omniweave data pack --input RAW --output {path} --recipe RECIPE`")
+    else:
+        check_kind(json.loads((Path(path) / MANIFEST).read_text()), kind, path)
     if resume and resume != "auto":
         try:
             checkpoint.resolve_checkpoint(resume)
@@ -158,6 +162,7 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
     from omegaconf import OmegaConf
 
     from omniweave.data.loading.loader import LOADER_ONLY_KEYS, PackedLoader
+    from omniweave.data.loading.mix import MixCounts, batch_counts, data_source
     from omniweave.device import peak_memory_bytes
     from omniweave.parallel.cost_model import Refitter
 
@@ -165,10 +170,12 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
     gb, seed = int(tc.global_batch), int(tc.seed)
     data_cfg = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in LOADER_ONLY_KEYS}
     balance = cfg.data.get("balance")
-    loader = PackedLoader(cfg.data.path, gb, dp_rank=engine.meshes.dp_rank, dp_size=dims.dp, seed=seed,
+    path, mix = data_source(cfg.data)
+    loader = PackedLoader(path, gb, dp_rank=engine.meshes.dp_rank, dp_size=dims.dp, seed=seed,
                           data_cfg=data_cfg, num_workers=int(cfg.data.get("num_workers", 0)), balance=balance,
                           model_cfg=OmegaConf.to_container(cfg.model, resolve=True) if balance == "cost" else None,
-                          kind=phase_kind(cfg))
+                          kind=phase_kind(cfg), mix=mix)
+    mix_counts = MixCounts(loader.mix.names) if loader.mix is not None else None  # packs, samples per dataset
     refit_steps = int(cfg.data.get("balance_refit", 0) or 0) if balance == "cost" else 0
     refitter = Refitter(loader.cost_model, warmup=refit_steps) if refit_steps > 0 else None
     phase = str(tc.get("phase", "sft"))
@@ -185,12 +192,13 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
     if state is not None:
         loader.load_state_dict(state["loader"])
         media_skipped_total = int(state.get("media_skipped_total", 0))
+        if mix_counts is not None:
+            mix_counts.load_state_dict(state.get("mix_counts"))
         if state.get("balance_refitted"):  # the refitted cost model came back with the loader state
             refitter = None
     engine.start_logging(*((DPO_LINE,) if objective else ()))
     if engine.rank == 0:
-        print(f"{engine.describe()}, {loader.num_packs} packs, {loader.steps_per_epoch} steps/epoch, "
-              f"training steps {engine.step}..{engine.total}", flush=True)
+        print(f"{engine.describe()}, {loader.describe()}, training steps {engine.step}..{engine.total}", flush=True)
 
     def loss_fn(model, mb):
         out = model(mb)
@@ -200,7 +208,8 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
 
     def loop_state() -> dict:
         return {"loader": loader.state_dict(), "balance_refitted": refitter is None or refitter.done,
-                "media_skipped_total": media_skipped_total}
+                "media_skipped_total": media_skipped_total,
+                **({"mix_counts": mix_counts.state_dict()} if mix_counts is not None else {})}
 
     last = {"loss": float("nan")}
     it = iter(loader)
@@ -213,12 +222,16 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
         stats = loader.take_balance_stats(start)  # recorded when the loader balanced this batch
         balance_log = {} if stats is None else {"imbalance_before": round(stats["round_robin"], 4),
                                                 "imbalance_after": round(stats["cost"], 4)}
-        loss_tokens, tokens, sum_len2, media_skipped = (int(x) for x in engine.global_sum([
+        per_dataset = [] if mix_counts is None else batch_counts(len(mix_counts.names), loader.batch_sources, packs)
+        sums = engine.global_sum([
             sum(p["num_loss_tokens"] for p in packs),
             sum(p["input_ids"].numel() for p in packs),
             sum(int((p["cu_seqlens"][1:] - p["cu_seqlens"][:-1]).pow(2).sum()) for p in packs),
             len(skips),
-        ]))
+            *per_dataset,
+        ])
+        loss_tokens, tokens, sum_len2, media_skipped = (int(x) for x in sums[:4])
+        mix_log = mix_counts.add(sums[4:]) if mix_counts is not None else {}
         if objective is None:
             out = engine.optimizer_step(packs, loss_fn, normaliser=loss_tokens)
         else:
@@ -233,7 +246,7 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
                 "tokens": tokens, "loss_tokens": loss_tokens, "tokens_per_s": tokens / dt, "step_s": round(dt, 4),
                 "mfu": step_flops(engine.flop_counts, tokens, sum_len2) / dt / engine.peak_flops,
                 "memory_gb": peak_memory_bytes(engine.info) / 2**30, "skipped": out["skipped"],
-                "skipped_total": out["skipped_total"], **skip_log, **balance_log,
+                "skipped_total": out["skipped_total"], **skip_log, **balance_log, **mix_log,
                 **{k: v for k, v in out.items() if k.startswith("moe_")},
                 **(objective.metrics(out) if objective else {})}
         engine.finish_step(last, loop_state)

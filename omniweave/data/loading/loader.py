@@ -21,6 +21,12 @@ batch not yet assigned; the loader keeps the models with the stream position eac
 
 Iteration never ends by itself (the trainer stops at ``train.steps``); ``steps_per_epoch`` =
 num_packs // global_batch.
+
+Where the stream comes from is the loader's ``source``: :class:`OneDataset` (``path``, the stream
+above) or, with ``mix=`` (``data.mix``), ``mix.PackMix``: several packed datasets sampled by
+weight, each on its own seeded epochs, a reference being a global pack id over the datasets and
+(epoch, cursor) the mix cycle and the position in it (mix.py). Everything else here (state, DP
+shares, cost balancing, workers) is the same for both.
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ from omniweave.errors import UserError
 from omniweave.parallel.balance import CostModel, assign, imbalance, pack_features, round_robin
 
 # data keys that only steer the loader: left out of the packed dataset's fingerprint
-LOADER_ONLY_KEYS = ("path", "num_workers", "balance", "balance_refit")
+LOADER_ONLY_KEYS = ("path", "mix", "num_workers", "balance", "balance_refit")
 
 _PROCESSORS: dict[str, object] = {}
 SKIPS_KEY = "_media_skips"  # how a pack's skip records travel from a loader worker (never leaves the loader)
+SOURCE_KEY = "_mix_source"  # the dataset of a mix a micro-batch came from (mix.py; never leaves the loader)
 
 
 def _processor(data_cfg: dict):
@@ -230,30 +237,95 @@ def _as_list(batch: list) -> list:
     return batch
 
 
-def check_kind(manifest: dict, kind: str, where: str) -> None:
+def check_kind(manifest: dict, kind: str, where: str, key: str = "data.path") -> None:
     """SFT packs, RL prompts (``data/packing/prompts.py``) and preference pairs (``data/packing/pairs.py``) are not
     interchangeable."""
     have = manifest.get("kind", "sft")
     if have != kind:
         what = {"sft": "training packs (train.phase sft / pretrain)", "prompts": "RL prompts (train.phase grpo)",
                 "pairs": "preference pairs (train.phase dpo)"}
-        raise UserError(f"data.path={where} holds {what.get(have, have)}, but this run needs {what.get(kind, kind)}; "
+        raise UserError(f"{key}={where} holds {what.get(have, have)}, but this run needs {what.get(kind, kind)}; "
                         "pack the data with the recipe of this run (`omniweave data pack … --recipe R`)")
+
+
+def open_packed(path: str, data_cfg=None, kind: str = "sft", key: str = "data.path",
+                where: str | None = None) -> PackedDataset:
+    """The packed dataset at ``path`` checked for a run: what it holds (``kind``), the recipe's data
+    settings (``data_cfg``) against its fingerprint, and that it has packs; ``key`` / ``where`` name it in errors."""
+    dataset = PackedDataset(path)
+    check_kind(dataset.manifest, kind, path, key)
+    if data_cfg is not None:
+        from omniweave.data.text.tokenize import _plain
+
+        cfg = {k: v for k, v in _plain(data_cfg).items() if k not in LOADER_ONLY_KEYS}
+        check_fingerprint(dataset.manifest, cfg, where=where or path)
+    if len(dataset) == 0:
+        raise UserError(f"{where or path}: the packed dataset holds no packs (every sample was dropped at pack: "
+                        f"the reasons are in {Path(path) / 'stats.json'}); nothing to train on")
+    return dataset
+
+
+class OneDataset:
+    """The loader's source for one packed dataset (``data.path``): epoch e is the permutation
+    ``default_rng([seed, e])`` of its packs; a reference is a pack id."""
+
+    def __init__(self, path, seed: int, data_cfg=None, kind: str = "sft"):
+        self.path, self.seed = str(path), seed
+        self.dataset = open_packed(self.path, data_cfg, kind)
+        self.num_packs = self.period = len(self.dataset)
+        self.data_cfg = self.dataset.manifest["data_cfg"]  # what built the packs (media processing params)
+        self._orders: dict[int, np.ndarray] = {}
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.num_packs)}
+        return self._orders[epoch]
+
+    def batch(self, epoch: int, cursor: int, count: int) -> tuple[list[int], int, int]:
+        """Pack ids of the ``count`` packs starting at (epoch, cursor), and the state after them."""
+        ids: list[int] = []
+        while len(ids) < count:
+            take = min(count - len(ids), self.num_packs - cursor)
+            ids += self.order(epoch)[cursor : cursor + take].tolist()
+            cursor += take
+            if cursor == self.num_packs:
+                epoch, cursor = epoch + 1, 0
+        return ids, epoch, cursor
+
+    def record(self, ref: int) -> dict:
+        return self.dataset.record(ref)
+
+    def pack_map(self, share: bool = True) -> "_PackMap":
+        m = _PackMap(self.path, self.data_cfg)
+        if share:
+            m._ds = self.dataset
+        return m
+
+    def state(self, epoch: int, cursor: int) -> dict:
+        return {}
+
+    def check_state(self, state: dict) -> None:
+        if "mix" in state:
+            raise UserError(f"the checkpoint's loader state is of a mix of datasets (data.mix: "
+                            f"{', '.join(m['name'] for m in state['mix'])}); this run reads data.path={self.path}: "
+                            "resume with the data the run was trained on")
 
 
 class PackedLoader:
     def __init__(self, path, global_batch: int, dp_rank: int, dp_size: int, seed: int = 0, data_cfg=None,
                  num_workers: int = 0, balance: str | None = None, prefetch_factor: int = 2,
-                 cost_model: CostModel | None = None, model_cfg: dict | None = None, kind: str = "sft"):
-        self.path = str(path)
-        self.dataset = PackedDataset(self.path)
-        manifest = self.dataset.manifest
-        check_kind(manifest, kind, self.path)
-        if data_cfg is not None:
-            from omniweave.data.text.tokenize import _plain
+                 cost_model: CostModel | None = None, model_cfg: dict | None = None, kind: str = "sft",
+                 mix=None):
+        if (path is None) == (mix is None):
+            raise ValueError("give the loader one packed dataset (path) or a mix of them (mix): one of the two")
+        if mix is not None:  # data.mix: several packed datasets sampled by weight (mix.py)
+            from omniweave.data.loading.mix import MixEntry, PackMix, parse_mix
 
-            cfg = {k: v for k, v in _plain(data_cfg).items() if k != "path"}
-            check_fingerprint(manifest, cfg, where=self.path)
+            entries = mix if mix and all(isinstance(e, MixEntry) for e in mix) else parse_mix(mix)
+            self.source = self.mix = PackMix(entries, seed, data_cfg, kind)
+        else:
+            self.source, self.mix = OneDataset(path, seed, data_cfg, kind), None
+        self.path, self.dataset = getattr(self.source, "path", None), getattr(self.source, "dataset", None)
         if global_batch < 1 or dp_size < 1 or global_batch % dp_size:
             raise UserError(f"train.global_batch={global_batch} must be a positive multiple of the data-parallel size "
                             f"{dp_size} (each step's packs are split evenly over the dp ranks)")
@@ -261,16 +333,13 @@ class PackedLoader:
             raise ValueError(f"dp_rank={dp_rank} not in [0, {dp_size})")
         if balance not in (None, "contiguous", "cost"):
             raise ValueError(f"balance={balance!r}; choose None, 'contiguous' or 'cost'")
-        if len(self.dataset) == 0:
-            raise UserError(f"{self.path}: the packed dataset holds no packs (every sample was dropped at pack: "
-                            f"the reasons are in {Path(self.path) / 'stats.json'}); nothing to train on")
         self.global_batch, self.dp_rank, self.dp_size, self.seed = global_batch, dp_rank, dp_size, seed
         self.per_rank = global_batch // dp_size
         self.num_workers, self.balance, self.prefetch_factor = num_workers, balance, prefetch_factor
-        self.data_cfg = manifest["data_cfg"]  # what built the packs (media processing params)
+        self.data_cfg = self.source.data_cfg  # what built the packs (media processing params)
         self.epoch, self.cursor = 0, 0
         self._media_skips: list[dict] = []  # of the batch yielded last (take_media_skips)
-        self._orders: dict[int, np.ndarray] = {}
+        self.batch_sources: list[int] = []  # of the batch yielded last: each micro-batch's dataset of a mix
         if cost_model is None:
             cost_model = CostModel.from_model_config(model_cfg) if model_cfg is not None else CostModel.default()
         self._cost_models: list[tuple[int, CostModel]] = [(0, cost_model)]  # (first stream position, model)
@@ -281,31 +350,29 @@ class PackedLoader:
 
     @property
     def num_packs(self) -> int:
-        return len(self.dataset)
+        return self.source.num_packs
 
     @property
     def steps_per_epoch(self) -> int:
-        return max(1, self.num_packs // self.global_batch)
+        """Global batches per epoch (a mix: per mix cycle)."""
+        return max(1, self.source.period // self.global_batch)
+
+    def describe(self) -> str:
+        """The data in a few words, for the line a run starts with."""
+        if self.mix is not None:
+            return self.mix.describe(self.global_batch)
+        return f"{self.num_packs} packs, {self.steps_per_epoch} steps/epoch"
 
     def order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.num_packs)}
-        return self._orders[epoch]
+        return self.source.order(epoch)
 
     def global_batch_ids(self, epoch: int, cursor: int) -> tuple[list[int], int, int]:
-        """Pack ids of the global batch starting at (epoch, cursor), and the state after it."""
-        ids: list[int] = []
-        while len(ids) < self.global_batch:
-            take = min(self.global_batch - len(ids), self.num_packs - cursor)
-            ids += self.order(epoch)[cursor : cursor + take].tolist()
-            cursor += take
-            if cursor == self.num_packs:
-                epoch, cursor = epoch + 1, 0
-        return ids, epoch, cursor
+        """Pack ids (references) of the global batch starting at (epoch, cursor), and the state after it."""
+        return self.source.batch(epoch, cursor, self.global_batch)
 
     def position(self, epoch: int, cursor: int) -> int:
         """Packs of the stream before (epoch, cursor): the key of the global batch starting there."""
-        return epoch * self.num_packs + cursor
+        return epoch * self.source.period + cursor
 
     @property
     def cost_model(self) -> CostModel:
@@ -322,7 +389,7 @@ class PackedLoader:
 
     def pack_costs(self, ids: list[int], cost_model: CostModel | None = None) -> np.ndarray:
         """Predicted cost of each pack, float64 [len(ids)]."""
-        features = np.stack([pack_features(self.dataset.record(i)) for i in ids])
+        features = np.stack([pack_features(self.source.record(i)) for i in ids])
         return (cost_model or self.cost_model).cost(features)
 
     def _balanced(self, ids: list[int], cost_model: CostModel) -> tuple[list[list[int]], dict]:
@@ -363,9 +430,11 @@ class PackedLoader:
         models.insert(0, (here, self._model_at(here)))
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_packs": self.num_packs,
                 "global_batch": self.global_batch,
-                "cost_models": [{"from": s, **cm.to_dict()} for s, cm in models]}
+                "cost_models": [{"from": s, **cm.to_dict()} for s, cm in models],
+                **self.source.state(self.epoch, self.cursor)}
 
     def load_state_dict(self, state: dict) -> None:
+        self.source.check_state(state)
         if state.get("num_packs", self.num_packs) != self.num_packs:
             raise UserError(f"the checkpoint's loader state is for a dataset of {state['num_packs']} packs, "
                             f"{self.path} has {self.num_packs}: resume on the data the run was trained on")
@@ -396,17 +465,17 @@ class PackedLoader:
         run: its media are zeros and :meth:`take_media_skips` names it (the trainer takes its loss off)."""
         epoch, cursor = self.epoch, self.cursor
         if self.num_workers <= 0:
-            pack_map = _PackMap(self.path, self.data_cfg)
-            pack_map._ds = self.dataset
+            pack_map = self.source.pack_map(share=True)
             batches = ([pack_map[i] for i in share] for share in self._shares_from(epoch, cursor))
         else:
             batches = torch.utils.data.DataLoader(
-                _PackMap(self.path, self.data_cfg), batch_sampler=self._shares_from(epoch, cursor),
+                self.source.pack_map(share=False), batch_sampler=self._shares_from(epoch, cursor),
                 num_workers=self.num_workers, collate_fn=_as_list, prefetch_factor=self.prefetch_factor,
             )
         for batch in batches:
             _, self.epoch, self.cursor = self.global_batch_ids(self.epoch, self.cursor)
             self._media_skips = [{"row": j, **rec} for j, mb in enumerate(batch) for rec in mb.pop(SKIPS_KEY)]
+            self.batch_sources = [mb.pop(SOURCE_KEY, 0) for mb in batch]
             yield batch
 
     def take_media_skips(self) -> list[dict]:
