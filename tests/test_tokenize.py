@@ -298,6 +298,9 @@ def test_loss_weights_are_read_from_rows_and_kept_in_the_shard_json():
     assert Conversation.from_json(json.loads(json.dumps(conv.to_json()))).messages == conv.messages
     assert conv.to_json()["messages"][1] == {"role": "assistant", "content": "a", "loss_weight": 0.0}
     row["messages"][1]["loss_weight"] = 0.5
-    with pytest.raises(FormatError) as e:
-        parse_row(row, Mapping().resolved("openai"), row_id="r")
-    assert e.value.reason == "fractional_loss_weight"
+    assert parse_row(row, Mapping().resolved("openai"), row_id="r").messages[1].loss_weight == 0.5
+    for bad in (-1, float("nan")):
+        row["messages"][1]["loss_weight"] = bad
+        with pytest.raises(FormatError) as e:
+            parse_row(row, Mapping().resolved("openai"), row_id="r")
+        assert e.value.reason == "bad_loss_weight"

@@ -134,6 +134,9 @@ class TokenizedSample:
     position_ids: np.ndarray  # int32 [3, L] for M-RoPE families, [1, L] for 1-D RoPE
     media: list[MediaSpan] = field(default_factory=list)
     truncated: bool = False  # trailing turns were dropped to fit max_len
+    # runs [start, end) of loss tokens whose turn weighs other than 1 (a fractional loss_weight), with
+    # that weight; None when every loss token weighs 1
+    loss_weights: list[tuple[int, int, float]] | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

@@ -44,13 +44,18 @@ class LMHeadMixin:
     ce_tokens = staticmethod(chunked_ce_tokens)
 
     def forward(self, batch: dict, token_logprobs: bool = False, temperature: float = 1.0) -> ModelOutput:
-        """The loss sum; with ``token_logprobs`` also each label's log-prob under
+        """The loss sum (each token's loss times its ``token_data["loss_weight"]`` where the batch has
+        one: turns with a fractional loss_weight); with ``token_logprobs`` also each label's log-prob under
         ``log_softmax(logits / temperature)`` (RL: the policy's log-probs of sampled tokens)."""
         h = self.hidden(batch)
         weight, labels = self.foundation.lm_head.weight, batch["labels"]
         if token_logprobs:
             losses = self.ce_tokens(h / temperature if temperature != 1.0 else h, weight, labels, self.loss_chunk)
             return ModelOutput(losses.sum(), (labels != -100).sum(), token_logp=-losses)
+        token_weights = (batch.get("token_data") or {}).get("loss_weight")
+        if token_weights is not None:  # fractional per-turn loss weights scale their tokens' losses
+            losses = self.ce_tokens(h, weight, labels, self.loss_chunk)
+            return ModelOutput((losses * token_weights.to(losses.dtype)).sum(), (labels != -100).sum())
         loss_sum, n = self.ce_sum(h, weight, labels, self.loss_chunk)
         return ModelOutput(loss_sum, n)
 

@@ -225,7 +225,8 @@ class StageModule(nn.Module):
         if chunk is not None:  # parallel.seq_chunks: x is a chunk of a row (parallel/pipeline_chunks.py)
             from omniweave.parallel.pipeline_chunks import forward_chunk
 
-            return forward_chunk(self, x, position_ids, cu_seqlens, labels, token_valid, chunk)
+            return forward_chunk(self, x, position_ids, cu_seqlens, labels, token_valid, chunk,
+                                 row_inputs.get("loss_weight"))
         model, foundation = self._model[0], self.foundation
         cu = cu_seqlens[0][cu_seqlens[0] >= 0]
         deepstack = None
@@ -246,8 +247,17 @@ class StageModule(nn.Module):
             for k, v in stats.items():
                 self.step_stats[k] = self.step_stats.get(k, 0.0) + v.detach().double()
             return torch.stack([loss_sum])
-        loss_sum, _ = model.ce_sum(foundation.norm(h), foundation.lm_head.weight, labels[0], model.loss_chunk)
-        return torch.stack([loss_sum])
+        weights = row_inputs.get("loss_weight")
+        return torch.stack([row_loss_sum(model, foundation.norm(h), labels[0], None if weights is None else weights[0])])
+
+
+def row_loss_sum(model, h: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The last stage's loss sum of one row (or chunk): each token's loss times its weight where the
+    row has per-token ``loss_weight`` (fractional per-turn weights), as the model's own forward."""
+    head = model.foundation.lm_head.weight
+    if weights is None:
+        return model.ce_sum(h, head, labels, model.loss_chunk)[0]
+    return (model.ce_tokens(h, head, labels, model.loss_chunk) * weights.to(torch.float32)).sum()
 
 
 def pad_rows(rows: list[dict], capacity: int) -> list[dict]:
@@ -287,6 +297,9 @@ def stack_rows(rows: list[dict], device) -> _Inputs:
 
     kwargs = {"position_ids": torch.stack([pos(r) for r in rows]), "cu_seqlens": torch.stack([cu(r) for r in rows]),
               "labels": torch.stack([r["labels"] for r in rows]), "token_valid": torch.stack([valid(r) for r in rows])}
+    if any("loss_weight" in (r.get("token_data") or {}) for r in rows):  # fractional per-turn loss weights
+        kwargs["loss_weight"] = torch.stack([(r.get("token_data") or {}).get("loss_weight", torch.ones(length))
+                                             for r in rows])
     return _Inputs(torch.arange(len(rows)), {k: v.to(device) for k, v in kwargs.items()})
 
 

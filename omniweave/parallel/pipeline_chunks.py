@@ -88,7 +88,7 @@ def chunk_kwargs(rows: list[dict], plans: list[list[ChunkPlan]], device):
     return inputs
 
 
-def forward_chunk(stage, x, position_ids, cu_seqlens, labels, token_valid, chunk) -> torch.Tensor:
+def forward_chunk(stage, x, position_ids, cu_seqlens, labels, token_valid, chunk, loss_weight=None) -> torch.Tensor:
     """``StageModule.forward`` for one chunk (micro-batch), with the stage's ``StageChunks``."""
     state, (r, c) = stage.chunks, (int(v) for v in chunk[0])
     model, foundation = stage._model[0], stage.foundation
@@ -117,5 +117,7 @@ def forward_chunk(stage, x, position_ids, cu_seqlens, labels, token_valid, chunk
     h = checkpoint(layers, h, cos, sin, use_reentrant=False)
     if not stage.is_last:
         return h[None].clone()
-    loss_sum, _ = model.ce_sum(foundation.norm(h), foundation.lm_head.weight, labels[0], model.loss_chunk)
-    return torch.stack([loss_sum])
+    from omniweave.parallel.pipeline import row_loss_sum
+
+    weights = None if loss_weight is None else loss_weight[0]
+    return torch.stack([row_loss_sum(model, foundation.norm(h), labels[0], weights)])

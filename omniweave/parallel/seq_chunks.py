@@ -55,7 +55,7 @@ from omniweave.models.components.attention import attn, autocast_inputs
 from omniweave.models.registry import MODALITIES
 
 # keys of a micro-batch (loader.collate_pack) that chunk_batch cuts / passes through
-_ROW_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_valid",
+_ROW_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_valid", "token_data",
              *(k for m in MODALITIES for k in (m.spans, m.rows)))
 _WHOLE_ROW_KEYS = ("num_loss_tokens", *(k for m in MODALITIES for k in (m.inputs, m.grid)))
 
@@ -320,6 +320,8 @@ def chunk_batch(batch: dict, plan: ChunkPlan, rows: dict[str, torch.Tensor], lab
            "cu_seqlens": torch.tensor(plan.cu_q, dtype=torch.int32, device=ids.device)}
     if batch.get("token_valid") is not None:
         out["token_valid"] = batch["token_valid"][s:e]
+    if batch.get("token_data") is not None:  # per-token values (a turn's loss_weight) cut like the labels
+        out["token_data"] = {k: v[s:e] for k, v in batch["token_data"].items()}
     by_name = {m.name: m for m in MODALITIES}
     for name, r in rows.items():
         out[by_name[name].rows] = r[s:e]

@@ -34,7 +34,11 @@ def apply_phase(packs: list[dict], phase: str, ignore_ids: tuple[int, ...]) -> l
     out = []
     for p in packs:
         labels = pretrain_labels(p["input_ids"], p["cu_seqlens"], ignore_ids)
-        out.append({**p, "labels": labels, "num_loss_tokens": int((labels != -100).sum())})
+        # a turn's loss_weight says nothing about next-token targets: pretraining drops it
+        token_data = {k: v for k, v in p.get("token_data", {}).items() if k != "loss_weight"}
+        rest = {k: v for k, v in p.items() if k != "token_data"}
+        out.append({**rest, "labels": labels, "num_loss_tokens": int((labels != -100).sum()),
+                    **({"token_data": token_data} if token_data else {})})
     return out
 
 

@@ -58,6 +58,15 @@ def shift_labels(labels: np.ndarray) -> np.ndarray:
     return out
 
 
+def shifted_weights(sample: TokenizedSample) -> dict:
+    """A document's fractional loss weights for its pack record: ``{"loss_weights": [[start, end, w],
+    …]}`` over its *shifted* labels (label i predicts token i + 1, so a token's run moves back by
+    one), or {} when every loss token weighs 1 (then the record is as it always was)."""
+    if not sample.loss_weights:
+        return {}
+    return {"loss_weights": [[max(start - 1, 0), end - 1, w] for start, end, w in sample.loss_weights if end > 1]}
+
+
 def pack_arrays(samples: list[TokenizedSample]) -> dict:
     """Concatenate tokenized documents into one pack row (numpy, int32)."""
     input_ids = np.concatenate([s.input_ids for s in samples]).astype(np.int32)
@@ -123,7 +132,8 @@ class PackedShardWriter:
         record = {
             "offset": offset, "length": L, "rows": R,
             "cu_seqlens": arrays["cu_seqlens"].tolist(),
-            "docs": [{"id": s.id, **info, "length": len(s), "truncated": bool(s.truncated)} for s, _, info in docs],
+            "docs": [{"id": s.id, **info, "length": len(s), "truncated": bool(s.truncated), **shifted_weights(s)}
+                     for s, _, info in docs],
             "media": media,
             "num_loss_tokens": int((arrays["labels"] != IGNORE_INDEX).sum()),
         }

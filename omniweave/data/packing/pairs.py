@@ -53,7 +53,10 @@ def tokenize_pair(proc: SampleProcessor, raw: RawSample) -> list[tuple[Tokenized
         labels[:n] = IGNORE_INDEX  # only the final answer is scored
         if not (labels != IGNORE_INDEX).any():
             raise SampleRejected("no_assistant_turn", f"the {side} answer has no loss tokens")
-        docs.append((dataclasses.replace(sample, labels=labels), {"side": side}))
+        if any(end > n for _, end, _ in sample.loss_weights or ()):  # DPO scores whole answers: no weight to apply
+            raise SampleRejected("fractional_loss_weight", f"the {side} answer has a fractional loss_weight, which "
+                                 "DPO cannot honour (it compares the answers' whole log-probs)")
+        docs.append((dataclasses.replace(sample, labels=labels, loss_weights=None), {"side": side}))
     (chosen, _), (rejected, info) = docs
     info["same_media_as"] = -1  # the document before: the chosen side, same prompt, same media
     if np.array_equal(chosen.input_ids, rejected.input_ids):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from typing import Any
 
@@ -338,15 +339,18 @@ def parse_row(row: Any, mapping: Mapping, *, row_id: str, auto_placeholders: boo
 
 def _loss_weight(turn: dict, i: int) -> float:
     """A turn's ``loss_weight`` (LLaMA-Factory's messages format) or ``loss`` (ms-swift: true / false);
-    1 when absent. Only 0 and 1 are honoured yet: a fractional weight is a counted reject, never rounded."""
+    1 when absent. A fractional weight scales the turn's token losses (carried through packing as
+    per-token weights); a negative or non-finite one is a counted reject (``bad_loss_weight``)."""
     key = "loss_weight" if "loss_weight" in turn else "loss" if "loss" in turn else None
     if key is None or turn[key] is None:
         return 1.0
     value = turn[key]
-    if isinstance(value, bool) or (isinstance(value, (int, float)) and value in (0, 1)):
+    if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)):
-        raise FormatError("fractional_loss_weight", f"turn {i}: {key} {value} (only 0 and 1 are supported yet)")
+        if not math.isfinite(value) or value < 0:
+            raise FormatError("bad_loss_weight", f"turn {i}: {key} {value} (a weight is finite and >= 0)")
+        return float(value)
     raise FormatError("bad_schema", f"turn {i}: '{key}' must be a number or true / false, got {value!r}")
 
 

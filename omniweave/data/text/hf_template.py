@@ -146,7 +146,11 @@ class HFChatTemplate:
             spans = self._generation_spans(hf, tools, messages, loss_turns)
         else:
             spans = [self._prefix_span(hf, tools, text, k, train_on_prompt) for k in loss_turns]
-        return Rendered(text=text, loss_spans=[s for s in spans if s[0] < s[1]], media_kinds=kinds)
+        out = Rendered(text=text, media_kinds=kinds)
+        for (start, end), k in zip(spans, loss_turns):
+            if start < end:
+                out.add_loss(start, end, messages[k].loss_weight)
+        return out
 
     def _prefix_span(self, hf: list[dict], tools, text: str, k: int, whole_turn: bool) -> tuple[int, int]:
         end_text = self._render(hf[: k + 1], tools)
@@ -174,7 +178,7 @@ class HFChatTemplate:
             raise TemplateRejected("template_generation_mismatch", (
                 f"{self.origin} marks {len(indices)} {{% generation %}} blocks for {len(assistant_turns)} assistant turns"))
         by_turn = dict(zip(assistant_turns, indices))
-        return [tuple(by_turn[k]) for k in loss_turns if k in by_turn]
+        return [tuple(by_turn[k]) for k in loss_turns]  # loss turns are assistant messages (function: tool_calls)
 
 
 def hf_message(m: Message) -> dict:

@@ -257,8 +257,13 @@ class Rendered:
 
     text: str
     loss_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) char ranges
+    span_weights: list[float] = field(default_factory=list)  # each loss span's turn's loss_weight (empty: all 1)
     message_ends: list[int] = field(default_factory=list)  # char offset after each message
     media_kinds: list[str] = field(default_factory=list)  # "image"/"video"/"audio" in reading order
+
+    def add_loss(self, start: int, end: int, weight: float) -> None:
+        self.loss_spans.append((start, end))
+        self.span_weights.append(float(weight))
 
 
 def render(template: ChatTemplate, messages: list[Message], add_generation_prompt: bool = False,
@@ -276,7 +281,7 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
     if template.default_system is not None and (not messages or messages[0].role != "system"):
         out.text += template.system.format(content=template.default_system)
         if train_on_prompt:
-            out.loss_spans.append((len(template.bos), len(out.text)))
+            out.add_loss(len(template.bos), len(out.text), 1.0)
     last = max((k for k, m in enumerate(messages) if m.role in LOSS_ROLES), default=-1)
     for k, msg in enumerate(messages):
         fmt = getattr(template, msg.role, None)
@@ -285,7 +290,7 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
         prefix, suffix = fmt.split("{content}")
         content = msg.content.strip() if template.trim_content else msg.content
         if train_on_prompt and msg.loss_weight and len(prefix):  # the turn's header is prompt too
-            out.loss_spans.append((len(out.text), len(out.text) + len(prefix)))
+            out.add_loss(len(out.text), len(out.text) + len(prefix), msg.loss_weight)
         out.text += prefix
         carries_loss = bool(msg.loss_weight) and (train_on_prompt or (
             msg.role in LOSS_ROLES and (not mask_history or k == last)))
@@ -294,7 +299,7 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
             if piece in _PLACEHOLDER_KINDS:
                 kind = _PLACEHOLDER_KINDS[piece]
                 if carries_loss and loss_from < len(out.text):
-                    out.loss_spans.append((loss_from, len(out.text)))
+                    out.add_loss(loss_from, len(out.text), msg.loss_weight)
                 out.text += getattr(template, kind)
                 out.media_kinds.append(kind)
                 loss_from = len(out.text)
@@ -302,7 +307,7 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
                 out.text += piece
         out.text += suffix
         if carries_loss and loss_from < len(out.text):
-            out.loss_spans.append((loss_from, len(out.text)))
+            out.add_loss(loss_from, len(out.text), msg.loss_weight)
         out.message_ends.append(len(out.text))
     if add_generation_prompt:
         out.text += template.generation_header()
@@ -316,6 +321,18 @@ def loss_mask_from_offsets(offsets: list[tuple[int, int]], loss_spans: list[tupl
     for lo, hi in loss_spans:
         mask |= (starts >= lo) & (starts < hi)
     return mask
+
+
+def token_loss_weights(offsets: list[tuple[int, int]], rendered: Rendered) -> np.ndarray | None:
+    """float32 [L]: each token's loss weight (its turn's ``loss_weight``; 1 outside loss spans), or
+    None when every span weighs 1 (the common case: no array at all)."""
+    if all(w == 1.0 for w in rendered.span_weights):
+        return None
+    starts = np.fromiter((s for s, _ in offsets), dtype=np.int64, count=len(offsets))
+    weights = np.ones(len(offsets), dtype=np.float32)
+    for (lo, hi), w in zip(rendered.loss_spans, rendered.span_weights):
+        weights[(starts >= lo) & (starts < hi)] = w
+    return weights
 
 
 def encode_conversation(

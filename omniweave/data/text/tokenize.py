@@ -45,7 +45,8 @@ from omniweave.data.text.rope_index import ROPE_KINDS, chunk_bounds, position_id
 from omniweave.data.sample import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, MediaSpan, Message,
                                    RawSample, TokenizedSample)
 from omniweave.data.text.hf_template import TemplateRejected
-from omniweave.data.text.template import IGNORE_INDEX, LOSS_ROLES, encode_conversation, load_template
+from omniweave.data.text.template import (IGNORE_INDEX, LOSS_ROLES, encode_conversation, load_template,
+                                          token_loss_weights)
 from omniweave.data.text.tokenizer import load_tokenizer
 from omniweave.data.text.tools import ToolError, apply_tool_style
 
@@ -85,6 +86,23 @@ def overflow_reason(spans: list[MediaSpan], max_len: int) -> str:
     if cut is None:
         return "too_long"
     return "audio_span_exceeds_max_len" if cut.kind == "audio" else "vision_span_exceeds_max_len"
+
+
+def weight_runs(labels: np.ndarray, weights: np.ndarray) -> list[tuple[int, int, float]] | None:
+    """[start, end) runs of loss tokens (labels != -100) whose weight is not 1, with the weight;
+    None when there are none."""
+    odd = (labels != IGNORE_INDEX) & (weights != 1.0)
+    runs, k, n = [], 0, len(labels)
+    while k < n:
+        if not odd[k]:
+            k += 1
+            continue
+        end = k + 1
+        while end < n and odd[end] and weights[end] == weights[k]:
+            end += 1
+        runs.append((k, end, float(weights[k])))
+        k = end
+    return runs or None
 
 
 class SampleProcessor:
@@ -228,6 +246,7 @@ class SampleProcessor:
         sample = self._encode(conv.id, messages, self._plan_all(raw), add_generation_prompt=True,
                               tools=self.template_tools(conv))
         sample.labels[:] = IGNORE_INDEX
+        sample.loss_weights = None  # a prompt carries no loss, so no weights either
         return sample
 
     def _plan_all(self, raw: RawSample) -> dict:
@@ -247,7 +266,7 @@ class SampleProcessor:
                 tools: list[dict] | None = None) -> TokenizedSample:
         """Render, tokenize, and expand each media pad token to the item's token count."""
         try:
-            ids, labels, rendered, _ = encode_conversation(self.template, self.tokenizer, messages,
+            ids, labels, rendered, offsets = encode_conversation(self.template, self.tokenizer, messages,
                                                            add_generation_prompt, self.mask_history,
                                                            self.train_on_prompt, tools)
         except TemplateRejected as e:
@@ -268,11 +287,13 @@ class SampleProcessor:
             raise SampleRejected("placeholder_mismatch", f"pad tokens {pad_kinds} != placeholders {kinds}")
         next_item = {kind: iter(plans[kind]) for kind in MEDIA_KINDS}
         ordered = [next(next_item[k]) for k in kinds]  # (part, plan) in reading order
-        id_parts, label_parts, spans = [], [], []
+        weights = token_loss_weights(offsets, rendered)  # None: every loss token weighs 1
+        id_parts, label_parts, weight_parts, spans = [], [], [], []
         cursor, out_len = 0, 0  # next original token to copy; tokens written so far
         for i, (part, plan) in zip(pad_at.tolist(), ordered):
             id_parts.append(ids[cursor:i])
             label_parts.append(labels[cursor:i])
+            weight_parts.append(weights[cursor:i] if weights is not None else None)
             out_len += i - cursor
             if isinstance(plan, VideoWithAudio):
                 tokens, video_runs, audio_runs = self._video_with_audio_tokens(plan, int(ids[i]))
@@ -283,13 +304,18 @@ class SampleProcessor:
                 spans.append(_span(plan, part, [(out_len + start, n) for start, n in runs]))
             id_parts.append(tokens.astype(ids.dtype))
             label_parts.append(np.full(len(tokens), IGNORE_INDEX, dtype=labels.dtype))  # media tokens carry no loss
+            weight_parts.append(np.ones(len(tokens), dtype=np.float32) if weights is not None else None)
             out_len += len(tokens)
             cursor = i + 1
         input_ids = np.concatenate(id_parts + [ids[cursor:]])
         label_ids = np.concatenate(label_parts + [labels[cursor:]])
         pos = position_ids(self.rope, len(input_ids), spans, self.vision.merge_size, self.vision.tokens_per_second,
                            self.vision.position_id_per_seconds, self.audio.seconds_per_chunk)
-        return TokenizedSample(id=sample_id, input_ids=input_ids, labels=label_ids, position_ids=pos, media=spans)
+        runs = None
+        if weights is not None:
+            runs = weight_runs(label_ids, np.concatenate(weight_parts + [weights[cursor:]]))
+        return TokenizedSample(id=sample_id, input_ids=input_ids, labels=label_ids, position_ids=pos, media=spans,
+                               loss_weights=runs)
 
     def _media_tokens(self, plan: M.MediaPlan | AudioPlan, pad_id: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """What one media pad token becomes, and the (start, length) runs of pads in it: the pad
