@@ -37,6 +37,7 @@ RELEASED = {
     "qwen3_vl": ("qwen3_vl.jinja", {}),
     "llama3": ("llama3.jinja", {"bos_token": "<|begin_of_text|>"}),
     "deepseek3": ("deepseekv3.jinja", {"bos_token": "<｜begin▁of▁sentence｜>"}),
+    "qwen2_audio": (None, {}),  # the Hub's template, as transformers' Qwen2AudioProcessor.default_chat_template keeps it
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -60,6 +61,10 @@ CASES = {
         {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
         {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<think>add again</think>6"}]},
     "whitespace": {"messages": [{"role": "user", "content": "  hi \n"}, {"role": "assistant", "content": " yo\n"}]},
+    "audio": {"messages": [
+        {"role": "user", "content": "<audio>What is this?"}, {"role": "assistant", "content": "A bell."},
+        {"role": "user", "content": "And <audio><audio> these?"}, {"role": "assistant", "content": "Two dogs."}],
+        "audios": ["a.wav", "b.wav", "c.wav"]},
 }
 SUPPORTED = {  # the cases each released template can render (no tools in Qwen2-VL's / Llama 3's / ours for DeepSeek)
     "chatml": ["single", "system_multi", "media", "whitespace"],
@@ -69,6 +74,7 @@ SUPPORTED = {  # the cases each released template can render (no tools in Qwen2-
     "qwen3_vl": ["single", "system_multi", "media", "tools"],
     "llama3": ["single", "system_multi", "whitespace"],
     "deepseek3": ["single", "system_multi", "think"],
+    "qwen2_audio": ["single", "system_multi", "audio", "whitespace"],
 }
 PARAMS = [(t, c, g) for t, cases in SUPPORTED.items() for c in cases for g in (False, True)]
 
@@ -80,9 +86,9 @@ def reference_messages(row: dict) -> list[dict]:
         m = dict(m)
         if m.get("content") is None:  # Qwen3-VL's template iterates a non-string content: "" as HF's docs write it
             m["content"] = ""
-        if isinstance(m.get("content"), str) and re.search("<image>|<video>", m["content"]):
-            m["content"] = [{"type": p[1:-1]} if p in ("<image>", "<video>") else {"type": "text", "text": p}
-                            for p in re.split("(<image>|<video>)", m["content"]) if p]
+        if isinstance(m.get("content"), str) and re.search("<image>|<video>|<audio>", m["content"]):
+            m["content"] = [{"type": p[1:-1]} if p in ("<image>", "<video>", "<audio>") else {"type": "text", "text": p}
+                            for p in re.split("(<image>|<video>|<audio>)", m["content"]) if p]
         if m.get("tool_calls"):
             m["tool_calls"] = [{"type": "function", "function": {**c["function"], "arguments": json.loads(
                 c["function"]["arguments"])}} for c in m["tool_calls"]]
@@ -94,7 +100,13 @@ def released(name: str, messages: list[dict], tools=None, add_generation_prompt=
     from transformers.utils.chat_template_utils import render_jinja_template
 
     file, special = RELEASED[name]
-    rendered, _ = render_jinja_template([messages], tools=tools, chat_template=(ASSETS / file).read_text(),
+    if file is None:
+        from transformers.models.qwen2_audio.processing_qwen2_audio import Qwen2AudioProcessor
+
+        text = Qwen2AudioProcessor.default_chat_template.fget(None)
+    else:
+        text = (ASSETS / file).read_text()
+    rendered, _ = render_jinja_template([messages], tools=tools, chat_template=text,
                                         add_generation_prompt=add_generation_prompt, **special)
     return rendered[0]
 

@@ -66,7 +66,7 @@ class ChatTemplate:
     video: str = "<|vision_start|><|video_pad|><|vision_end|>"
     image_pad: str = "<|image_pad|>"  # the token repeated once per image token
     video_pad: str = "<|video_pad|>"
-    audio: str = "<|audio_bos|><|AUDIO|><|audio_eos|>"  # Qwen2-Audio / Qwen2.5-Omni
+    audio: str = "<|audio_bos|><|AUDIO|><|audio_eos|>"  # Qwen2.5-Omni; "{index}" = the clip's number (from 1)
     audio_pad: str = "<|AUDIO|>"  # repeated once per audio token
     stop_tokens: tuple[str, ...] = ()
     tool_style: str | None = None  # how tools and tool calls render (data/text/tools.py); None: this template has none
@@ -84,6 +84,8 @@ class ChatTemplate:
             raise ValueError(f"template {self.name!r}: think_style {self.think_style!r}; choose one of {THINK_STYLES}")
         if self.tool_style is not None and self.tool_style not in TOOL_STYLES:
             raise ValueError(f"template {self.name!r}: tool_style {self.tool_style!r}; choose one of {TOOL_STYLES}")
+        if "{index}" in self.image + self.video:
+            raise ValueError(f"template {self.name!r}: only the audio format may number its items ({{index}})")
         if self.image_pad not in self.image or self.video_pad not in self.video or self.audio_pad not in self.audio:
             raise ValueError(f"template {self.name!r}: image/video/audio formats must contain their pad token")
 
@@ -172,6 +174,9 @@ BUILTIN_TEMPLATES = {
     ),
     # Qwen2.5 (Instruct): ChatML whose default system prompt names Qwen
     "qwen2_5": dataclasses.replace(_CHATML, name="qwen2_5", default_system=QWEN2_5_SYSTEM),
+    # Qwen2-Audio (Instruct): ChatML that numbers its clips, "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\n"; no tools
+    "qwen2_audio": dataclasses.replace(_CHATML, name="qwen2_audio", audio="Audio {index}: <|audio_bos|><|AUDIO|><|audio_eos|>\n",
+                                       tool_style=None),
     # Qwen3: no default system prompt; <think> blocks kept after the last user query only
     "qwen3": dataclasses.replace(_CHATML, name="qwen3", default_system=None, think_style="qwen3"),
     # Qwen3-Instruct-2507 and Qwen3-VL (Instruct): ChatML without a default system prompt or <think> rules
@@ -300,8 +305,8 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
                 kind = _PLACEHOLDER_KINDS[piece]
                 if carries_loss and loss_from < len(out.text):
                     out.add_loss(loss_from, len(out.text), msg.loss_weight)
-                out.text += getattr(template, kind)
                 out.media_kinds.append(kind)
+                out.text += getattr(template, kind).replace("{index}", str(out.media_kinds.count(kind)))
                 loss_from = len(out.text)
             else:
                 out.text += piece
@@ -376,7 +381,7 @@ def hf_chat_template(template: ChatTemplate) -> str:
         "{%- if t.default_system is not none and (messages | length == 0 or messages[0]['role'] != 'system') -%}\n"
         "{{- t.default_system -}}\n"
         "{%- endif -%}\n"
-        "{%- set ns = namespace(last_query=messages | length - 1) -%}\n"
+        "{%- set ns = namespace(last_query=messages | length - 1, audios=0) -%}\n"
         "{%- for message in messages -%}{%- if message['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}"
         "{%- endif -%}{%- endfor -%}\n"
         "{%- for message in messages -%}\n"
@@ -391,11 +396,22 @@ def hf_chat_template(template: ChatTemplate) -> str:
         "{%- endif -%}{%- endfor -%}{%- set c = parts.text -%}{%- endif -%}\n"
         + _JINJA_THINK.get(template.think_style, "")
         + ("{%- set c = c | trim -%}\n" if template.trim_content else "")
-        + "{{- c | replace('<image>', t.image) | replace('<video>', t.video) | replace('<audio>', t.audio) -}}\n"
-        "{{- t.roles[message['role']][1] -}}\n"
+        + _JINJA_EMIT["{index}" in template.audio]
+        + "{{- t.roles[message['role']][1] -}}\n"
         "{%- endfor -%}\n"
         "{%- if add_generation_prompt -%}{{- t.generation -}}{%- endif -%}\n"
     )
+
+
+# a turn's text with its placeholders expanded (hf_chat_template); numbered audio: ``t.audio`` around its {index}
+_JINJA_EMIT = {
+    False: "{{- c | replace('<image>', t.image) | replace('<video>', t.video) | replace('<audio>', t.audio) -}}\n",
+    True: ("{%- for piece in c.split('<audio>') -%}\n"
+           "{%- if not loop.first -%}{%- set ns.audios = ns.audios + 1 -%}"
+           "{{- t.audio.split('{index}')[0] ~ ns.audios ~ t.audio.split('{index}')[1] -}}{%- endif -%}\n"
+           "{{- piece | replace('<image>', t.image) | replace('<video>', t.video) -}}\n"
+           "{%- endfor -%}\n"),
+}
 
 
 # apply_think_style in Jinja (hf_chat_template): ``c`` is a turn's text (placeholders for media), ``ns.last_query`` the last user turn

@@ -33,6 +33,7 @@ The image and video configs are written as separate files with both the ``size``
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -129,11 +130,19 @@ def check_vision_matches_model(vision: VisionConfig, hf_cfg: dict) -> None:
             raise ValueError(f"data.vision.{ours}={getattr(vision, ours)} but the model's vision_config.{theirs}={v[theirs]}")
 
 
+def _framing(media: str, pad: str) -> tuple[str, str]:
+    """The special tokens right before and after ``pad`` in a media format (Qwen2-Audio's
+    ``Audio {index}: <|audio_bos|><|AUDIO|><|audio_eos|>\n`` frames its pad with audio_bos / audio_eos)."""
+    before, after = media.split(pad)
+    bos, eos = re.search(r"(<\|[^|]*\|>)?$", before).group(1), re.match(r"(<\|[^|]*\|>)?", after).group(1)
+    return bos or "", eos or ""
+
+
 def media_tokens(template) -> dict[str, str]:
     """A chat template's media tokens under transformers' names: the pads and the tokens framing
     them (``image`` = vision_bos + pad + vision_eos, ``audio`` = audio_bos + pad + audio_eos)."""
-    vision_bos, vision_eos = template.image.split(template.image_pad)
-    audio_bos, audio_eos = template.audio.split(template.audio_pad)
+    vision_bos, vision_eos = _framing(template.image, template.image_pad)
+    audio_bos, audio_eos = _framing(template.audio, template.audio_pad)
     return {"image_token": template.image_pad, "video_token": template.video_pad, "audio_token": template.audio_pad,
             "vision_bos_token": vision_bos, "vision_eos_token": vision_eos,
             "audio_bos_token": audio_bos, "audio_eos_token": audio_eos}  # fmt: skip
