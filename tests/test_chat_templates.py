@@ -22,7 +22,8 @@ from PIL import Image
 from omniweave.data.sample import Conversation, RawSample
 from omniweave.data.sources.formats import parse_row
 from omniweave.data.sources.mapping import Mapping
-from omniweave.data.text.template import (IGNORE_INDEX, encode_conversation, hf_chat_template, load_template,
+from omniweave.data.text.jinja_export import hf_chat_template
+from omniweave.data.text.template import (IGNORE_INDEX, encode_conversation, load_template,
                                           loss_mask_from_offsets)
 from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
 from omniweave.data.text.tokenizer import DEMO_TOKENIZER_DIR
@@ -175,18 +176,17 @@ def test_qwen3_think_blocks_follow_the_released_rules_and_carry_loss():
 
 
 def test_exported_jinja_of_each_builtin_renders_the_released_text():
+    """An export's chat_template.jinja (jinja_export.hf_chat_template) renders what the released one does."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     for name, cases in SUPPORTED.items():
         jinja = hf_chat_template(load_template(name))
-        for case in cases:
-            if case == "tools":  # the exported template does not render tool definitions (noted in docs)
-                continue
+        for case in cases:  # tools too: the definitions, calls and results as the family's template writes them
             for generation in (False, True):
                 row = case_row(case, generation)
-                msgs = reference_messages(row)
-                got, _ = render_jinja_template([msgs], chat_template=jinja, add_generation_prompt=generation)
-                assert got[0] == released(name, msgs, None, generation), (name, case, generation)
+                msgs, tools = reference_messages(row), row.get("tools")
+                got, _ = render_jinja_template([msgs], tools=tools, chat_template=jinja, add_generation_prompt=generation)
+                assert got[0] == released(name, msgs, tools, generation), (name, case, generation)
 
 
 def test_llama_factory_names_are_aliases():

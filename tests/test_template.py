@@ -10,11 +10,11 @@ import pytest
 from data_factory import to_hf_messages
 
 from omniweave.data.sample import Message
+from omniweave.data.text.jinja_export import hf_chat_template
 from omniweave.data.text.template import (
     BUILTIN_TEMPLATES,
     IGNORE_INDEX,
     encode_conversation,
-    hf_chat_template,
     load_template,
     render,
 )

@@ -27,14 +27,13 @@ media token. Custom templates: a YAML file with any of the ChatTemplate fields, 
     default_system: null
     stop_tokens: ["<|im_end|>"]
 
-``hf_chat_template(template)`` writes any template as a Hugging Face Jinja chat template (an
-export's ``chat_template.jinja``) that renders the same text.
+``jinja_export.hf_chat_template(template)`` writes any template as a Hugging Face Jinja chat
+template (an export's ``chat_template.jinja``) that renders the same text.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -352,81 +351,3 @@ def encode_conversation(
     input_ids = np.asarray(ids, dtype=np.int32)
     labels = np.where(loss_mask_from_offsets(offsets, rendered.loss_spans), input_ids, IGNORE_INDEX)
     return input_ids, labels.astype(np.int32), rendered, offsets
-
-
-def hf_chat_template(template: ChatTemplate) -> str:
-    """The template as a Hugging Face Jinja chat template (``chat_template.jinja`` of an export)
-    that renders the same text as :func:`render` for the same messages, so ``apply_chat_template``
-    on an exported model reproduces what it was trained on.
-
-    Messages are HF-style: ``content`` is a string (``<image>`` / ``<video>`` / ``<audio>``
-    placeholders expand as here) or a list of ``{"type": "text" | "image" | "video" | "audio"}``
-    parts; the role ``tool`` is accepted as ``observation``. Unknown roles and part types raise, as
-    they do here.
-    """
-    roles = {role: getattr(template, role).split("{content}") for role in ROLES}
-    roles["tool"] = roles["observation"]
-    default_system = None
-    if template.default_system is not None:
-        default_system = template.system.format(content=template.default_system)
-    constants = {"name": template.name, "bos": template.bos, "roles": roles, "default_system": default_system,
-                 "image": template.image, "video": template.video, "audio": template.audio,
-                 "generation": template.generation_header()}  # fmt: skip
-    # JSON string escapes are Jinja string escapes; non-ASCII stays literal (Jinja re-escapes it)
-    literal = json.dumps(constants, ensure_ascii=False)
-    return (
-        "{#- omniweave chat template t.name (omniweave/data/text/template.py): the text the model was trained on -#}\n"
-        f"{{%- set t = {literal} -%}}\n"
-        "{{- t.bos -}}\n"
-        "{%- if t.default_system is not none and (messages | length == 0 or messages[0]['role'] != 'system') -%}\n"
-        "{{- t.default_system -}}\n"
-        "{%- endif -%}\n"
-        "{%- set ns = namespace(last_query=messages | length - 1, audios=0) -%}\n"
-        "{%- for message in messages -%}{%- if message['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}"
-        "{%- endif -%}{%- endfor -%}\n"
-        "{%- for message in messages -%}\n"
-        "{%- if message['role'] not in t.roles -%}{{- raise_exception('unknown role ' ~ message['role']) -}}{%- endif -%}\n"
-        "{{- t.roles[message['role']][0] -}}\n"
-        # content parts become one string with our placeholders, then take the string's path
-        "{%- if message['content'] is string -%}{%- set c = message['content'] -%}\n"
-        "{%- else -%}{%- set parts = namespace(text='') -%}{%- for part in message['content'] -%}\n"
-        "{%- if part['type'] in ['image', 'video', 'audio'] -%}{%- set parts.text = parts.text ~ '<' ~ part['type'] ~ '>' -%}\n"
-        "{%- elif part['type'] == 'text' -%}{%- set parts.text = parts.text ~ part['text'] -%}\n"
-        "{%- else -%}{{- raise_exception('unsupported content part ' ~ part['type']) -}}\n"
-        "{%- endif -%}{%- endfor -%}{%- set c = parts.text -%}{%- endif -%}\n"
-        + _JINJA_THINK.get(template.think_style, "")
-        + ("{%- set c = c | trim -%}\n" if template.trim_content else "")
-        + _JINJA_EMIT["{index}" in template.audio]
-        + "{{- t.roles[message['role']][1] -}}\n"
-        "{%- endfor -%}\n"
-        "{%- if add_generation_prompt -%}{{- t.generation -}}{%- endif -%}\n"
-    )
-
-
-# a turn's text with its placeholders expanded (hf_chat_template); numbered audio: ``t.audio`` around its {index}
-_JINJA_EMIT = {
-    False: "{{- c | replace('<image>', t.image) | replace('<video>', t.video) | replace('<audio>', t.audio) -}}\n",
-    True: ("{%- for piece in c.split('<audio>') -%}\n"
-           "{%- if not loop.first -%}{%- set ns.audios = ns.audios + 1 -%}"
-           "{{- t.audio.split('{index}')[0] ~ ns.audios ~ t.audio.split('{index}')[1] -}}{%- endif -%}\n"
-           "{{- piece | replace('<image>', t.image) | replace('<video>', t.video) -}}\n"
-           "{%- endfor -%}\n"),
-}
-
-
-# apply_think_style in Jinja (hf_chat_template): ``c`` is a turn's text (placeholders for media), ``ns.last_query`` the last user turn
-_JINJA_THINK = {
-    "qwen3": (
-        "{%- if message['role'] in ['assistant', 'function'] -%}\n"
-        "{%- set r = '' -%}\n"
-        "{%- if '</think>' in c -%}\n"
-        "{%- set r = c.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}\n"
-        "{%- set c = c.split('</think>')[-1].lstrip('\\n') -%}\n"
-        "{%- endif -%}\n"
-        "{%- if loop.index0 > ns.last_query and (loop.last or r) -%}\n"
-        "{%- set c = '<think>\\n' + r.strip('\\n') + '\\n</think>\\n\\n' + c.lstrip('\\n') -%}\n"
-        "{%- endif -%}\n"
-        "{%- endif -%}\n"
-    ),
-    "drop": "{%- if message['role'] == 'assistant' -%}{%- set c = c.split('</think>')[-1] -%}{%- endif -%}\n",
-}

@@ -158,7 +158,8 @@ def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str, name
     next to it) is not copied: the exported one is what the model was trained with.
     ``named_tokens``: tokenizer_config.json also names the template's media tokens
     (``image_token``: ``<|IMAGE|>`` …), which the tokenizer must hold."""
-    from omniweave.data.text.template import hf_chat_template, load_template
+    from omniweave.data.text.jinja_export import hf_chat_template
+    from omniweave.data.text.template import load_template
     from omniweave.data.text.tokenizer import TOKENIZER_FILES, load_tokenizer
 
     template = load_template(template_name, tokenizer=tok_dir)
