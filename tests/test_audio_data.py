@@ -396,7 +396,8 @@ def test_audio_placeholder_renders_and_exports_like_the_other_media():
     from transformers.utils.chat_template_utils import render_jinja_template
 
     from omniweave.data.sample import Message
-    from omniweave.data.text.template import BUILTIN_TEMPLATES, hf_chat_template, render
+    from omniweave.data.text.jinja_export import hf_chat_template
+    from omniweave.data.text.template import BUILTIN_TEMPLATES, render
 
     t = BUILTIN_TEMPLATES["chatml"]
     messages = [Message("user", "<image>Look, then <audio>listen."), Message("assistant", "done")]

@@ -131,19 +131,19 @@ def test_tokenizer_feature_extractor_and_image_processor_match_our_pipeline(expo
 
 
 def test_hf_verify_passes_on_the_export_with_a_video_and_its_sound(exported, tmp_path, capsys):
-    """``omniweave hf verify EXPORT --template qwen2_5_omni --use-audio-in-video``: the export's own
-    tokenizer and the recipe's template give the ids its config names; every stage agrees. With
-    another template the token ids disagree: exit 2, saying so."""
+    """``omniweave hf verify EXPORT --use-audio-in-video``: the export's own tokenizer and its chat
+    template (``--template auto``: the recipe's qwen2_5_omni as exported) give the ids its config
+    names; every stage agrees. With another template the token ids disagree: exit 2, saying so."""
     from omniweave.cli import main
 
     out, _, _ = exported
     (tmp_path / "v.mp4").write_bytes(video_with_audio_bytes(12, 4.0, 3.0, height=56, width=84, seed=1))
     (tmp_path / "a.wav").write_bytes(CLIP)
     args = ["--use-audio-in-video", "--video", str(tmp_path / "v.mp4"), "--audio", str(tmp_path / "a.wav")]
-    assert main(["hf", "verify", str(out), "--template", "qwen2_5_omni", *args]) == 0
+    assert main(["hf", "verify", str(out), *args]) == 0
     report = capsys.readouterr().out
     assert "per clip [62, 75] planned from headers (HF [62, 75])" in report and "OK: all differences" in report, report
-    assert main(["hf", "verify", str(out), *args]) == 2
+    assert main(["hf", "verify", str(out), "--template", "chatml", *args]) == 2
     assert "config image_token_index=697 but the tokenizer's id is 5" in capsys.readouterr().err
 
 

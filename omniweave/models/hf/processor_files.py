@@ -3,7 +3,7 @@ the tokenizer, the chat template, and (VL models) the image / video processor co
 
 Everything comes from the recipe's ``data:`` section, because that is what the model was
 trained on: the tokenizer files are copied, ``chat_template.jinja`` renders ``data.template``
-(:func:`omniweave.data.text.template.hf_chat_template`), and the processor configs carry the resize
+(:func:`omniweave.data.text.jinja_export.hf_chat_template`), and the processor configs carry the resize
 rules of ``data.vision`` (:class:`omniweave.data.media.vision.VisionConfig`), so that
 ``AutoProcessor.from_pretrained(export)`` gives the grids and pixels training saw.
 

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random media")
     parser.add_argument("--template", default="auto",
                         help="our chat template: a built-in name, hf, or auto (default: the directory's own "
-                             "template when its tokenizer has one, i.e. hf; else chatml, qwen2_5_omni for Omni)")
+                             "template when its tokenizer has one, i.e. hf; else chatml)")
     parser.add_argument("--adapter", default=None, metavar="ADAPTER_DIR",
                         help="a PEFT LoRA adapter of HF_DIR (hf export --adapter): transformers + peft's "
                              "PeftModel against omniweave with the adapter loaded (text and vision-language models)")

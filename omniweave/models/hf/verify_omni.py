@@ -69,7 +69,7 @@ def _sample(args, hf_dir: Path, model_cfg: dict, media: dict[str, list[bytes]]):
     vision["position_id_per_seconds"] = omni.get("position_id_per_seconds", 25)
     audio = {"family": "qwen2_5_omni", "n_mels": model_cfg["audio_encoder"]["num_mel_bins"],
              "seconds_per_chunk": omni.get("seconds_per_chunk", 2), "use_audio_in_video": args.use_audio_in_video}
-    template = verify_template(args.template, tokenizer, "qwen2_5_omni")
+    template = verify_template(args.template, tokenizer)
     proc = SampleProcessor({"tokenizer": tokenizer, "template": template, "max_len": 1 << 20, "rope": "mrope_omni",
                             "vision": vision, "audio": audio})  # fmt: skip
     raw = RawSample(key="verify", conversation=conv, media=files)
@@ -129,7 +129,7 @@ def verify_omni(args, hf_dir: Path, hf_cfg: dict, report) -> int:
         return 2
     errors = _token_id_errors(proc, omni)
     if errors:
-        print("error: " + "; ".join(errors) + f" (template {template!r}: is --template the one the model was "
+        print("error: " + "; ".join(errors) + f" (template {proc.template.name!r}: is --template the one the model was "
               "trained with, e.g. qwen2_5_omni?)", file=sys.stderr)  # fmt: skip
         return 2
     ours_media = media_batch(proc, [(s, raw.media[s.part]) for s in sample.media])
