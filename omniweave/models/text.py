@@ -54,10 +54,18 @@ class LMHeadMixin:
             return ModelOutput(losses.sum(), (labels != -100).sum(), token_logp=-losses)
         token_weights = (batch.get("token_data") or {}).get("loss_weight")
         if token_weights is not None:  # fractional per-turn loss weights scale their tokens' losses
-            losses = self.ce_tokens(h, weight, labels, self.loss_chunk)
-            return ModelOutput((losses * token_weights.to(losses.dtype)).sum(), (labels != -100).sum())
+            return ModelOutput(self.loss_sum(h, labels, token_weights), (labels != -100).sum())
         loss_sum, n = self.ce_sum(h, weight, labels, self.loss_chunk)
         return ModelOutput(loss_sum, n)
+
+    def loss_sum(self, h: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The cross-entropy sum of final hidden states ``h`` [L, D] against ``labels``, each token's
+        loss times its ``weights`` entry where given (fractional per-turn loss weights); the one
+        place the forward and a pipeline's last stage take their loss from."""
+        head = self.foundation.lm_head.weight
+        if weights is None:
+            return self.ce_sum(h, head, labels, self.loss_chunk)[0]
+        return (self.ce_tokens(h, head, labels, self.loss_chunk) * weights.to(torch.float32)).sum()
 
     def logits(self, batch: dict) -> torch.Tensor:
         """[L, V] (tests, ``omniweave hf verify``)."""

@@ -248,16 +248,7 @@ class StageModule(nn.Module):
                 self.step_stats[k] = self.step_stats.get(k, 0.0) + v.detach().double()
             return torch.stack([loss_sum])
         weights = row_inputs.get("loss_weight")
-        return torch.stack([row_loss_sum(model, foundation.norm(h), labels[0], None if weights is None else weights[0])])
-
-
-def row_loss_sum(model, h: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """The last stage's loss sum of one row (or chunk): each token's loss times its weight where the
-    row has per-token ``loss_weight`` (fractional per-turn weights), as the model's own forward."""
-    head = model.foundation.lm_head.weight
-    if weights is None:
-        return model.ce_sum(h, head, labels, model.loss_chunk)[0]
-    return (model.ce_tokens(h, head, labels, model.loss_chunk) * weights.to(torch.float32)).sum()
+        return torch.stack([model.loss_sum(foundation.norm(h), labels[0], None if weights is None else weights[0])])
 
 
 def pad_rows(rows: list[dict], capacity: int) -> list[dict]:

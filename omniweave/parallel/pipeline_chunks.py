@@ -117,7 +117,5 @@ def forward_chunk(stage, x, position_ids, cu_seqlens, labels, token_valid, chunk
     h = checkpoint(layers, h, cos, sin, use_reentrant=False)
     if not stage.is_last:
         return h[None].clone()
-    from omniweave.parallel.pipeline import row_loss_sum
-
     weights = None if loss_weight is None else loss_weight[0]
-    return torch.stack([row_loss_sum(model, foundation.norm(h), labels[0], weights)])
+    return torch.stack([model.loss_sum(foundation.norm(h), labels[0], weights)])

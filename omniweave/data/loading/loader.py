@@ -161,7 +161,7 @@ def collate_pack(pack: dict, data_cfg: dict, skips: list | None = None) -> dict:
         extra["num_pairs"] = len(pack["docs"]) // 2
         extra["pack_id"] = int(pack["index"])  # where train.dpo.ref=precomputed finds its pairs' values
     if any("loss_weights" in d for d in pack["docs"]):  # fractional per-turn weights (a turn's loss_weight)
-        extra.setdefault("token_data", {})["loss_weight"] = token_loss_weights(pack, int(labels.shape[0]))
+        extra.setdefault("token_data", {})["loss_weight"] = pack_loss_weights(pack, int(labels.shape[0]))
     encoded = [m for m in pack["media"] if "same_as" not in m]  # shared items: bytes and features once
     failed = None if skips is None else []
     media = media_batch(proc, [(span_from_record(m), m["bytes"]) for m in encoded], failed)
@@ -179,7 +179,7 @@ def collate_pack(pack: dict, data_cfg: dict, skips: list | None = None) -> dict:
     }
 
 
-def token_loss_weights(pack: dict, length: int) -> torch.Tensor:
+def pack_loss_weights(pack: dict, length: int) -> torch.Tensor:
     """float32 [L]: each shifted label's weight, 1 but in its document's ``loss_weights`` runs."""
     weights = torch.ones(length, dtype=torch.float32)
     for doc_start, doc in zip(pack["cu_seqlens"][:-1].tolist(), pack["docs"]):

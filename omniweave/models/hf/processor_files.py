@@ -158,6 +158,7 @@ def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str, name
     next to it) is not copied: the exported one is what the model was trained with.
     ``named_tokens``: tokenizer_config.json also names the template's media tokens
     (``image_token``: ``<|IMAGE|>`` …), which the tokenizer must hold."""
+    from omniweave.data.text.hf_template import HFChatTemplate
     from omniweave.data.text.jinja_export import hf_chat_template
     from omniweave.data.text.template import load_template
     from omniweave.data.text.tokenizer import TOKENIZER_FILES, load_tokenizer
@@ -183,7 +184,7 @@ def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str, name
             shutil.copyfile(tok_dir / name, out_dir / name)
         written.append(name)
     # data.template=hf trained on the directory's own template: it is exported as it is
-    jinja = template.source if getattr(template, "renders_tools", False) else hf_chat_template(template)
+    jinja = template.source if isinstance(template, HFChatTemplate) else hf_chat_template(template)
     (out_dir / "chat_template.jinja").write_text(jinja)
     return written + ["chat_template.jinja"]
 
