@@ -136,7 +136,8 @@ class TimedPipeline:
 
 
 def _bubble_rank(rank: int, world: int, cases: list, length: int, repeats: int) -> list[dict]:
-    from omniweave.parallel.pipeline import Pipeline, split_layers
+    from omniweave.parallel.pipeline import Pipeline
+    from omniweave.parallel.pipeline_split import split_layers
 
     out = []
     for schedule, virtual, m in cases:
@@ -175,7 +176,7 @@ def vlm_rows(m: int, length: int) -> tuple[list[dict], float]:
 def cost_split(pp: int, length: int) -> tuple[list[int], float]:
     """The cost-model split of the VLM's layers over ``pp`` stages, and the encoders' cost in layers."""
     from omniweave.config import load_recipe, to_dict
-    from omniweave.parallel.pipeline import encoder_cost_in_layers, split_layers
+    from omniweave.parallel.pipeline_split import encoder_cost_in_layers, split_layers
 
     _, patches_per_token = vlm_rows(1, length)
     cost = encoder_cost_in_layers(to_dict(load_recipe("demo", VLM_MODEL).model), patches_per_token)

@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: o
 from bench.context_parallel import GRID_HW, MODEL  # noqa: E402
 from bench.figure import pyplot, save  # noqa: E402
 from omniweave.parallel.spawn import run_ranks  # noqa: E402
-from omniweave.rl.rollout import NaiveRollout, Prompt, Rollout, SamplingParams, TorchRollout  # noqa: E402
+from omniweave.generation import NaiveRollout, Prompt, Rollout, SamplingParams, TorchRollout  # noqa: E402
 
 VIDEO_ID, PRE, QUESTION, VOCAB = 7, 16, 24, 4096
 
@@ -122,7 +122,7 @@ def _cp_rank(rank: int, world: int, t: int, g: int, max_new: int, kernel: str) -
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    import omniweave.rl.rollout as R
+    import omniweave.generation as R
     from omniweave.config import load_recipe
     from omniweave.parallel.dims import ParallelDims
 

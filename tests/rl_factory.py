@@ -11,7 +11,7 @@ from omniweave.config import load_recipe, to_dict
 from omniweave.data.demo import generate
 from omniweave.data.text.tokenize import SampleProcessor
 from omniweave.models.registry import build_model
-from omniweave.rl.rollout import Prompt
+from omniweave.generation import Prompt
 from omniweave.train.evaluate import prompt_batch, read_eval_rows, row_to_raw
 
 

@@ -414,7 +414,7 @@ def test_audio_placeholder_renders_and_exports_like_the_other_media():
 
 def test_eval_prompts_packed_together_keep_each_prompts_audio(raw):
     from omniweave.data.text.tokenize import SampleProcessor
-    from omniweave.rl.rollout import Prompt, pack_prompts
+    from omniweave.generation import Prompt, pack_prompts
     from omniweave.train.evaluate import prompt_batch, row_to_raw
 
     proc = SampleProcessor({"max_len": 4096, "audio": {"family": "qwen2_5_omni"}})

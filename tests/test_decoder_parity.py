@@ -105,7 +105,7 @@ def test_empty_labels_give_zero_connected_loss():
 def _greedy(model, prompts, max_new_tokens, stop_ids=()) -> list[list[int]]:
     """Greedy tokens of each prompt ({input_ids, position_ids}), all decoded in one batch by the
     generation engine (one packed prefill, lockstep decoding on the shared KV cache)."""
-    from omniweave.rl.rollout import Prompt, SamplingParams, TorchRollout
+    from omniweave.generation import Prompt, SamplingParams, TorchRollout
 
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids))
     out = TorchRollout(model).generate([Prompt(i, p) for i, p in enumerate(prompts)], 1, params, seed=0)

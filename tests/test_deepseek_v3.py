@@ -215,7 +215,7 @@ def test_mrope_positions_reach_the_rope_dims():
 def test_kv_cache_greedy_equals_recompute(pair):
     """Generation on the packed-prompt KV cache (GroupKVCache) and on the one-sequence KVCache
     (NaiveRollout), both holding keys and padded values per head, equals recomputing the row."""
-    from omniweave.rl.rollout import NaiveRollout, Prompt, SamplingParams
+    from omniweave.generation import NaiveRollout, Prompt, SamplingParams
     from tests.test_decoder_parity import _greedy
 
     _, ours, _, _ = pair

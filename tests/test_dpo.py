@@ -305,7 +305,7 @@ def test_with_lora_the_reference_is_the_policy_with_its_adapters_off(pairs, tmp_
     def no_copy(*a, **k):
         raise AssertionError("a frozen reference copy was built for a LoRA-only run")
 
-    monkeypatch.setattr(dpo, "reference_model", no_copy)
+    monkeypatch.setattr(dpo, "frozen_reference", no_copy)
     lora = ["+model.foundation.lora={r: 4, alpha: 8, targets: all-linear}", "model.image_encoder.freeze=true",
             "model.projector.freeze=true"]
     train(load_recipe("demo_dpo", dpo_overrides(pairs, tmp_path / "run", steps=3, train__lr=1e-3) + lora))
@@ -323,6 +323,7 @@ def test_a_pair_whose_media_did_not_decode_is_left_out_of_loss_stats_and_normali
     """``drop_skipped_docs`` zeroes the skipped pair's slots (both sides share its media): the row then
     gives the loss, statistics, gradient and pair count of the same row without that pair."""
     from omniweave.train.dpo import DPOObjective, live_pairs
+    from omniweave.train.objective import Target
 
     objective = DPOObjective.__new__(DPOObjective)
     objective.settings, objective.stored = DPOConfig(loss=loss), None
@@ -332,11 +333,25 @@ def test_a_pair_whose_media_did_not_decode_is_left_out_of_loss_stats_and_normali
     ref = torch.tensor([[-1.0, -1.5], [-0.5, -2.0]])
     skipped = torch.where((slots == 3) | (slots == 4), 0, slots)  # pair 1's media did not decode
     assert (live_pairs(slots), live_pairs(skipped)) == (2, 1)
+
+    def pair_loss(h, slots, pairs, ref):  # the objective on "hidden states" that are the token log-probs
+        target = Target(torch.where(slots > 0, 1, -100), {"pair_slot": slots}, {"num_pairs": torch.tensor([pairs]),
+                                                                               "ref_logps": ref})
+        return objective.loss(_LogpModel(), h, target)
+
     x = token_logp.clone().requires_grad_()
-    got, got_stats = objective.pair_loss(x, skipped, 2, ref)
+    got, got_stats = pair_loss(x, skipped, 2, ref)
     got.backward()
     y = token_logp[:6].clone().requires_grad_()
-    want, want_stats = objective.pair_loss(y, slots[:6], 1, ref[:1])
+    want, want_stats = pair_loss(y, slots[:6], 1, ref[:1])
     want.backward()
     assert torch.equal(got, want) and got_stats == want_stats and got_stats["pairs"] == 1.0
     assert torch.equal(x.grad[:6], y.grad) and not x.grad[6:].any()
+
+
+class _LogpModel:
+    """A model whose hidden states are the labels' log-probs already (objective unit tests)."""
+
+    @staticmethod
+    def token_logps(h, labels, temperature=1.0):
+        return torch.where(labels != -100, h, 0.0)

@@ -47,7 +47,7 @@ def test_a_precomputed_reference_gives_the_losses_and_rewards_of_the_reference_m
     def no_model(*a, **k):
         raise AssertionError("a reference model was built for train.dpo.ref=precomputed")
 
-    monkeypatch.setattr(dpo, "reference_model", no_model)
+    monkeypatch.setattr(dpo, "frozen_reference", no_model)
     train(_cfg(pairs, tmp_path / "stored", steps=4, train__lr=1e-2, train__dpo__ref="precomputed"))
     stored = [[m[k] for k in keys] for m in read_metrics(tmp_path / "stored")]
     assert with_model[-1][2] != 0.0  # the policy moved: the rewards compare something

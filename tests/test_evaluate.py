@@ -21,7 +21,7 @@ import pytest
 from omniweave.config import load_recipe
 from omniweave.data.demo import generate
 from omniweave.models.text import CausalLM
-from omniweave.rl.rollout import NaiveRollout, Prompt, SamplingParams
+from omniweave.generation import NaiveRollout, Prompt, SamplingParams
 from omniweave.train.evaluate import (
     eval_fn,
     evaluate_rows,

@@ -114,7 +114,7 @@ def test_no_media_batch_runs_encoder_with_zero_contribution(pair):
 
 def test_kv_cache_generate_equals_argmax_loop(pair):
     """The generation engine (eval, RL rollouts) against a recompute loop and transformers."""
-    from omniweave.rl.rollout import Prompt, SamplingParams, TorchRollout
+    from omniweave.generation import Prompt, SamplingParams, TorchRollout
 
     _, _, hf, ours = pair
     sample = make_sample(MEDIA_CASES["mixed"], seed=8)

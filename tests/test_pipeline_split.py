@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from omniweave.parallel.pipeline import (check_microbatches, check_model, encoder_cost_in_layers, split_layers,
-                                         stage_ranges)
+from omniweave.parallel.pipeline import check_microbatches
+from omniweave.parallel.pipeline_split import check_model, encoder_cost_in_layers, split_layers, stage_ranges
 
 
 def test_explicit_pp_layers_are_used_as_given():
@@ -88,7 +88,7 @@ def test_a_stage_copy_that_would_compute_with_the_original_modules_is_refused():
     (or defaults to) one of its modules would survive the copy pointing at the original (as expert
     parallelism's dispatch once did): refused, naming the holder. An object holding the module, or a
     bound method, is copied with it and passes."""
-    from omniweave.parallel.pipeline import slice_model
+    from omniweave.parallel.pipeline_split import slice_model
 
     model = _model("demo", "model.foundation.num_layers=2")
     mlp = model.foundation.layers[1].mlp
@@ -160,14 +160,15 @@ def test_recipe_pp_layout():
 
 
 @pytest.mark.parametrize("command, expected", [
-    (["rl", "demo_grpo"], "parallel.pp=2 does not support train.phase=grpo yet"),
-    (["train", "demo_dpo"], "train.dpo.ref=model does not run under parallel.pp > 1 yet"),
-    (["train", "demo_dpo", "train.dpo.ref=none", "parallel.cp=2"], "train.phase=dpo with parallel.pp > 1 does not take parallel.cp yet"),
+    (["rl", "demo_grpo", "rl.kl_coef=0.05"], "rl.kl_coef > 0 under parallel.pp=2: the frozen reference's forward"),
+    (["train", "demo_dpo"], "train.dpo.ref=model under parallel.pp=2: the frozen reference's forward"),
+    (["train", "demo_dpo", "train.dpo.ref=none", "parallel.cp=2"], "(train.dpo.ref=none) under parallel.pp=2 with "
+                                                                  "parallel.cp=2: the pairs' log-prob sums"),
 ])
 def test_training_modes_pipelines_cannot_run_yet_are_refused(capsys, command, expected):
-    """`omniweave rl` (GRPO), and DPO with a reference model or CP, with `parallel.pp=2`: one line
-    naming the keys, exit 2, before any rank starts (DPO with precomputed or no reference runs:
-    tests/dist/test_dpo_dist.py)."""
+    """A frozen reference's forward per row (GRPO's KL, DPO's reference model) and DPO with CP under
+    `parallel.pp=2`: one line naming the keys and why, exit 2, before any rank starts (the rest
+    runs: tests/dist/test_dpo_dist.py, tests/dist/test_objective_layouts.py)."""
     from omniweave.cli import main
 
     assert main([*command, "parallel.pp=2", "--nproc", "2"]) == 2

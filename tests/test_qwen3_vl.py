@@ -187,7 +187,7 @@ def test_cli_export_loads_in_transformers_and_verifies(pair, tmp_path, capsys):
 def test_generation_prefills_with_deepstack_and_matches_transformers(pair):
     """TorchRollout (eval, RL) prefills through foundation_inputs, DeepStack included: greedy
     tokens equal a recompute loop over OmniModel.logits and transformers' own generate."""
-    from omniweave.rl.rollout import Prompt, SamplingParams, TorchRollout
+    from omniweave.generation import Prompt, SamplingParams, TorchRollout
 
     _, hf, ours, _ = pair
     sample = make_sample(MEDIA_CASES["mixed"], seed=13)

@@ -1,4 +1,4 @@
-"""Rollouts (omniweave/rl/rollout.py) on the tiny demo model and real demo prompts, fp32:
+"""Rollouts (omniweave/generation.py) on the tiny demo model and real demo prompts, fp32:
 
 - shared encoding + one prefill per group (``TorchRollout``) give the same tokens and log-probs
   as re-encoding and re-prefilling every sample alone (``NaiveRollout``), same seeds;
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omniweave.rl.rollout import NaiveRollout, SamplingParams, TorchRollout, pack_prompts
+from omniweave.generation import NaiveRollout, SamplingParams, TorchRollout, pack_prompts
 from tests.rl_factory import demo_model, demo_prompts, raise_stop_logits, stop_ids, stop_where_hidden_is_high
 
 LOGP_ATOL = 1e-5  # |Δ log-prob| (fp32; measured ≤ 1e-6)
@@ -71,7 +71,7 @@ def test_rollout_logprobs_equal_the_packed_training_forward(setup):
         p = prompts[r.uid - 100].batch
         docs.append(_with_response(p, r.tokens))
         expected.append((p["input_ids"].shape[0], r))
-    from omniweave.rl.rollout import Prompt
+    from omniweave.generation import Prompt
 
     row = pack_prompts([Prompt(0, d) for d in docs])
     with torch.no_grad():
@@ -125,7 +125,7 @@ def test_bad_sampling_parameters_are_refused(setup):
 
 
 def test_top_k_and_top_p_keep_only_their_tokens_and_logprobs_ignore_them():
-    from omniweave.rl.rollout import sample_generator, sample_tokens
+    from omniweave.generation import sample_generator, sample_tokens
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     gens = [sample_generator(0, 1, j) for j in range(400)]

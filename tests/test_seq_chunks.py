@@ -24,8 +24,9 @@ from omniweave.config import CONFIGS_DIR
 from omniweave.errors import UserError
 from omniweave.models.components.attention import attn
 from omniweave.models.registry import build_model
+from omniweave.train.objective import TokenCrossEntropy
 from omniweave.parallel.seq_chunks import (
-    ChunkKV, chunk_bounds, chunked_forward_backward, plan_chunks, unsupported_with_seq_chunks,
+    ChunkKV, chunk_bounds, chunked_forward_backward, plan_chunks,
 )
 
 LOSS_RTOL = 1e-6  # |Δloss| / loss, fp32 (measured <= 1.3e-7)
@@ -89,8 +90,7 @@ def _row(in_dim: int | None, merge: int = 4, seed: int = 1) -> dict:
     return batch
 
 
-def _loss_fn(model, mb):
-    return model(mb).loss_sum, {}
+CE = TokenCrossEntropy()  # SFT's objective (train/objective.py)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -179,7 +179,7 @@ def test_chunked_loss_and_every_gradient_equal_the_unchunked_row(case):
     (ref_loss * scale).backward()
     ref = _grads(model)
     for n in (1, 2, 5, 7):
-        loss, _ = chunked_forward_backward(model, batch, _loss_fn, n, scale)
+        loss, _ = chunked_forward_backward(model, batch, CE, {}, n, scale)
         assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * ref_loss.item(), (n, loss.item(), ref_loss.item())
         assert _worst(_grads(model), ref) <= GRAD_RTOL, n
 
@@ -194,7 +194,7 @@ def test_chunked_under_activation_checkpointing():
     ref_loss.backward()
     ref = _grads(model)
     apply_ac(model, "full")
-    loss, _ = chunked_forward_backward(model, batch, _loss_fn, 5, 1.0)
+    loss, _ = chunked_forward_backward(model, batch, CE, {}, 5, 1.0)
     assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * ref_loss.item()
     grads = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in _grads(model).items()}
     assert _worst(grads, ref) <= GRAD_RTOL
@@ -202,7 +202,7 @@ def test_chunked_under_activation_checkpointing():
 
 def test_hooks_are_restored_after_the_row():
     model, batch = _build("qwen2_5_vl")
-    chunked_forward_backward(model, batch, _loss_fn, 3, 1.0)
+    chunked_forward_backward(model, batch, CE, {}, 3, 1.0)
     assert all(layer.self_attn.attn_fn is None for layer in model.foundation.layers)
     assert model.media_splits == {}
 
@@ -212,50 +212,23 @@ def test_an_attention_already_swapped_is_refused():
     model, batch = _build("mla_text")
     model.foundation.layers[1].self_attn.attn_fn = lambda q, k, v, cu, window: q
     with pytest.raises(ValueError, match="parallel.cp = 1"):
-        chunked_forward_backward(model, batch, _loss_fn, 2, 1.0)
+        chunked_forward_backward(model, batch, CE, {}, 2, 1.0)
 
 
 def test_moe_model_is_refused_by_key():
     model = _model("qwen3_moe_tiny")
     with pytest.raises(ValueError, match="model.foundation.num_experts"):
-        chunked_forward_backward(model, _row(None), _loss_fn, 2, 1.0)
+        chunked_forward_backward(model, _row(None), CE, {}, 2, 1.0)
 
 
 # ---------------------------------------------------------------------------- the recipe
-
-
-def _recipe(**parallel):
-    from omniweave.config import load_recipe
-
-    return load_recipe("demo", [f"parallel.{k}={v}" for k, v in parallel.items()])
-
-
-def test_unsupported_settings_are_named():
-    with pytest.raises(ValueError, match="parallel.seq_chunks=0: the number of chunks"):
-        unsupported_with_seq_chunks(_recipe(seq_chunks=0))
-    assert unsupported_with_seq_chunks(_recipe(seq_chunks=4, cp=2)) == \
-        "parallel.seq_chunks=4 does not support parallel.cp=2 yet"
-    assert unsupported_with_seq_chunks(_recipe(seq_chunks=4, pp=2, cp=2)) == \
-        "parallel.seq_chunks=4 does not support parallel.cp=2, parallel.pp=2 with parallel.pp_schedule=1f1b and " \
-        "parallel.pp_virtual=1 (chunks under a pipeline need pp_schedule=gpipe, pp_virtual=1) yet"
-    assert unsupported_with_seq_chunks(_recipe(seq_chunks=4, pp=2, pp_schedule="gpipe")) is None  # pipeline_chunks.py
-
-
-def test_grpo_and_moe_recipes_are_refused():
-    from omniweave.config import load_recipe
-
-    grpo = load_recipe("demo_grpo", ["parallel.seq_chunks=2"])
-    assert "train.phase=grpo" in unsupported_with_seq_chunks(grpo)
-    moe = load_recipe("demo_moe", ["parallel.seq_chunks=2"])
-    assert "a MoE foundation (model.foundation.num_experts)" in unsupported_with_seq_chunks(moe)
-    assert unsupported_with_seq_chunks(_recipe(seq_chunks=1)) is None
 
 
 def test_cli_refuses_before_any_rank_starts(demo_packed, tmp_path):
     from omniweave.train.trainer import check_ready
     from tests.train_factory import recipe
 
-    with pytest.raises(UserError, match="parallel.seq_chunks=3 does not support parallel.cp=2"):
+    with pytest.raises(UserError, match="parallel.seq_chunks=3 with parallel.cp=2: chunked rows and context parallelism"):
         check_ready(recipe(demo_packed, tmp_path, parallel__seq_chunks=3, parallel__cp=2), None)
 
 
@@ -287,6 +260,6 @@ def test_every_row_runs_the_encoder_as_often_with_or_without_media():
     counts = []
     for row in (_row(in_dim), _row(None)):
         calls.clear()
-        chunked_forward_backward(model, row, _loss_fn, 5, 1.0)
+        chunked_forward_backward(model, row, CE, {}, 5, 1.0)
         counts.append(list(calls))
     assert counts[0] == counts[1] == [False, True]  # the forward sweep's once (no grad), chunk 0's recompute

@@ -134,3 +134,32 @@ def run_clipping_spy(train_fn, cfg) -> tuple[dict, list[list[torch.Tensor]]]:
         return train_fn(cfg), grads
     finally:
         optim.clip_grad_norm = original
+
+
+def run_named_grad_spy(train_fn, cfg) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+    """``train_fn(cfg)``'s result and, per optimizer step, this rank's gradients by parameter name
+    (full tensors; a pipeline rank's are its stages', under the model's names), recorded by a spy
+    on the engine's update."""
+    from omniweave.train.engine import Engine
+
+    grads: list = []
+    original = Engine._apply_update
+
+    def spy(self, *a, **k):
+        grads.append({n.replace("._checkpoint_wrapped_module", ""): (
+            p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for n, p in self.model.named_parameters() if p.grad is not None})
+        return original(self, *a, **k)
+
+    Engine._apply_update = spy
+    try:
+        return train_fn(cfg), grads
+    finally:
+        Engine._apply_update = original
+
+
+def worst_grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """max over ``got``'s parameters of max |Δgrad| / max |grad| against ``want`` (same names)."""
+    missing = sorted(set(got) - set(want))
+    assert not missing, f"parameters the reference run lacks: {missing[:4]}"
+    return max(float((g - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)) for n, g in got.items())

@@ -1,7 +1,7 @@
 """Text-only model: a foundation decoder + chunked loss (the model contract).
 
 ``ModelOutput`` and ``LMHeadMixin`` are shared with ``OmniModel``. Generation (eval, RL rollouts)
-is :class:`omniweave.rl.rollout.TorchRollout`, for both.
+is :class:`omniweave.generation.TorchRollout`, for both.
 """
 
 from __future__ import annotations
@@ -43,11 +43,18 @@ class LMHeadMixin:
     ce_sum = staticmethod(chunked_ce_sum)
     ce_tokens = staticmethod(chunked_ce_tokens)
 
-    def forward(self, batch: dict, token_logprobs: bool = False, temperature: float = 1.0) -> ModelOutput:
+    def forward(self, batch: dict, token_logprobs: bool = False, temperature: float = 1.0, head=None):
         """The loss sum (each token's loss times its ``token_data["loss_weight"]`` where the batch has
         one: turns with a fractional loss_weight); with ``token_logprobs`` also each label's log-prob under
-        ``log_softmax(logits / temperature)`` (RL: the policy's log-probs of sampled tokens)."""
+        ``log_softmax(logits / temperature)`` (RL: the policy's log-probs of sampled tokens).
+
+        ``head(model, hidden, batch)``: what the forward returns instead, from the final hidden
+        states (after the final norm; a tp foundation's are sequence-sharded: read them through
+        :meth:`token_logps` / :meth:`loss_sum`). A training objective applies the LM head and its
+        loss this way (train/objective.py), inside the forward, so FSDP's and TP's hooks run."""
         h = self.hidden(batch)
+        if head is not None:
+            return head(self, h, batch)
         weight, labels = self.foundation.lm_head.weight, batch["labels"]
         if token_logprobs:
             losses = self.ce_tokens(h / temperature if temperature != 1.0 else h, weight, labels, self.loss_chunk)
@@ -66,6 +73,12 @@ class LMHeadMixin:
         if weights is None:
             return self.ce_sum(h, head, labels, self.loss_chunk)[0]
         return (self.ce_tokens(h, head, labels, self.loss_chunk) * weights.to(torch.float32)).sum()
+
+    def token_logps(self, h: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Each label's log-prob fp32 [L] under ``log_softmax(lm_head(h) / temperature)`` (0 where
+        the label is -100), through the model's (possibly vocab-parallel) ``ce_tokens``."""
+        h = h / temperature if temperature != 1.0 else h
+        return -self.ce_tokens(h, self.foundation.lm_head.weight, labels, self.loss_chunk)
 
     def logits(self, batch: dict) -> torch.Tensor:
         """[L, V] (tests, ``omniweave hf verify``)."""

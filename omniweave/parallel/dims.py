@@ -196,7 +196,8 @@ def check_ep(ep: int, dp: int, cp: int, foundation: Any) -> None:
 
 def check_pp(parallel: Any, pp: int, dp: int, cp: int, tp: int, ep: int, model: Any) -> None:
     """``parallel.pp`` and its keys against the layout and the foundation (errors name the keys)."""
-    from omniweave.parallel.pipeline import check_schedule, split_layers
+    from omniweave.parallel.pipeline import check_schedule
+    from omniweave.parallel.pipeline_split import split_layers
 
     schedule, virtual = str(parallel.get("pp_schedule", "1f1b")), int(parallel.get("pp_virtual", 1) or 1)
     check_schedule(schedule, virtual)

@@ -104,7 +104,7 @@ def apply_ep(model: nn.Module, ep_mesh) -> int:
 
 class _EPDispatch:
     """``Experts.dispatch`` of one MoE layer: ``ep_dispatch`` over ``group``. An object rather than a
-    closure, so that a copy of the model (a pipeline stage's part, parallel/pipeline.slice_model)
+    closure, so that a copy of the model (a pipeline stage's part, parallel/pipeline_split.slice_model)
     dispatches through its own layer and experts, not the original's."""
 
     def __init__(self, moe: MoE, group):

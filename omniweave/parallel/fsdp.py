@@ -108,7 +108,7 @@ def _shard_experts(experts: list[nn.Module], experts_mesh, extra: dict) -> dict:
 def apply_fsdp_to_stage_parts(part: nn.Module, stages: list[nn.Module], mesh, precision: str = "fp32",
                               encoder_mesh=None, offload: str = "none", pin_memory: bool = False,
                               experts: list[nn.Module] = (), experts_mesh=None) -> nn.Module:
-    """FSDP2 for a pipeline rank's part of the model (``parallel/pipeline.slice_model``; parts it
+    """FSDP2 for a pipeline rank's part of the model (``parallel/pipeline_split.slice_model``; parts it
     does not hold are None) over ``mesh``, the data-parallel ranks holding the same stages: every
     decoder layer, encoder block, encoder and projector is its own FSDP unit; the embedding is the
     first stage's module's, the final norm and LM head the last stage's (``stages``: this rank's

@@ -1,8 +1,8 @@
 """Pipeline parallelism: an OmniModel cut into stages over ``torch.distributed.pipelining``.
 
-    sizes  = split_layers(num_layers, pp, virtual, pp_layers, first_stage_cost)    # layers per stage
+    sizes  = split_layers(num_layers, pp, virtual, pp_layers, first_stage_cost)    # pipeline_split.py
     pipe   = Pipeline(model, sizes, pp_group, device, schedule="1f1b", n_microbatches=4)
-    loss   = pipe.step(rows, normaliser=global_loss_tokens)        # forward + backward of the rows
+    loss   = pipe.step(rows, normaliser, objective)      # forward + backward of the rows, scored by the objective
 
 Stages are built from the model's own parts, from outside it (the model has no pipeline code):
 stage 0 holds the encoders + projectors, the token embedding and its decoder layers (DeepStack
@@ -35,151 +35,30 @@ Per-row metadata does not cross a boundary: the schedule hands every stage its m
 slice of the step's keyword tensors (checked in torch 2.13: ``step(**kwargs)`` is chunked on dim
 0 on every rank and each stage's forward receives its chunk): M-RoPE ``position_ids [1, 3, L]``,
 ``cu_seqlens [1, K]`` (-1 past the row's own documents, so that rows with different document
-counts stack), ``labels [1, L]`` and ``token_valid [1, L]``. Media have a shape per row, so only
-stage 0 reads them, from the step's rows by a row index (its positional input ``[1]``).
+counts stack), ``labels [1, L]``, ``token_valid [1, L]``, the row's per-token values
+``tok__<key> [1, L]`` (``token_data``: loss weights, pair slots, old log-probs, …) and the training
+objective's per-row inputs ``row__<key>`` (``Objective.row_inputs``, static shapes). Media have a
+shape per row, so only stage 0 reads them, from the step's rows by a row index (its positional
+input ``[1]``).
 
-The loss of every micro-batch is its token-loss sum divided by ``normaliser`` (the loss tokens
-of the global batch, DESIGN.md), so gradients are summed over micro-batches as they are
-(``scale_grads=False``) and equal the single-process run's.
+The last stage scores each micro-batch with the step's training objective (train/objective.py,
+``StageModule.score``): its loss sum divided by ``normaliser`` (the global count of the step,
+DESIGN.md), so gradients are summed over micro-batches as they are (``scale_grads=False``) and
+equal the single-process run's; the objective's statistics are summed over the rows.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from omniweave.parallel.pipeline_split import check_model, slice_model, stage_ranges
+
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
 LOOPED = ("interleaved_1f1b", "zero_bubble")  # schedules with several (virtual) stages per rank
-
-
-def split_layers(num_layers: int, pp: int, virtual: int = 1, pp_layers=None,
-                 first_stage_cost: float | None = 0.0) -> list[int]:
-    """Decoder layers of each of the ``pp · virtual`` stages, in stage order.
-
-    ``pp_layers``: explicit counts (``parallel.pp_layers``), one per stage, each >= 1, summing to
-    ``num_layers``. Otherwise ``first_stage_cost`` decides: None asks for a uniform split (the
-    layers must divide evenly); a number >= 0 is the encoders' work in decoder-layer units
-    (``encoder_cost_in_layers``), which stage 0 carries besides its layers, and the split
-    minimises the largest stage cost (layers cost alike; ties go to the most even split)."""
-    stages = pp * virtual
-    if pp < 1 or virtual < 1:
-        raise ValueError(f"parallel.pp={pp} and parallel.pp_virtual={virtual} must be >= 1")
-    if num_layers < stages:
-        raise ValueError(f"{num_layers} decoder layers cannot fill parallel.pp={pp} x parallel.pp_virtual={virtual} "
-                         f"= {stages} stages (each stage needs at least one layer)")
-    if pp_layers is not None:
-        sizes = [int(n) for n in pp_layers]
-        if len(sizes) != stages:
-            raise ValueError(f"parallel.pp_layers {sizes} has {len(sizes)} entries; parallel.pp={pp} x "
-                             f"parallel.pp_virtual={virtual} needs one per stage ({stages})")
-        if min(sizes) < 1 or sum(sizes) != num_layers:
-            raise ValueError(f"parallel.pp_layers {sizes} must be >= 1 each and sum to the foundation's "
-                             f"{num_layers} layers (model.foundation.num_layers); they sum to {sum(sizes)}")
-        return sizes
-    if first_stage_cost is None:
-        if num_layers % stages:
-            raise ValueError(f"a uniform split of {num_layers} layers over parallel.pp={pp} x parallel.pp_virtual="
-                             f"{virtual} = {stages} stages does not divide; set parallel.pp_layers")
-        return [num_layers // stages] * stages
-    if first_stage_cost < 0:
-        raise ValueError(f"first_stage_cost={first_stage_cost} must be >= 0")
-    if stages == 1:
-        return [num_layers]
-
-    def split(first: int) -> list[int]:  # stage 0 takes ``first``, the rest as evenly as possible
-        q, r = divmod(num_layers - first, stages - 1)
-        return [first] + [q + (s >= stages - 1 - r) for s in range(stages - 1)]  # extras to the last stages
-
-    candidates = [split(first) for first in range(1, num_layers - stages + 2)]
-    return min(candidates, key=lambda s: (max(s[0] + first_stage_cost, *s[1:]), max(s) - min(s)))
-
-
-def encoder_cost_in_layers(model_cfg: dict, patches_per_token: float) -> float:
-    """The encoders' forward + backward work per row in decoder-layer units, from the FLOP cost
-    model (parallel/cost_model.py): ``p · patches / (b / num_layers)`` per token. Its proxy: a
-    decoder layer costs its share of the per-token matmuls ``b`` (the LM head's share included),
-    the encoder its per-patch matmuls and window attention ``p``; attention over whole frames and
-    documents (the squared terms) is left out."""
-    from omniweave.parallel.cost_model import CostModel
-
-    cost = CostModel.from_model_config(model_cfg)
-    per_layer = cost.b / int(model_cfg["foundation"]["num_layers"])
-    return cost.p * patches_per_token / per_layer
-
-
-def stage_ranges(sizes: list[int]) -> list[range]:
-    """The decoder layers of each stage, from ``split_layers``' counts."""
-    ends = torch.tensor(sizes).cumsum(0).tolist()
-    return [range(end - n, end) for n, end in zip(sizes, ends)]
-
-
-def slice_model(model: nn.Module, layers, first: bool, last: bool, share: bool = False) -> nn.Module:
-    """A copy of ``model`` holding only decoder ``layers``, and the encoders, projectors and
-    embedding when ``first``, the final norm and LM head when ``last``; the other parts are None
-    (parameter names unchanged). ``share``: the kept parts are ``model``'s own modules (not copies).
-    Every part of the model must be one of these, so that a new part cannot be dropped silently.
-    The parallel hooks (CP attention, media splits, TP's loss) are copied but keep their process
-    groups; a copy without the encoders has no media splits."""
-    foundation = model.foundation
-    first_parts = [foundation.embed_tokens, *(getattr(model, s) for m in model.modalities for s in (m.encoder, m.projector))]
-    last_parts = [foundation.norm, foundation.lm_head]
-    keep = {id(m): first for m in first_parts if m is not None}  # None: not in this (already sliced) model
-    keep.update({id(m): last for m in last_parts if m is not None})
-    keep.update({id(layer): i in layers for i, layer in enumerate(foundation.layers) if layer is not None})
-    containers = {id(foundation), id(foundation.layers)}
-    unknown = [name for name, m in (*model.named_children(), *foundation.named_children())
-               if m is not None and id(m) not in keep and id(m) not in containers]
-    if unknown:
-        raise TypeError(f"pipeline stages do not know where these parts of the model go: {unknown}")
-    memo = {i: None for i, kept in keep.items() if not kept}  # deepcopy maps each of them to None
-    # the parallel hooks on the model (CP attention, media splits, TP's loss) are copied with it but keep
-    # their process groups, which cannot be copied; without the encoders a stage needs no media split
-    # (whose hooks hold the encoders' methods)
-    memo.update({id(group): group for group in dist.distributed_c10d._world.pg_map} if dist.is_initialized() else {})
-    if not first and hasattr(model, "media_splits"):
-        memo[id(model.media_splits)] = {}
-    if share:
-        memo.update({id(m): m for m in (*first_parts, *last_parts, *foundation.layers) if m is not None and keep[id(m)]})
-    part = copy.deepcopy(model, memo=memo)
-    if not share:
-        _check_no_original_modules(part, model)
-    return part
-
-
-def _check_no_original_modules(part: nn.Module, model: nn.Module) -> None:
-    """TypeError if a function stored on the copy (an attribute, a hook) still reaches a module of
-    ``model``: deepcopy copies modules and objects but not functions, so a closure (or a default
-    argument, or a ``functools.partial``) over a layer would make the copy compute with the
-    original's weights, and leave its own without gradients."""
-    originals = {id(m) for m in model.modules()}
-    copies = {id(m) for m in part.modules()}
-
-    def reached(value, depth: int = 0):
-        if isinstance(value, nn.Module):
-            yield value
-        elif depth < 3 and callable(value) and not isinstance(value, type):
-            if isinstance(value, partial):
-                inner = [value.func, *value.args, *value.keywords.values()]
-            else:
-                cells = getattr(value, "__closure__", None) or ()
-                inner = [getattr(value, "__self__", None), *(getattr(value, "__defaults__", None) or ()),
-                         *(c.cell_contents for c in cells if c.cell_contents is not None)]
-            for v in inner:
-                yield from reached(v, depth + 1)
-
-    for name, module in part.named_modules():
-        hooks = [h for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks") for h in getattr(module, attr).values()]
-        stored = [v for k, v in vars(module).items() if not k.startswith("_") and callable(v)]
-        for fn in (*hooks, *stored):
-            leaked = [m for m in reached(fn) if id(m) in originals and id(m) not in copies]
-            if leaked:
-                raise TypeError(f"pipeline stage copy: {name or 'the model'} holds {fn!r}, which reaches a module of the "
-                                f"original model ({type(leaked[0]).__name__}); store an object deepcopy can copy instead")
 
 
 class StageModule(nn.Module):
@@ -202,8 +81,8 @@ class StageModule(nn.Module):
         self.rows: list[dict] = []  # the step's rows (stage 0 reads their media)
         self.chunks = None  # parallel.seq_chunks: the step's per-row chunk state (pipeline_chunks.StageChunks)
         self.metadata_pass = True  # the next forward is torch's shape inference (see forward)
-        self.row_loss = None  # the training mode's loss of a row on the last stage (Pipeline.set_row_loss)
-        self.step_stats: dict[str, torch.Tensor] = {}  # the row losses' statistics of the step
+        self.objective = None  # the step's training objective (train/objective.py), on the last stage
+        self.step_stats: dict[str, torch.Tensor] = {}  # the objective's statistics of the step
 
     def forward(self, *args, **kwargs):
         """A micro-batch through the stage. The first call is torch.distributed.pipelining's
@@ -219,14 +98,28 @@ class StageModule(nn.Module):
             for m in router_layers(self):
                 m.stats = RouterStats()
             self.step_stats.clear()
+            if self.chunks is not None:
+                self.chunks.sums.clear()
         return out
 
-    def _forward(self, x, position_ids, cu_seqlens, labels, token_valid, chunk=None, **row_inputs):
+    def score(self, h: torch.Tensor, labels: torch.Tensor, inputs: dict):
+        """The last stage's objective on one micro-batch's hidden states (after the final norm):
+        (loss sum, target) with the statistics added to the step's."""
+        model = self._model[0]
+        target = self.objective.target(*split_inputs(labels, inputs))
+        loss_sum, stats = self.objective.loss(model, h, target)
+        self.add_stats(stats)
+        return loss_sum
+
+    def add_stats(self, stats: dict) -> None:
+        for k, v in stats.items():
+            self.step_stats[k] = self.step_stats.get(k, 0.0) + v.detach().double()
+
+    def _forward(self, x, position_ids, cu_seqlens, labels, token_valid, chunk=None, **inputs):
         if chunk is not None:  # parallel.seq_chunks: x is a chunk of a row (parallel/pipeline_chunks.py)
             from omniweave.parallel.pipeline_chunks import forward_chunk
 
-            return forward_chunk(self, x, position_ids, cu_seqlens, labels, token_valid, chunk,
-                                 row_inputs.get("loss_weight"))
+            return forward_chunk(self, x, position_ids, cu_seqlens, labels, token_valid, chunk, inputs)
         model, foundation = self._model[0], self.foundation
         cu = cu_seqlens[0][cu_seqlens[0] >= 0]
         deepstack = None
@@ -242,13 +135,17 @@ class StageModule(nn.Module):
         # outputs are not views: the split (zero-bubble) backward detaches a stage's outputs in place
         if not self.is_last:
             return h[None].clone()
-        if self.row_loss is not None:  # e.g. DPO's pair loss (train/dpo.py)
-            loss_sum, stats = self.row_loss(model, foundation.norm(h), labels[0], {k: v[0] for k, v in row_inputs.items()})
-            for k, v in stats.items():
-                self.step_stats[k] = self.step_stats.get(k, 0.0) + v.detach().double()
-            return torch.stack([loss_sum])
-        weights = row_inputs.get("loss_weight")
-        return torch.stack([model.loss_sum(foundation.norm(h), labels[0], None if weights is None else weights[0])])
+        return torch.stack([self.score(foundation.norm(h), labels, inputs)])
+
+
+TOKEN_PREFIX, ROW_PREFIX = "tok__", "row__"  # the step's keyword tensors: a row's token_data, its objective inputs
+
+
+def split_inputs(labels: torch.Tensor, inputs: dict) -> tuple[dict, dict]:
+    """A micro-batch's keyword tensors ``[1, …]`` back as (batch with labels and token_data, row inputs)."""
+    tokens = {k[len(TOKEN_PREFIX):]: v[0] for k, v in inputs.items() if k.startswith(TOKEN_PREFIX)}
+    row = {k[len(ROW_PREFIX):]: v[0] for k, v in inputs.items() if k.startswith(ROW_PREFIX)}
+    return {"labels": labels[0], "token_data": tokens}, row
 
 
 def pad_rows(rows: list[dict], capacity: int) -> list[dict]:
@@ -288,10 +185,26 @@ def stack_rows(rows: list[dict], device) -> _Inputs:
 
     kwargs = {"position_ids": torch.stack([pos(r) for r in rows]), "cu_seqlens": torch.stack([cu(r) for r in rows]),
               "labels": torch.stack([r["labels"] for r in rows]), "token_valid": torch.stack([valid(r) for r in rows])}
-    if any("loss_weight" in (r.get("token_data") or {}) for r in rows):  # fractional per-turn loss weights
-        kwargs["loss_weight"] = torch.stack([(r.get("token_data") or {}).get("loss_weight", torch.ones(length))
-                                             for r in rows])
+    for key in sorted({k for r in rows for k in (r.get("token_data") or {})}):  # per-token values of the objective
+        kwargs[TOKEN_PREFIX + key] = torch.stack([_token_values(r, key, length) for r in rows])
     return _Inputs(torch.arange(len(rows)), {k: v.to(device) for k, v in kwargs.items()})
+
+
+def _token_values(row: dict, key: str, length: int) -> torch.Tensor:
+    """A row's ``token_data[key]``; a row without fractional loss weights has weight 1 everywhere."""
+    values = (row.get("token_data") or {}).get(key)
+    if values is not None:
+        return values
+    if key == "loss_weight":
+        return torch.ones(length)
+    raise ValueError(f"a pipeline step's rows must all carry token_data[{key!r}] (one row lacks it)")
+
+
+def stack_row_inputs(per_row: list[dict]) -> dict:
+    """The rows' objective inputs (``Objective.row_inputs``, static shapes) stacked on dim 0."""
+    if not per_row or not per_row[0]:
+        return {}
+    return {ROW_PREFIX + k: torch.stack([p[k] for p in per_row]) for k in per_row[0]}
 
 
 class Pipeline:
@@ -339,20 +252,7 @@ class Pipeline:
         else:
             self.schedule = cls(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
         self.last_rank = dist.get_global_rank(group, (len(sizes) - 1) % pp)
-        self.row_loss = None
-        self.last_stats: dict[str, float] = {}  # the row loss's statistics of the last step, on every rank
-
-    def set_row_loss(self, row_loss) -> None:
-        """A training mode's own loss of a row on the last stage, instead of the token loss sum:
-        ``row_loss.inputs(row) -> {name: tensor}`` (static shapes: they are stacked over the step's
-        rows and handed to every stage with the row's metadata), ``row_loss(model, hidden [L, D]
-        after the final norm, labels [L], inputs) -> (loss sum, {stat: 0-d tensor})`` and
-        ``row_loss.stat_keys``: the statistics ``step`` sums over the rows into ``last_stats``."""
-        if self.seq_chunks > 1:
-            raise ValueError("a training mode's own row loss does not run on chunked rows (parallel.seq_chunks)")
-        self.row_loss = row_loss
-        for m in self.modules:
-            m.row_loss = row_loss
+        self.last_stats: dict[str, float] = {}  # the objective's statistics of the last step, on every rank
 
     def _loss(self, loss_sum: torch.Tensor, _labels: torch.Tensor) -> torch.Tensor:
         return loss_sum.sum() / self._normaliser
@@ -374,25 +274,27 @@ class Pipeline:
             raise ValueError(f"pipeline rows must all have the run's length {capacity} (the hidden state crossing "
                              f"the stages has a fixed shape); got lengths {lengths}: pad them with pad_rows")
 
-    def step(self, rows: list[dict], normaliser: float) -> float:
-        """Forward + backward of ``rows`` (gradients accumulate in the stages' parameters); returns
-        Σ loss_sum / normaliser on every rank of the group."""
+    def step(self, rows: list[dict], normaliser: float, objective) -> float:
+        """Forward + backward of ``rows`` (gradients accumulate in the stages' parameters), the last
+        stage scoring each with ``objective`` (train/objective.py; its ``row_inputs`` are taken
+        without a model: a stage holds part of it); returns Σ loss_sum / normaliser on every rank
+        of the group, and the objective's statistics summed over the rows in ``last_stats``."""
         self.check_rows(rows)  # before any send: a shape change would abort inside the backend
         self.capacity = int(rows[0]["input_ids"].shape[0])
         self._normaliser = float(normaliser)
+        per_row = [objective.row_inputs(None, r) for r in rows]
         plans = None
         if self.seq_chunks > 1:  # the rows' chunk plans, once for the keyword tensors and every stage
             from omniweave.parallel.pipeline_chunks import chunk_kwargs, plan_rows
 
             plans = plan_rows(rows, self.seq_chunks, self.local.foundation.config.sliding_window)
             inputs = chunk_kwargs(rows, plans, self.device)
+            per_row = [p for p, row_plans in zip(per_row, plans) for _ in row_plans]  # each chunk its row's
         else:
             inputs = stack_rows(rows, self.device)
-        if self.row_loss is not None:
-            per_row = [self.row_loss.inputs(r) for r in rows]
-            inputs.kwargs.update({k: torch.stack([p[k] for p in per_row]).to(self.device) for k in per_row[0]})
+        inputs.kwargs.update({k: v.to(self.device) for k, v in stack_row_inputs(per_row).items()})
         for m in self.modules:
-            m.rows = rows
+            m.rows, m.objective = rows, objective
             if m.chunks is not None:
                 m.chunks.begin_step(m, rows, plans)
         args = (inputs.row_index.to(self.device),) if any(m.is_first for m in self.modules) else ()
@@ -401,10 +303,10 @@ class Pipeline:
         self.schedule.step(*args, target=inputs.kwargs["labels"] if has_last else None,
                            losses=losses if has_last else None, **inputs.kwargs)
         for m in self.modules:
-            m.rows = []
+            m.rows, m.objective = [], None
             if m.chunks is not None:
                 m.chunks.end_step(m)
-        keys = tuple(self.row_loss.stat_keys) if self.row_loss is not None else ()
+        keys = tuple(objective.stat_keys)
         total = torch.zeros(1 + len(keys), dtype=torch.float64)
         if has_last:
             stats = next(m.step_stats for m in self.modules if m.is_last)
@@ -435,79 +337,3 @@ def check_microbatches(n_microbatches: int, pp: int, schedule: str) -> None:
     if schedule in LOOPED and n_microbatches % rounds:
         raise ValueError(f"parallel.pp_schedule={schedule} runs micro-batches in rounds of parallel.pp={pp}: "
                          f"{n_microbatches} rows per step (train.global_batch / dp) must be a multiple of {rounds}")
-
-
-def check_model(model: nn.Module, sizes: list[int]) -> None:
-    """What the stages need of the model, checked on every rank before any stage runs (an error
-    inside the schedule would stop one rank and leave the others waiting for its sends)."""
-    if not hasattr(model, "foundation_inputs") or not hasattr(model.foundation, "run_layers"):
-        raise TypeError(f"pipeline stages are built from an OmniModel over a Decoder foundation, got "
-                        f"{type(model).__name__}")
-    if getattr(model.foundation.config, "tie_word_embeddings", False):
-        raise ValueError("tied word embeddings (model.foundation.tie_word_embeddings) put the embedding "
-                         "and the LM head in different pipeline stages; untie them to use parallel.pp")
-    levels = getattr(model, "deepstack_levels", 0)
-    if levels > sizes[0]:
-        raise ValueError(f"stage 0 holds {sizes[0]} layers but the DeepStack adds {levels} levels after the "
-                         f"first {levels} layers, which must sit in stage 0: give it at least {levels} "
-                         "(parallel.pp_layers)")
-
-
-def unsupported_with_pp(cfg) -> str | None:
-    """Why a pipelined run (``parallel.pp`` > 1) of this recipe cannot run yet: the settings it
-    cannot honour, by their keys, in one line; None when it can."""
-    found = {"train.phase=grpo": cfg.train.get("phase") == "grpo",
-             "data.mix": (cfg.get("data") or {}).get("mix") is not None}  # the stage split reads data.path's stats
-    named = [k for k, v in found.items() if v]
-    pp = int(cfg.parallel.get("pp", 1) or 1)
-    return f"parallel.pp={pp} does not support {', '.join(named)} yet" if named else None
-
-
-def build_pipeline(model: nn.Module, cfg, dims, meshes, device) -> Pipeline:
-    """The trainer's pipeline from the recipe: ``parallel.pp_layers`` or the cost-model split
-    (the encoders' share from the packed data's vision tokens per row), ``parallel.pp_schedule``,
-    ``parallel.pp_virtual``; one micro-batch per row of the rank's ``train.global_batch / dp``, or
-    ``parallel.seq_chunks`` per row (parallel/pipeline_chunks.py)."""
-    from omniweave.config import to_dict
-
-    from omniweave.parallel.pipeline_rows import static_row_length, static_rows
-    from omniweave.parallel.tp import sequence_parallel_batch
-
-    par, model_cfg = cfg.parallel, to_dict(cfg.model)
-    pp_layers = par.get("pp_layers")
-    cost = None if pp_layers is not None else encoder_cost_in_layers(model_cfg, _patches_per_token(cfg.data.path, model_cfg))
-    sizes = split_layers(model.foundation.config.num_layers, dims.pp, int(par.get("pp_virtual", 1) or 1),
-                         None if pp_layers is None else list(pp_layers), first_stage_cost=cost)
-    from omniweave.parallel.seq_chunks import seq_chunks_of
-
-    max_len, chunks = int(cfg.data.max_len), seq_chunks_of(cfg)
-    length = static_row_length(max_len, dims.cp, dims.tp, _max_docs(cfg.data.path) if dims.cp > 1 else None)
-    length = -(-length // chunks) * chunks  # parallel.seq_chunks (cp = tp = 1): equal chunks cross the stages
-    prepare = partial(static_rows, max_len=max_len, length=length, cp=dims.cp, cp_rank=meshes.cp_rank, tp=dims.tp)
-    return Pipeline(model, sizes, meshes.pp.get_group(), device, str(par.get("pp_schedule", "1f1b")),
-                    n_microbatches=int(cfg.train.global_batch) // dims.dp, prepare_rows=prepare,
-                    row_fn=partial(sequence_parallel_batch, meshes.tp) if dims.tp > 1 else None, seq_chunks=chunks)
-
-
-def _stats(packed: str) -> dict:
-    import json
-    from pathlib import Path
-
-    return json.loads((Path(packed) / "stats.json").read_text())
-
-
-def _max_docs(packed: str) -> int | None:
-    """The most documents in one pack of the packed data (stats.json; None if it does not say)."""
-    most = (_stats(packed).get("docs_per_pack") or {}).get("max")
-    return None if most is None else int(most)
-
-
-def _patches_per_token(packed: str, model_cfg: dict) -> float:
-    """Encoder patches per decoder token of the packed data (stats.json: vision tokens, each
-    merge² patches, over the packs' capacity tokens); 0 for a model without an image encoder."""
-    vit = model_cfg.get("image_encoder")
-    if vit is None:
-        return 0.0
-    stats = _stats(packed)
-    merge = int((model_cfg.get("projector") or {}).get("merge_size") or vit.get("spatial_merge_size", 2))
-    return stats["vision_tokens"] * merge**2 / max(stats["capacity_tokens"], 1)

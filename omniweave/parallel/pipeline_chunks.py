@@ -55,6 +55,8 @@ class StageChunks:
 
     def __init__(self):
         self.plans, self.stores, self.media, self.features = [], [], [], []
+        self.sums: dict[int, torch.Tensor] = {}  # a sequence-level objective's sums of each row so far
+        self.grads: dict[int, torch.Tensor] = {}  # d loss / d sums of each row, once its last chunk ran
 
     def begin_step(self, stage, rows: list[dict], plans: list[list[ChunkPlan]]) -> None:
         """``plans``: each row's chunks (:func:`plan_rows`)."""
@@ -67,6 +69,8 @@ class StageChunks:
 
     def end_step(self, stage) -> None:
         self.plans, self.stores, self.media, self.features = [], [], [], []
+        self.sums.clear()
+        self.grads.clear()
         for i in stage.layer_ids:
             stage.foundation.layers[i].self_attn.attn_fn = None
 
@@ -88,7 +92,7 @@ def chunk_kwargs(rows: list[dict], plans: list[list[ChunkPlan]], device):
     return inputs
 
 
-def forward_chunk(stage, x, position_ids, cu_seqlens, labels, token_valid, chunk, loss_weight=None) -> torch.Tensor:
+def forward_chunk(stage, x, position_ids, cu_seqlens, labels, token_valid, chunk, inputs: dict) -> torch.Tensor:
     """``StageModule.forward`` for one chunk (micro-batch), with the stage's ``StageChunks``."""
     state, (r, c) = stage.chunks, (int(v) for v in chunk[0])
     model, foundation = stage._model[0], stage.foundation
@@ -117,5 +121,46 @@ def forward_chunk(stage, x, position_ids, cu_seqlens, labels, token_valid, chunk
     h = checkpoint(layers, h, cos, sin, use_reentrant=False)
     if not stage.is_last:
         return h[None].clone()
-    weights = None if loss_weight is None else loss_weight[0]
-    return torch.stack([model.loss_sum(foundation.norm(h), labels[0], weights)])
+    if stage.objective.token_sum:
+        return torch.stack([stage.score(foundation.norm(h), labels, inputs)])
+    return torch.stack([_sequence_chunk(stage, foundation.norm(h), labels, inputs, r, c)])
+
+
+def _sequence_chunk(stage, h, labels, inputs: dict, r: int, c: int) -> torch.Tensor:
+    """A sequence-level objective on chunk ``c`` of row ``r`` (the last stage): the chunk's sums are
+    added to the row's; the row's last chunk computes the loss from them and d loss / d sums.
+    Each chunk returns :class:`SumsGrad` of its sums, whose value is the row's loss on its last
+    chunk (0 before) and whose backward, which runs after every chunk's forward (fill-drain),
+    sends d loss / d sums into the chunk's sums: the chain rule over the row's chunks."""
+    from omniweave.parallel.pipeline import split_inputs
+
+    state, objective = stage.chunks, stage.objective
+    batch, row = split_inputs(labels, inputs)
+    target = objective.target(batch, row)
+    sums = objective.sums(stage._model[0], h, target).float()
+    state.sums[r] = sums.detach() if r not in state.sums else state.sums[r] + sums.detach()
+    value = torch.zeros((), dtype=torch.float32, device=h.device)
+    if c == len(state.plans[r]) - 1:
+        with torch.enable_grad():
+            whole = state.sums[r].requires_grad_()
+            loss, stats = objective.from_sums(whole, target)
+            (state.grads[r],) = torch.autograd.grad(loss.float(), whole)
+        stage.add_stats(stats)
+        value = loss.detach().float()
+    if stage.metadata_pass:  # torch's shape inference runs a backward of this one forward alone
+        return SumsGrad.apply(sums, value, lambda: torch.zeros_like(sums))
+    return SumsGrad.apply(sums, value, lambda: state.grads[r])
+
+
+class SumsGrad(torch.autograd.Function):
+    """``value`` forward; backward: the upstream gradient times ``grad()`` (d loss / d sums, read
+    when the backward runs) into ``sums``."""
+
+    @staticmethod
+    def forward(ctx, sums: torch.Tensor, value: torch.Tensor, grad) -> torch.Tensor:
+        ctx.grad = grad
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, upstream: torch.Tensor):
+        return upstream * ctx.grad(), None, None

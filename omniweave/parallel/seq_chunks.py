@@ -37,9 +37,10 @@ layer). MLA layers (components/mla.py) store the expanded per-head k and the pad
 
 Under pipeline parallelism the chunks are the pipeline's micro-batches (parallel/pipeline_chunks.py:
 ``ChunkKV``'s ``pipelined`` mode, ``LateGrad``, ``RowFeatures``' ``pipelined`` mode). What it cannot
-do yet (:func:`unsupported_with_seq_chunks`, one line naming the keys): context or tensor
-parallelism, a pipeline schedule other than gpipe, MoE foundations (the router statistics would count the
-forward sweep and the recompute), GRPO and DPO (a pair's loss is not a sum over its tokens).
+do yet is refused, with the reason, by train/layouts.py: context or tensor parallelism, a
+pipeline schedule other than gpipe, MoE foundations (the router statistics would count the forward
+sweep and the recompute). Every training objective runs: a sum over tokens chunk by chunk, a
+sequence-level one (DPO's pairs) through its per-row sums carried across the chunks.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from omniweave.models.registry import MODALITIES
 # keys of a micro-batch (loader.collate_pack) that chunk_batch cuts / passes through
 _ROW_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_valid", "token_data",
              *(k for m in MODALITIES for k in (m.spans, m.rows)))
-_WHOLE_ROW_KEYS = ("num_loss_tokens", *(k for m in MODALITIES for k in (m.inputs, m.grid)))
+_WHOLE_ROW_KEYS = ("num_loss_tokens", "num_pairs", "pack_id", *(k for m in MODALITIES for k in (m.inputs, m.grid)))
 
 
 # ---------------------------------------------------------------------------- the plan (pure)
@@ -364,16 +365,20 @@ def installed(model: nn.Module, store: ChunkKV, features: dict[str, RowFeatures]
             a.attn_fn = None
 
 
-def chunked_forward_backward(model: nn.Module, batch: dict, loss_fn, n_chunks: int, scale: float,
+def chunked_forward_backward(model: nn.Module, batch: dict, objective, row: dict, n_chunks: int, scale: float,
                              forward_context=contextlib.nullcontext, gradient_sync=None):
     """Forward and backward of one packed row in ``n_chunks`` chunks (module docstring); the
     parameter gradients of ``loss_sum · scale`` are accumulated into ``.grad``.
 
-    ``loss_fn(model, mb) -> (loss_sum, stats)`` is called on each chunk's micro-batch
-    (:func:`chunk_batch`) in the backward sweep; ``forward_context()`` wraps every forward (the
-    trainer's autocast); ``gradient_sync(on)`` is called before each backward, ``on`` for the last
-    one (FSDP2's ``set_requires_gradient_sync``). Returns (loss_sum, stats) summed over the chunks,
-    detached."""
+    ``objective`` (train/objective.py) scores each chunk's micro-batch (:func:`chunk_batch`) with
+    the row's inputs ``row``. A token-sum objective's loss is each chunk's own, taken in the
+    backward sweep. A sequence-level one (``token_sum`` False) is a function of per-row sums:
+    the forward sweep adds up every chunk's ``sums``, ``from_sums`` gives the row's loss and its
+    gradient ``g`` with respect to the sums, and each chunk's backward backpropagates
+    ``Σ g · sums_chunk``: by the chain rule exactly the gradient of the unchunked row's loss.
+    ``forward_context()`` wraps every forward (the trainer's autocast); ``gradient_sync(on)`` is
+    called before each backward, ``on`` for the last one (FSDP2's ``set_requires_gradient_sync``).
+    Returns (loss_sum, stats) of the row, detached."""
     from omniweave.models.components.router_loss import router_layers
 
     if router_layers(model):
@@ -387,69 +392,48 @@ def chunked_forward_backward(model: nn.Module, batch: dict, loss_fn, n_chunks: i
         raise ValueError(f"cu_seqlens end at {plans[-1].end}, the row has {length} tokens")
     rows = media_rows(model, batch)
     store, features = ChunkKV(length), row_features(model)
-    loss_sum, stats = torch.zeros((), dtype=torch.float64, device=batch["input_ids"].device), {}
+    whole = objective.token_sum
+    loss_sum = torch.zeros((), dtype=torch.float64, device=batch["input_ids"].device)
+    stats = {k: torch.zeros((), dtype=torch.float64, device=loss_sum.device) for k in objective.stat_keys}
+    sums, grad = None, None
     with installed(model, store, features):
         with torch.no_grad():
             for plan in plans:
                 store.begin(plan, grad=False)
                 with forward_context():
-                    model(chunk_batch(batch, plan, rows, labels=False))
+                    part = model(chunk_batch(batch, plan, rows, labels=not whole), head=objective.sums_head(row))
+                sums = part if sums is None or part is None else sums + part
+        if not whole:  # the row's loss from its sums, and its gradient with respect to them
+            sums = sums.detach().float().requires_grad_()
+            loss, extra = objective.from_sums(sums, objective.target(batch, row))
+            (grad,) = torch.autograd.grad(loss.float() * scale, sums)
+            loss_sum += loss.detach().double()
+            for k, v in extra.items():
+                stats[k] = stats[k] + v.detach().double()
         for i in reversed(range(len(plans))):
             store.begin(plans[i], grad=True)
             for f in features.values():
                 f.mode = "live" if i == 0 else "leaf"
             with forward_context():
-                loss, extra = loss_fn(model, chunk_batch(batch, plans[i], rows))
+                mb = chunk_batch(batch, plans[i], rows)
+                if whole:
+                    loss, extra = model(mb, head=objective.head(row))
+                    root = loss.float() * scale
+                else:
+                    root = model(mb, head=objective.surrogate_head(row, grad))
             roots, grads = store.backward_roots()
             for f in features.values() if i == 0 else ():
                 more = f.backward_root()
                 roots, grads = roots + more[0], grads + more[1]
             if gradient_sync is not None:
                 gradient_sync(i == 0)
-            torch.autograd.backward([loss.float() * scale, *roots], [None, *grads])
-            loss_sum += loss.detach().double()
-            for k, v in extra.items():
-                stats[k] = stats.get(k, 0.0) + v.detach().double()
+            torch.autograd.backward([root, *roots], [None, *grads])
+            if whole:
+                loss_sum += loss.detach().double()
+                for k, v in extra.items():
+                    stats[k] = stats[k] + v.detach().double()
     return loss_sum, stats
 
 
-# ---------------------------------------------------------------------------- recipe checks
-
-
-def seq_chunks_of(cfg) -> int:
-    """``parallel.seq_chunks`` (1: off), checked to be an integer >= 1."""
-    value = (cfg.get("parallel") or {}).get("seq_chunks", 1)
-    value = 1 if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"parallel.seq_chunks={value!r}: the number of chunks a row runs in, an integer >= 1 "
-                         "(1: off)")
-    return value
-
-
-def unsupported_with_seq_chunks(cfg) -> str | None:
-    """Why chunked rows (``parallel.seq_chunks`` > 1) cannot run with this recipe: the settings by
-    their keys, in one line; None when they can (or when chunking is off)."""
-    from omniweave.config import to_dict
-    from omniweave.models.components.decoder import moe_layer_indices
-
-    n = seq_chunks_of(cfg)
-    if n == 1:
-        return None
-    par, model = cfg.get("parallel") or {}, to_dict(cfg.model)
-    found = {f"parallel.cp={par.get('cp')}": int(par.get("cp", 1) or 1) > 1,
-             # under a pipeline the chunks need its fill-drain schedule (parallel/pipeline_chunks.py)
-             f"parallel.pp={par.get('pp')} with parallel.pp_schedule={par.get('pp_schedule', '1f1b')} and "
-             f"parallel.pp_virtual={par.get('pp_virtual', 1)} (chunks under a pipeline need pp_schedule=gpipe, "
-             "pp_virtual=1)": int(par.get("pp", 1) or 1) > 1 and (str(par.get("pp_schedule", "1f1b")) != "gpipe"
-                                                               or int(par.get("pp_virtual", 1) or 1) != 1),
-             f"model.foundation.tp={(model.get('foundation') or {}).get('tp')}":
-                 int((model.get("foundation") or {}).get("tp", 1) or 1) > 1,
-             "train.phase=grpo": cfg.train.get("phase") == "grpo",
-             "train.phase=dpo": cfg.train.get("phase") == "dpo",  # its loss is not a sum over tokens
-             "a MoE foundation (model.foundation.num_experts)": bool(moe_layer_indices(model.get("foundation") or {}))}
-    named = [k for k, v in found.items() if v]
-    return f"parallel.seq_chunks={n} does not support {', '.join(named)} yet" if named else None
-
-
 __all__ = ["ChunkAttention", "ChunkKV", "ChunkPlan", "RowFeatures", "chunk_batch", "chunk_bounds",
-           "chunked_forward_backward", "plan_chunks", "seq_chunks_of", "unsupported_with_seq_chunks"]
+           "chunked_forward_backward", "plan_chunks"]

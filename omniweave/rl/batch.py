@@ -24,7 +24,7 @@ import torch
 from omniweave.data.packing.bins import pack
 from omniweave.models.omni import cat_items
 from omniweave.models.registry import MODALITIES
-from omniweave.rl.rollout import Prompt, Rollout
+from omniweave.generation import Prompt, Rollout
 
 IGNORE = -100
 

@@ -7,9 +7,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from omniweave.rl.batch import dummy_row, num_sequences, update_rows
-from omniweave.rl.grpo import group_advantages, grpo_token_loss, zero_std_groups
-from omniweave.rl.rollout import Prompt, sync_weights
+from omniweave.rl.batch import dummy_row, update_rows
+from omniweave.rl.grpo import group_advantages, zero_std_groups
+from omniweave.rl.objective import GRPOObjective
+from omniweave.generation import Prompt, sync_weights
 from omniweave.train.engine import autocast, to_device
 
 ANSWER_REWARDS = ("exact_match", "multiple_choice", "numeric")  # the first of these listed is "accuracy"
@@ -27,6 +28,7 @@ class GRPOStep:
         self.sampling = settings.sampling
         # the log-probs the rollout reports: of logits / T, or of the logits themselves when greedy
         self.logp_temperature = settings.sampling.temperature or 1.0
+        self.objective = GRPOObjective(settings.grpo, self.logp_temperature)
         keys = settings.rewards.keys
         self.accuracy_key = next((k for k in keys if k.rsplit("_", 1)[0] in ANSWER_REWARDS or k in ANSWER_REWARDS),
                                  keys[0])
@@ -40,7 +42,7 @@ class GRPOStep:
         t0 = time.perf_counter()
         prompts = [Prompt(p["prompt"]["uid"], p) for p in packs]
         answers = [p["prompt"]["answer"] for p in packs]
-        sync_weights(e.model, self.rollout_model)
+        sync_weights(e.model, self.rollout_model, e.pipeline.group if e.pipeline is not None else None)
         rollouts = self.rollout.generate(prompts, G, self.sampling, step_seed(e.cfg.train.seed, e.step))
         rollout_s = time.perf_counter() - t0
         texts = [self.processor.tokenizer.decode([t for t in r.tokens if t not in self.stop_ids]) for r in rollouts]
@@ -87,6 +89,10 @@ class GRPOStep:
         e = self.engine
         n = torch.tensor([len(rows)])
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        if e.pipeline is not None:  # a pipeline's schedule runs a fixed number of rows (rl/trainer.update_rows_of)
+            if int(n) > e.pipeline.n_microbatches:
+                raise RuntimeError(f"{int(n)} update rows exceed the pipeline's {e.pipeline.n_microbatches}")
+            n = torch.tensor([e.pipeline.n_microbatches])
         axes = prompts[0].batch["position_ids"].shape[0] if prompts else 3
         return rows + [dummy_row(2 * e.dims.cp, axes) for _ in range(int(n) - len(rows))]
 
@@ -105,27 +111,15 @@ class GRPOStep:
             dist.all_gather(parts, logp.contiguous(), group=e.meshes.cp.get_group())
         return unshard_micro_batch_rows([p.cpu() for p in parts], row["cu_seqlens"], e.dims.cp, e.dims.tp)
 
-    def _loss_fn(self, model, mb):
-        td = mb["token_data"]
-        out = model(mb, token_logprobs=True, temperature=self.logp_temperature)
-        mask = mb["labels"] != -100
-        ref = td["ref_logp"][mask] if "ref_logp" in td else None
-        per_token, stats = grpo_token_loss(out.token_logp[mask], td["old_logp"][mask], ref,
-                                           td["advantages"][mask], self.s.grpo)
-        extra = {"tokens": mask.sum().double(), "clipped": stats["clipped"].sum().double(),
-                 "kl_sum": stats["kl"].sum().double() if "kl" in stats else torch.zeros((), dtype=torch.float64)}
-        return (per_token * td["weights"][mask]).sum(), extra
-
     def _update(self, mini_batches: list[list[dict]]) -> list[dict]:
         """rl.ppo_epochs passes over the mini-batches, one optimizer step each, normalised by the
         mini-batch's global response-token (token-mean) or sequence count."""
         e, s = self.engine, self.s
-        seq_mode = s.grpo.loss_agg != "token-mean"
         outs = []
         for _ in range(s.ppo_epochs):
             for part in mini_batches:
-                (norm,) = e.global_sum([sum(num_sequences(r) if seq_mode else r["num_loss_tokens"] for r in part)])
-                outs.append(e.optimizer_step(part, self._loss_fn, normaliser=norm, count_step=False))
+                (norm,) = e.global_sum([self.objective.count(part)])
+                outs.append(e.optimizer_step(part, self.objective, normaliser=norm, count_step=False))
         return outs
 
     # ------------------------------------------------------------------ metrics

@@ -3,7 +3,7 @@
 A step (``train.global_batch`` prompts over all data-parallel ranks, each rank its share):
 
     rollout   the policy's weights synced into the rollout copy; G samples per prompt with one
-              vision encoding and one prefill per prompt (rl/rollout.py; sequence-parallel under CP)
+              vision encoding and one prefill per prompt (generation.py; sequence-parallel under CP)
     reward    responses decoded and scored (rl/rewards.py); a group whose reward failed is dropped
               and counted, a group whose rewards are all equal is filtered (``rl.filter_zero_std``)
     advantage group-normalised (rl/grpo.py), per sample
@@ -70,7 +70,7 @@ def settings(cfg, stop_ids: tuple[int, ...] = ()) -> Settings:
     from omniweave.config import to_dict
     from omniweave.rl.grpo import GRPOConfig
     from omniweave.rl.rewards import build_rewards
-    from omniweave.rl.rollout import SamplingParams
+    from omniweave.generation import SamplingParams
 
     rl = to_dict(cfg.rl)
     if str(cfg.train.phase) != "grpo":
@@ -92,12 +92,23 @@ def settings(cfg, stop_ids: tuple[int, ...] = ()) -> Settings:
                     build_rewards(rl["rewards"]))
 
 
+def update_rows_of(cfg, dims):
+    """Under ``parallel.pp``: the update rows as the pipeline takes them (train/pipeline_setup.py):
+    prompt + responses of ``rl.update_max_len`` tokens, as many per mini-batch as it can hold at
+    worst (each sample in a row of its own: rl/batch.py), the rest padded with loss-free rows."""
+    from omniweave.train.pipeline_setup import PipelineRows
+
+    s = settings(cfg)
+    prompts = -(-(int(cfg.train.global_batch) // dims.dp) // s.mini_batches)
+    return PipelineRows(s.update_max_len, prompts * s.group_size, None)
+
+
 def train_rl(cfg, resume: str | None = None) -> dict:
     return with_process_group(lambda: _train_rl(cfg, resume))
 
 
 def _train_rl(cfg, resume) -> dict:
-    engine = Engine(cfg)
+    engine = Engine(cfg, pipeline_rows=update_rows_of)
     # the output_dir's lock released however the run ends; a collective that fails: one line naming
     # the rank and the collective
     with engine.run_lock, engine.watchdog:
@@ -108,7 +119,8 @@ def _rl_loop(engine: Engine, cfg, resume) -> dict:
     from omniweave.data.loading.loader import PackedLoader
     from omniweave.data.loading.mix import data_source
     from omniweave.data.text.tokenize import SampleProcessor
-    from omniweave.rl.rollout import TorchRollout, build_rollout_model
+    from omniweave.generation import TorchRollout, build_rollout_model
+    from omniweave.train.parallel_model import frozen_reference
 
     path, mix = data_source(cfg.data)  # one packed dataset of prompts, or a mix (data/loading/mix.py)
     loader = PackedLoader(path, int(cfg.train.global_batch), dp_rank=engine.meshes.dp_rank,
@@ -117,7 +129,7 @@ def _rl_loop(engine: Engine, cfg, resume) -> dict:
     processor = SampleProcessor(loader.data_cfg)
     stops = tuple(processor.tokenizer.token_id(t) for t in processor.template.stop_tokens)
     s = settings(cfg, stops)
-    reference = _reference_model(cfg, engine) if s.grpo.kl_coef > 0 else None
+    reference = frozen_reference(cfg, engine) if s.grpo.kl_coef > 0 else None
     rollout_model = build_rollout_model(cfg, engine.dims, engine.meshes, engine.device)
     rollout = TorchRollout(rollout_model, cp_group=engine.meshes.cp.get_group() if engine.dims.cp > 1 else None,
                            cp=engine.dims.cp, cp_rank=engine.meshes.cp_rank)
@@ -138,13 +150,3 @@ def _rl_loop(engine: Engine, cfg, resume) -> dict:
     seconds = engine.finish()
     return {"rank": engine.rank, "steps": engine.step, "seconds": seconds, "reward": last["reward_mean"],
             "run_dir": str(engine.run_dir)}
-
-
-def _reference_model(cfg, engine: Engine):
-    """The frozen reference: the policy's initial weights, parallelised exactly like it."""
-    from omniweave.train.parallel_model import build
-
-    model = build(cfg, engine.device, engine.dims, engine.meshes)
-    model.requires_grad_(False)
-    return model.eval()
-

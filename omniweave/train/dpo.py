@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from omniweave.errors import UserError
+from omniweave.train.objective import Objective, Target
+from omniweave.train.parallel_model import frozen_reference
 
 LOSSES = ("sigmoid", "ipo")
 REFS = ("model", "none", "precomputed")
@@ -77,9 +79,9 @@ class DPOConfig:
             raise UserError(f"train.dpo.ref_path applies to train.dpo.ref=precomputed only (train.dpo.ref={self.ref})")
 
 
-def check_layout(cfg) -> None:
-    """``train.dpo.*`` valid, stored reference log-probs that fit the run, and a layout DPO runs
-    (before any rank starts)."""
+def check_settings(cfg) -> None:
+    """``train.dpo.*`` valid, and stored reference log-probs that fit the run (before any rank
+    starts; which layouts DPO runs under: train/layouts.py)."""
     if DPOConfig.from_recipe(cfg).ref == "precomputed":
         from omniweave.train.dpo_ref import StoredReference
 
@@ -87,15 +89,6 @@ def check_layout(cfg) -> None:
             raise UserError("train.dpo.ref=precomputed reads the reference log-probs of one packed dataset (data.path), "
                             "not of a data.mix yet; use train.dpo.ref=model with a mix")
         StoredReference(cfg)
-    par = cfg.get("parallel") or {}
-    if int(par.get("pp", 1) or 1) > 1:
-        ref = DPOConfig.from_recipe(cfg).ref
-        if ref == "model":
-            raise UserError("train.dpo.ref=model does not run under parallel.pp > 1 yet (the reference's forward would "
-                            "need a pipeline of its own); store the reference log-probs once with `omniweave dpo "
-                            "precompute-ref` and set train.dpo.ref=precomputed, or use train.dpo.ref=none")
-        if int(par.get("cp", 1) or 1) > 1:  # (parallel.seq_chunks refuses DPO at any pp: seq_chunks.py)
-            raise UserError("train.phase=dpo with parallel.pp > 1 does not take parallel.cp yet")
 
 
 def dpo_loss(policy: Tensor, ref: Tensor, cfg: DPOConfig, lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -161,16 +154,6 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
-def reference_model(cfg, engine):
-    """The frozen reference: the policy's initial weights (seed or ``train.init_from``), built and
-    parallelised exactly like it (the same builder as GRPO's reference)."""
-    from omniweave.train.parallel_model import build
-
-    model = build(cfg, engine.device, engine.dims, engine.meshes)
-    model.requires_grad_(False)
-    return model.eval()
-
-
 def only_adapters_train(model) -> bool:
     """The model has LoRA adapters and every trainable parameter is one of theirs (a component
     trained in full would move the adapters-off model away from the initial policy)."""
@@ -180,9 +163,16 @@ def only_adapters_train(model) -> bool:
     return bool(trainable) and all(is_adapter_name(n) for n in trainable)
 
 
-class DPOObjective:
-    """What ``train.phase=dpo`` hands the engine's optimizer step: ``loss_fn`` (a micro-batch's
-    pairs' loss sum and reward sums), ``normaliser`` (the global pair count) and ``metrics``."""
+class DPOObjective(Objective):
+    """``train.phase=dpo``: a sequence-level objective (train/objective.py) over the pairs of a row.
+    ``sums`` [P, 4]: each pair's chosen and rejected answer log-prob sums and token counts;
+    ``row_inputs``: the pair count and the reference's [P, 2] sequence log-probs (padded to one
+    row per two tokens: a static shape under a pipeline)."""
+
+    name = "dpo"
+    token_sum = False
+    stat_keys = ("pairs", "reward_chosen", "reward_rejected", "reward_accuracy")
+    line = DPO_LINE
 
     def __init__(self, cfg, engine):
         self.settings = DPOConfig.from_recipe(cfg)
@@ -190,21 +180,23 @@ class DPOObjective:
         # LoRA that trains nothing but adapters: the policy with its adapters off IS the initial
         # policy, so it is the reference (no second copy); else a frozen copy
         self.base_is_reference = self.settings.ref == "model" and only_adapters_train(engine.model)
-        self.reference = (reference_model(cfg, engine) if self.settings.ref == "model" and not self.base_is_reference
+        self.reference = (frozen_reference(cfg, engine) if self.settings.ref == "model" and not self.base_is_reference
                           else None)
         self.stored = None
         if self.settings.ref == "precomputed":
             from omniweave.train.dpo_ref import StoredReference
 
             self.stored = StoredReference(cfg)
-        if engine.pipeline is not None:  # parallel.pp: the last stage computes the pair loss (check_layout: ref none / precomputed)
-            engine.pipeline.set_row_loss(self.pipeline_row_loss())
 
-    def normaliser(self, packs: list[dict]) -> float:
-        """The global count of pairs that still have loss tokens (a pair whose media did not decode
-        has none left: ``drop_skipped_docs``)."""
-        (pairs,) = self.engine.global_sum([sum(live_pairs(p["token_data"]["pair_slot"]) for p in packs)])
-        return pairs
+    @property
+    def reference_forward(self) -> bool:
+        """Whether ``row_inputs`` runs a model forward (the frozen copy or the adapters-off policy)."""
+        return self.settings.ref == "model"
+
+    def count(self, packs: list[dict]) -> float:
+        """The pairs that still have loss tokens (a pair whose media did not decode has none left:
+        ``drop_skipped_docs``)."""
+        return float(sum(live_pairs(p["token_data"]["pair_slot"]) for p in packs))
 
     @torch.no_grad()
     def reference_token_logps(self, model, mb: dict) -> Tensor | None:
@@ -221,30 +213,40 @@ class DPOObjective:
 
     def reference_logps(self, model, mb: dict) -> Tensor:
         """[P, 2] the reference's sequence log-probs of the micro-batch's pairs: the stored whole
-        values (``precomputed``), else the sums over this rank's share of the answers' tokens."""
+        values (``precomputed``), else the sums over the answers' tokens (this rank's share summed
+        over the cp group)."""
         slots, pairs = mb["token_data"]["pair_slot"], int(mb["num_pairs"])
         if self.stored is not None:
             return self.stored.pack(int(mb["pack_id"])).to(slots.device)
         tokens = self.reference_token_logps(model, mb)
-        return (torch.zeros(pairs, 2, device=slots.device) if tokens is None
-                else sequence_logps(tokens, slots, pairs))
+        if tokens is None:
+            return torch.zeros(pairs, 2, device=slots.device)
+        ref = sequence_logps(tokens, slots, pairs)
+        if self.engine.dims.cp > 1:  # each cp rank holds a share of every answer's tokens
+            import torch.distributed as dist
 
-    def loss_fn(self, model, mb: dict) -> tuple[Tensor, dict[str, Tensor]]:
+            dist.all_reduce(ref, group=self.engine.meshes.cp.get_group())
+        return ref
+
+    def row_inputs(self, model, mb: dict) -> dict[str, Tensor]:
         slots, pairs = mb["token_data"]["pair_slot"], int(mb["num_pairs"])
-        token_logp = model(mb, token_logprobs=True).token_logp
-        return self.pair_loss(token_logp, slots, pairs, self.reference_logps(model, mb))
+        ref = torch.zeros(max(slots.shape[0] // 2, pairs), 2, device=slots.device)  # room for every row's pairs
+        ref[:pairs] = self.reference_logps(model, mb)
+        return {"num_pairs": torch.tensor([pairs], device=slots.device), "ref_logps": ref}
 
-    def pair_loss(self, token_logp: Tensor, slots: Tensor, pairs: int, ref: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """The pairs' loss sum and reward sums from the policy's token log-probs and the reference's
-        [P, 2] sequence log-probs (a micro-batch's, or a pipeline's last stage's row)."""
-        cp = self.engine.dims.cp
-        policy = sequence_logps(token_logp, slots, pairs)
+    def sums(self, model, h: Tensor, target: Target) -> Tensor:
+        slots, pairs = target.tokens["pair_slot"], int(target.row["num_pairs"][0])
+        policy = sequence_logps(model.token_logps(h, target.labels), slots, pairs)
         lengths = sequence_logps(torch.ones_like(slots, dtype=torch.float32), slots, pairs)
+        return torch.cat([policy, lengths], dim=1)  # [P, 4]
+
+    def from_sums(self, sums: Tensor, target: Target) -> tuple[Tensor, dict[str, Tensor]]:
+        """The pairs' loss sum and reward sums from the row's [P, 4] sums (a cp group's summed first)."""
+        cp = self.engine.dims.cp
         if cp > 1:  # each cp rank holds a share of every answer's tokens: whole sums before the loss
-            group = self.engine.meshes.cp.get_group()
-            policy = _SumOverGroup.apply(policy, group)
-            lengths = _SumOverGroup.apply(lengths, group)
-            ref = ref if self.stored is not None else _SumOverGroup.apply(ref.detach(), group)
+            sums = _SumOverGroup.apply(sums, self.engine.meshes.cp.get_group())
+        pairs = sums.shape[0]
+        policy, lengths, ref = sums[:, :2], sums[:, 2:], target.row["ref_logps"][:pairs]
         live = lengths[:, 0] > 0  # a pair whose media did not decode has no tokens left: not a pair
         losses, chosen, rejected = dpo_loss(policy, ref, self.settings, lengths.clamp(min=1))  # (1: live pairs' own)
         losses, chosen, rejected = (torch.where(live, x, 0.0) for x in (losses, chosen, rejected))
@@ -253,39 +255,12 @@ class DPOObjective:
                  "reward_accuracy": ((chosen > rejected) & live).sum().float()}
         return losses.sum() / cp, {k: v.double() / cp for k, v in stats.items()}
 
-    def pipeline_row_loss(self) -> "PipelineRowLoss":
-        """The pair loss as a pipeline's last stage computes it (parallel.pp; ``ref`` none or precomputed)."""
-        return PipelineRowLoss(self)
-
-    @staticmethod
-    def metrics(out: dict) -> dict:
+    def metrics(self, out: dict) -> dict:
         """The step's mean rewards over its pairs (``out``: the engine step's summed stats)."""
         n = max(out["pairs"], 1.0)
         chosen, rejected = out["reward_chosen"] / n, out["reward_rejected"] / n
         return {"pairs": int(out["pairs"]), "reward_chosen": chosen, "reward_rejected": rejected,
                 "reward_margin": chosen - rejected, "reward_accuracy": out["reward_accuracy"] / n}
-
-
-class PipelineRowLoss:
-    """``Pipeline.set_row_loss`` for DPO: each row's pair slots, pair count and reference
-    sequence log-probs (padded to the row length: one static shape) ride with the row's metadata;
-    the last stage turns its hidden states into the label log-probs and the pairs' loss."""
-
-    stat_keys = ("pairs", "reward_chosen", "reward_rejected", "reward_accuracy")
-
-    def __init__(self, objective: DPOObjective):
-        self.objective = objective
-
-    def inputs(self, row: dict) -> dict[str, Tensor]:
-        slots, pairs = row["token_data"]["pair_slot"], int(row["num_pairs"])
-        ref = torch.zeros(slots.shape[0], 2)  # at most one pair per two tokens: room for every row's pairs
-        ref[:pairs] = self.objective.reference_logps(None, row).cpu()
-        return {"pair_slot": slots.to(torch.long), "num_pairs": torch.tensor([pairs]), "ref_logps": ref}
-
-    def __call__(self, model, hidden: Tensor, labels: Tensor, inputs: dict) -> tuple[Tensor, dict[str, Tensor]]:
-        token_logp = -model.ce_tokens(hidden, model.foundation.lm_head.weight, labels, model.loss_chunk)
-        pairs = int(inputs["num_pairs"][0])
-        return self.objective.pair_loss(token_logp, inputs["pair_slot"], pairs, inputs["ref_logps"][:pairs])
 
 
 @torch.no_grad()

@@ -11,8 +11,9 @@ A mode's loop owns its data (packs, rollouts) and its loss; the engine owns the 
     state = engine.resume(resume)              model / optimizer / schedule back; the mode's own
                                                state (loader, RNG, …) is returned to it
     engine.start_logging(line)                 metrics.jsonl, TensorBoard, console line, ETA
-    out = engine.optimizer_step(micro_batches, loss_fn, normaliser)
-                                               each micro-batch CP-sharded, forward, its loss sum
+    out = engine.optimizer_step(micro_batches, objective, normaliser)
+                                               each micro-batch CP-sharded, forward, the objective's
+                                               loss sum (train/objective.py)
                                                scaled by 1 / normaliser (a global count: loss
                                                tokens, response tokens or sequences over all ranks
                                                and micro-batches) and backpropagated; FSDP sums
@@ -44,9 +45,6 @@ from omniweave.train.resume_keys import check_resume_keys, describe_applied
 from omniweave.train.metrics import SFT_LINE, MetricsLogger, device_peak_flops, model_flop_counts
 from omniweave.train.parallel_model import build, full_model_on_rank0, offload_mode, uses_fsdp
 from omniweave.train.run_lock import RunLock
-
-LossFn = Callable[[nn.Module, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
-
 
 def init_distributed(info, timeout=None) -> tuple[int, int, int]:
     """(rank, world_size, local_rank). A plain process gets a 1-rank group, so the code path
@@ -119,7 +117,9 @@ def all_finite(model: nn.Module) -> bool:
 class Engine:
     """Set-up and the optimizer step shared by the training modes (see the module docstring)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, pipeline_rows=None):
+        """``pipeline_rows(cfg, dims) -> PipelineRows`` (parallel.pp): the mode's rows
+        (train/pipeline_setup.py) when they are not the packs of ``data.path``."""
         from omniweave.device import detect
 
         self.cfg, self.info = cfg, detect()
@@ -132,12 +132,12 @@ class Engine:
             self.info.module.set_device(self.device)
         self.run_lock = RunLock(self.run_dir, self.rank)  # before anything is written there; `with` it
         try:
-            self._set_up(cfg, timeout)
+            self._set_up(cfg, timeout, pipeline_rows)
         except BaseException:
             self.run_lock.release()
             raise
 
-    def _set_up(self, cfg, timeout) -> None:
+    def _set_up(self, cfg, timeout, pipeline_rows) -> None:
         from omegaconf import OmegaConf
 
         from omniweave.parallel.dims import ParallelDims
@@ -149,7 +149,11 @@ class Engine:
             self.dims = ParallelDims.from_config(cfg.get("parallel"), self.world, model=cfg.model)
         except ValueError as e:  # a layout that does not fit the ranks, e.g. parallel.cp=3 on 2: the user's to fix
             raise UserError(str(e)) from None
-        self.seq_chunks = self._seq_chunks(cfg)
+        from omniweave.train.layouts import check, seq_chunks_of
+
+        check(cfg)  # the mode under this layout (the CLI said so before any rank started: trainer.check_ready)
+        self.seq_chunks = seq_chunks_of(cfg)
+        self.run_row = self._chunked_row if self.seq_chunks > 1 else self._whole_row  # (a pipeline: _pipeline_step)
         self.meshes = self.dims.build_meshes(self.device.type)
         if self.device.type == "cpu" and tc_threads(cfg):
             torch.set_num_threads(tc_threads(cfg))
@@ -169,7 +173,7 @@ class Engine:
         self.moe_layers = len(router_layers(self.model))  # the whole model's (a pipeline rank holds some)
         if self.dims.pp > 1:  # this rank's stages; self.model becomes its part of the model
             self.flop_counts = model_flop_counts(self.model)  # the whole model's, before it is cut
-            self.model = self._pipeline(cfg)
+            self.model = self._pipeline(cfg, pipeline_rows)
         self.optimizer = build_optimizer(self.model, tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -182,26 +186,13 @@ class Engine:
         self.eval_interval = int(tc.get("eval_interval", 0) or 0)
         self.log: MetricsLogger | None = None
 
-    @staticmethod
-    def _seq_chunks(cfg) -> int:
-        """``parallel.seq_chunks``: each row's forward/backward in that many chunks
-        (parallel/seq_chunks.py); what it cannot do yet fails here, naming the keys."""
-        from omniweave.parallel.seq_chunks import seq_chunks_of, unsupported_with_seq_chunks
+    def _pipeline(self, cfg, rows_of) -> nn.Module:
+        """``parallel.pp``: the pipeline over the built model (train/pipeline_setup.py; ``rows_of``:
+        the mode's rows, the packs' by default); returns this rank's part of the model."""
+        from omniweave.train.pipeline_setup import PipelineRows, build_pipeline
 
-        why = unsupported_with_seq_chunks(cfg)  # the CLI says so before any rank starts (trainer.check_ready)
-        if why:
-            raise ValueError(why)
-        return seq_chunks_of(cfg)
-
-    def _pipeline(self, cfg) -> nn.Module:
-        """``parallel.pp``: the pipeline over the built model (parallel/pipeline.py); returns this
-        rank's part of the model. What a pipelined run cannot do yet fails here, naming the keys."""
-        from omniweave.parallel.pipeline import build_pipeline, unsupported_with_pp
-
-        why = unsupported_with_pp(cfg)  # the CLI says so before any rank starts (trainer.check_ready)
-        if why:
-            raise ValueError(why)
-        self.pipeline = build_pipeline(self.model, cfg, self.dims, self.meshes, self.device)
+        rows = (rows_of or PipelineRows.of)(cfg, self.dims)
+        self.pipeline = build_pipeline(self.model, cfg, self.dims, self.meshes, self.device, rows)
         if self.fsdp:  # the ranks holding the same stages (dp x cp; x tp_rep for a smaller-tp encoder) shard them
             from omniweave.parallel.expert import expert_modules
             from omniweave.parallel.fsdp import apply_fsdp_to_stage_parts
@@ -279,47 +270,52 @@ class Engine:
         dist.all_reduce(t)
         return [x / (self.dims.pp * self.dims.cp * self.dims.tp) for x in t.tolist()]
 
-    def optimizer_step(self, micro_batches: list[dict], loss_fn: LossFn, normaliser: float,
+    def optimizer_step(self, micro_batches: list[dict], objective, normaliser: float,
                        count_step: bool = True) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches (see the module docstring). Every
         rank must pass the same number of micro-batches (FSDP's collectives run per micro-batch).
         ``count_step=False``: one of several updates of a training step (RL's PPO epochs and
         mini-batches); the step counter and the schedule then advance with :meth:`advance`.
 
-        ``loss_fn(model, mb) -> (loss_sum, stats)``: the SUM of the micro-batch's weighted token
-        losses and extra sums (e.g. clipped tokens) to report. Returned: ``loss`` (global,
-        divided by ``normaliser``), ``grad_norm``, ``lr``, ``skipped``, ``skipped_total``,
-        ``compute_s`` (forward + backward of the micro-batches) and each stat summed over the
-        micro-batches and ranks (a tp group's replicated values counted once). Under ``parallel.pp``
-        the rows run through the pipeline schedule instead, with the trainer's loss (``loss_fn``
-        is not called)."""
+        ``objective`` (train/objective.py): each micro-batch's loss SUM and statistics from its
+        final hidden states, run by the executor of the run's layout: each row whole, in
+        ``parallel.seq_chunks`` chunks, or through the pipeline's stages (``parallel.pp``).
+        Returned: ``loss`` (global, divided by ``normaliser``), ``grad_norm``, ``lr``,
+        ``skipped``, ``skipped_total``, ``compute_s`` (forward + backward of the micro-batches)
+        and each of the objective's statistics summed over the micro-batches and ranks (a tp
+        group's replicated values counted once)."""
         from omniweave.parallel.context import shard_micro_batch
 
-        if self.pipeline is not None:
-            return self._pipeline_step(micro_batches, normaliser, count_step)
+        if self.pipeline is not None:  # the executors, one per layout (chosen at set-up): pipeline stages
+            return self._pipeline_step(micro_batches, objective, normaliser, count_step)
         scale = 1.0 / max(normaliser, 1)
         self.start_router_step(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        stats: dict[str, torch.Tensor] = {}
+        stats: dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float64, device=self.device)
+                                          for k in objective.stat_keys}
         t0 = time.perf_counter()
         for i, mb in enumerate(micro_batches):
             mb = to_device(shard_micro_batch(mb, self.dims.cp, self.meshes.cp_rank, self.dims.tp), self.device)
             last = i == len(micro_batches) - 1
             if self.fsdp:
                 self.model.set_requires_gradient_sync(last)
-            if self.seq_chunks > 1:
-                loss, extra = self._chunked(mb, loss_fn, scale, last)
-            else:
-                with autocast(self.device, self.precision, self.fsdp):
-                    loss, extra = loss_fn(self.model, mb)
-                (loss.float() * scale).backward()
+            with autocast(self.device, self.precision, self.fsdp):
+                row = objective.row_inputs(self.model, mb)
+            loss, extra = self.run_row(mb, objective, row, scale, last)
             loss_sum += loss.detach().double()
             for k, v in extra.items():
-                stats[k] = stats.get(k, 0.0) + v.detach().double()
+                stats[k] = stats[k] + v.detach().double()
         compute_s = time.perf_counter() - t0
         return self._apply_update(loss_sum, stats, normaliser, compute_s, count_step)
 
-    def _chunked(self, mb: dict, loss_fn: LossFn, scale: float, last: bool):
+    def _whole_row(self, mb: dict, objective, row: dict, scale: float, last: bool):
+        """One row's forward + backward: (loss_sum, stats)."""
+        with autocast(self.device, self.precision, self.fsdp):
+            loss, extra = self.model(mb, head=objective.head(row))
+        (loss.float() * scale).backward()
+        return loss, extra
+
+    def _chunked_row(self, mb: dict, objective, row: dict, scale: float, last: bool):
         """One row's forward + backward in ``parallel.seq_chunks`` chunks (parallel/seq_chunks.py):
         (loss_sum, stats); under FSDP the gradients sync on the last backward of the step only."""
         from functools import partial
@@ -327,19 +323,19 @@ class Engine:
         from omniweave.parallel.seq_chunks import chunked_forward_backward
 
         sync = (lambda on: self.model.set_requires_gradient_sync(on and last)) if self.fsdp else None
-        return chunked_forward_backward(self.model, mb, loss_fn, self.seq_chunks, scale,
+        return chunked_forward_backward(self.model, mb, objective, row, self.seq_chunks, scale,
                                         partial(autocast, self.device, self.precision, self.fsdp), sync)
 
-    def _pipeline_step(self, micro_batches: list[dict], normaliser: float, count_step: bool) -> dict[str, Any]:
+    def _pipeline_step(self, micro_batches: list[dict], objective, normaliser: float,
+                       count_step: bool) -> dict[str, Any]:
         """``optimizer_step`` through the pipeline schedule: the rows, CP-sharded at the run's
-        static length (parallel/pipeline_rows.py), are its micro-batches; each one's loss sum (the
-        tokens' loss, or the mode's own row loss: ``Pipeline.set_row_loss``) is divided by
-        ``normaliser`` inside it."""
+        static length (parallel/pipeline_rows.py), are its micro-batches; the last stage scores
+        each with ``objective``, its loss sum divided by ``normaliser`` inside the schedule."""
         self.start_router_step(micro_batches)
         rows = [to_device(mb, self.device) for mb in self.pipeline.prepare_rows(micro_batches)]
         t0 = time.perf_counter()
         with autocast(self.device, self.precision, self.fsdp):
-            loss = self.pipeline.step(rows, normaliser=max(normaliser, 1))
+            loss = self.pipeline.step(rows, max(normaliser, 1), objective)
         compute_s = time.perf_counter() - t0
         stats = self.pipeline.last_stats
         totals = torch.tensor([loss * max(normaliser, 1), *stats.values()], dtype=torch.float64, device=self.device)

@@ -9,7 +9,7 @@ assistant header is appended, and the model continues greedily until a stop toke
     report["accuracy"], report["by_task"]["color"]
 
 Decoding goes through the one KV-cache generation path, the RL rollout engine
-(:class:`omniweave.rl.rollout.TorchRollout`, temperature 0, one sample per prompt): ``batch_size``
+(:class:`omniweave.generation.TorchRollout`, temperature 0, one sample per prompt): ``batch_size``
 prompts are packed into one row, their media encoded once, the row prefilled once, and the
 prompts decoded in lockstep. A prompt's tokens do not depend on which prompts share its batch
 (up to floating-point rounding).
@@ -31,7 +31,7 @@ import torch
 from omniweave.data.loading.loader import media_batch
 from omniweave.data.sample import Conversation, Message, RawSample, TokenizedSample
 from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
-from omniweave.rl.rollout import Prompt, SamplingParams, TorchRollout
+from omniweave.generation import Prompt, SamplingParams, TorchRollout
 
 _ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
 

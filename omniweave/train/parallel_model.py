@@ -70,6 +70,15 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
     return model
 
 
+def frozen_reference(cfg, engine) -> nn.Module:
+    """The frozen reference of a preference or RL objective (DPO's ``train.dpo.ref=model``, GRPO's
+    ``rl.kl_coef`` > 0): the policy's initial weights (seed or ``train.init_from``), built and
+    parallelised exactly like it, without gradients, in eval mode."""
+    model = build(cfg, engine.device, engine.dims, engine.meshes)
+    model.requires_grad_(False)
+    return model.eval()
+
+
 def offload_mode(cfg) -> str:
     return str(cfg.train.get("offload", "none") or "none")
 

@@ -72,7 +72,7 @@ def listed(args: argparse.Namespace) -> bool:
 
 def phase_kind(cfg) -> str:
     """The packed data a ``train.phase`` trains on (SFT packs or preference pairs); its settings
-    checked (``train.dpo.*``, layouts DPO cannot run yet) before any rank starts."""
+    (``train.dpo.*``) checked before any rank starts."""
     from omniweave.data.packing.prompts import dataset_kind
 
     phase = str(cfg.train.get("phase", "sft"))
@@ -81,9 +81,9 @@ def phase_kind(cfg) -> str:
 
         raise UserError(f"train.phase={phase!r}; `omniweave train` runs one of {PHASES} (grpo: `omniweave rl`)")
     if phase == "dpo":
-        from omniweave.train.dpo import check_layout
+        from omniweave.train.dpo import check_settings
 
-        check_layout(cfg)
+        check_settings(cfg)
     return dataset_kind(phase)
 
 
@@ -103,21 +103,9 @@ def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
     require(cfg, "train.steps", "train.global_batch", "train.lr")
     check_attn_backends(to_dict(cfg.model))
     check_lora(to_dict(cfg.model))
-    pp = int((cfg.get("parallel") or {}).get("pp", 1) or 1)
-    if pp > 1:
-        from omniweave.parallel.pipeline import unsupported_with_pp
+    from omniweave.train.layouts import check
 
-        why = unsupported_with_pp(cfg)
-        if why:
-            raise UserError(why)
-    from omniweave.parallel.seq_chunks import unsupported_with_seq_chunks
-
-    try:
-        why = unsupported_with_seq_chunks(cfg)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if why:
-        raise UserError(why)
+    check(cfg)  # the training mode under the recipe's layout (train/layouts.py)
     if mix is not None:
         check_mix_ready(mix, kind)
     elif not (Path(path) / MANIFEST).is_file():
@@ -144,8 +132,8 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def train(cfg, resume: str | None = None, fault_hook=None) -> dict:
-    """Run ``cfg``; returns {rank, steps, seconds, loss, run_dir}. ``fault_hook(step, out)`` lets
-    tests corrupt a micro-batch's output (non-finite handling). A process group this call
+    """Run ``cfg``; returns {rank, steps, seconds, loss, run_dir}. ``fault_hook(step, loss_sum)`` lets
+    tests corrupt a micro-batch's loss (non-finite handling). A process group this call
     creates (plain process, no torchrun) is destroyed again at the end."""
     return with_process_group(lambda: _train(cfg, resume, fault_hook))
 
@@ -179,11 +167,7 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
     refit_steps = int(cfg.data.get("balance_refit", 0) or 0) if balance == "cost" else 0
     refitter = Refitter(loader.cost_model, warmup=refit_steps) if refit_steps > 0 else None
     phase = str(tc.get("phase", "sft"))
-    objective = None
-    if phase == "dpo":  # preference pairs: its own loss and normaliser (pairs), the rest of the loop as is
-        from omniweave.train.dpo import DPO_LINE, DPOObjective
-
-        objective = DPOObjective(cfg, engine)  # builds the reference from the seed: before the per-rank seed
+    objective = build_objective(cfg, engine, fault_hook)  # DPO's reference from the seed: before the per-rank seed
     torch.manual_seed(seed + engine.rank)
     vision_pads = _vision_pad_ids(data_cfg)
 
@@ -196,15 +180,9 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
             mix_counts.load_state_dict(state.get("mix_counts"))
         if state.get("balance_refitted"):  # the refitted cost model came back with the loader state
             refitter = None
-    engine.start_logging(*((DPO_LINE,) if objective else ()))
+    engine.start_logging(*((objective.line,) if objective.line else ()))
     if engine.rank == 0:
         print(f"{engine.describe()}, {loader.describe()}, training steps {engine.step}..{engine.total}", flush=True)
-
-    def loss_fn(model, mb):
-        out = model(mb)
-        if fault_hook is not None:
-            out = fault_hook(engine.step, out)
-        return out.loss_sum, {}
 
     def loop_state() -> dict:
         return {"loader": loader.state_dict(), "balance_refitted": refitter is None or refitter.done,
@@ -228,14 +206,12 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
             sum(p["input_ids"].numel() for p in packs),
             sum(int((p["cu_seqlens"][1:] - p["cu_seqlens"][:-1]).pow(2).sum()) for p in packs),
             len(skips),
+            objective.count(packs),
             *per_dataset,
         ])
         loss_tokens, tokens, sum_len2, media_skipped = (int(x) for x in sums[:4])
-        mix_log = mix_counts.add(sums[4:]) if mix_counts is not None else {}
-        if objective is None:
-            out = engine.optimizer_step(packs, loss_fn, normaliser=loss_tokens)
-        else:
-            out = engine.optimizer_step(packs, objective.loss_fn, normaliser=objective.normaliser(packs))
+        mix_log = mix_counts.add(sums[5:]) if mix_counts is not None else {}
+        out = engine.optimizer_step(packs, objective, normaliser=sums[4])
         if refitter is not None and not refitter.done:
             _refit(refitter, loader, packs, out["compute_s"], engine.meshes.dp_rank, dims.dp, engine.rank)
         dt = time.perf_counter() - t0
@@ -248,11 +224,27 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
                 "memory_gb": peak_memory_bytes(engine.info) / 2**30, "skipped": out["skipped"],
                 "skipped_total": out["skipped_total"], **skip_log, **balance_log, **mix_log,
                 **{k: v for k, v in out.items() if k.startswith("moe_")},
-                **(objective.metrics(out) if objective else {})}
+                **objective.metrics(out)}
         engine.finish_step(last, loop_state)
     seconds = engine.finish()
     return {"rank": engine.rank, "steps": engine.step, "seconds": seconds, "loss": last["loss"],
             "run_dir": str(engine.run_dir)}
+
+
+def build_objective(cfg, engine: Engine, fault_hook=None):
+    """The objective of ``train.phase`` (train/objective.py): token cross-entropy (sft, pretrain)
+    or DPO's pair loss; ``fault_hook(step, loss_sum)`` (tests) corrupts its losses."""
+    from omniweave.train.objective import TokenCrossEntropy, WithFault
+
+    if str(cfg.train.get("phase", "sft")) == "dpo":
+        from omniweave.train.dpo import DPOObjective
+
+        objective = DPOObjective(cfg, engine)
+    else:
+        objective = TokenCrossEntropy()
+    if fault_hook is not None:
+        objective = WithFault(objective, lambda loss: fault_hook(engine.step, loss))
+    return objective
 
 
 def report_media_skips(engine: Engine, skips: list[dict], outcome: str = "trained without loss on it") -> list[dict]:

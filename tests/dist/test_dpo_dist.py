@@ -67,7 +67,7 @@ def test_a_dpo_step_equals_one_rank(setup, layout, tmp_path):
                          ids=["pp2-precomputed", "pp2-none", "pp2xdp2-precomputed"])
 def test_dpo_through_a_pipeline_equals_one_rank(setup, tmp_path, ref, nproc):
     """parallel.pp=2 (one decoder layer a stage), and pp 2 x dp 2: the last stage turns its hidden
-    states into the pairs' loss (dpo.PipelineRowLoss; each row's pair slots and stored reference
+    states into the pairs' loss (DPOObjective, train/objective.py; each row's pair slots and stored reference
     log-probs ride with its metadata); two steps give the 1-rank loss, rewards, accuracy and grad
     norm (step 2 also checks the update of step 1)."""
     pairs, _ = setup

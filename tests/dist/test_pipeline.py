@@ -49,6 +49,9 @@ import torch.distributed as dist
 from omniweave.parallel.pipeline_rows import static_row_length
 from omniweave.parallel.spawn import run_ranks
 from tests.dist.test_layout_parity import _reference, _rows
+from omniweave.train.objective import TokenCrossEntropy
+
+CE = TokenCrossEntropy()  # the token loss every case scores its rows with (train/objective.py)
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -90,7 +93,8 @@ def _qwen3_vl_rows() -> list[dict]:
 
 
 def _body(rank: int, world: int, packed: str, cases: list) -> list[dict]:
-    from omniweave.parallel.pipeline import Pipeline, pad_rows, split_layers
+    from omniweave.parallel.pipeline import Pipeline, pad_rows
+    from omniweave.parallel.pipeline_split import split_layers
 
     results = []
     for recipe, layers, schedule, virtual, pp_layers, *chunks in cases:
@@ -103,7 +107,7 @@ def _body(rank: int, world: int, packed: str, cases: list) -> list[dict]:
         ref_loss, ref_grads = _reference(copy.deepcopy(base), rows)
         sizes = split_layers(layers, world, virtual, pp_layers)
         pipe = Pipeline(base, sizes, dist.group.WORLD, torch.device("cpu"), schedule, len(rows), seq_chunks=chunks)
-        loss = pipe.step(pad_rows(rows, capacity), normaliser=sum(r["num_loss_tokens"] for r in rows))
+        loss = pipe.step(pad_rows(rows, capacity), normaliser=sum(r["num_loss_tokens"] for r in rows), objective=CE)
         grads = {k: p.grad for k, p in pipe.named_parameters()}
         rel = {k: float((g - ref_grads[k]).abs().max() / ref_grads[k].abs().max().clamp_min(1e-12))
                for k, g in grads.items()}
@@ -115,22 +119,23 @@ def _body(rank: int, world: int, packed: str, cases: list) -> list[dict]:
 
 
 def _shape_change(rank: int, world: int, packed: str) -> list[str]:
-    from omniweave.parallel.pipeline import Pipeline, pad_rows, split_layers
+    from omniweave.parallel.pipeline import Pipeline, pad_rows
+    from omniweave.parallel.pipeline_split import split_layers
 
     rows = _rows(packed, 2)
     pipe = Pipeline(_model("demo", 2), split_layers(2, world), dist.group.WORLD, torch.device("cpu"), "1f1b", 2)
     errors = []
     with pytest.raises(ValueError) as err:  # rows of two lengths in one step
-        pipe.step([*pad_rows(rows[:1], CAPACITY), *pad_rows(rows[1:], CAPACITY - 4)], normaliser=1)
+        pipe.step([*pad_rows(rows[:1], CAPACITY), *pad_rows(rows[1:], CAPACITY - 4)], normaliser=1, objective=CE)
     errors.append(str(err.value))
-    pipe.step(pad_rows(rows, CAPACITY), normaliser=1)
+    pipe.step(pad_rows(rows, CAPACITY), normaliser=1, objective=CE)
     with pytest.raises(ValueError) as err:  # the next step's rows shorter than the first step's
-        pipe.step(pad_rows(rows, CAPACITY - 12), normaliser=1)
+        pipe.step(pad_rows(rows, CAPACITY - 12), normaliser=1, objective=CE)
     errors.append(str(err.value))
     chunked = Pipeline(_model("demo", 2), split_layers(2, world), dist.group.WORLD, torch.device("cpu"), "gpipe", 2,
                        seq_chunks=3)
     with pytest.raises(ValueError) as err:  # rows that do not split into equal chunks
-        chunked.step(pad_rows(rows, CAPACITY), normaliser=1)
+        chunked.step(pad_rows(rows, CAPACITY), normaliser=1, objective=CE)
     errors.append(str(err.value))
     dist.barrier()  # both ranks are still alive and in step
     return errors
@@ -199,7 +204,7 @@ def _engine_body(rank: int, world: int, packed: str, out: str, layouts: list[lis
                                    "train.global_batch=4", f"output_dir={out}/{i}", "parallel.pp=2", *layout])
         engine = Engine(cfg)
         pipe, dp_cp = engine.pipeline, engine.meshes.dp_cp
-        loss = torch.tensor(pipe.step(pipe.prepare_rows(rows), normaliser=sum(r["num_loss_tokens"] for r in rows)),
+        loss = torch.tensor(pipe.step(pipe.prepare_rows(rows), normaliser=sum(r["num_loss_tokens"] for r in rows), objective=CE),
                             dtype=torch.float64)
         dist.all_reduce(loss, group=dp_cp.get_group())  # each CP rank's pipeline has its shards' loss
         grads = {k: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for k, p in pipe.named_parameters()}

@@ -22,7 +22,7 @@ def _body(rank: int, world: int, root: str, modes: list[str]) -> list[dict]:
 
     from omniweave.config import load_recipe
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.rl.rollout import SamplingParams, TorchRollout, build_rollout_model
+    from omniweave.generation import SamplingParams, TorchRollout, build_rollout_model
     from tests.rl_factory import demo_model, demo_prompts, raise_stop_logits, stop_ids
 
     base, processor = demo_model()
@@ -64,7 +64,7 @@ def _sync_body(rank: int, world: int, layout: list[str]) -> float:
     from omniweave.config import load_recipe, to_dict
     from omniweave.models.registry import build_model
     from omniweave.parallel.dims import ParallelDims
-    from omniweave.rl.rollout import build_rollout_model, sync_weights
+    from omniweave.generation import build_rollout_model, sync_weights
     from omniweave.train.parallel_model import build
 
     cfg = load_recipe("demo", layout)

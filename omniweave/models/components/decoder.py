@@ -150,7 +150,7 @@ class KVCache:
 
     A cache owns the attention over what it holds: ``Attention`` hands it the new tokens' q, k, v
     (``attend``), so other caches plug in without the model knowing. Generation (eval, RL) runs on
-    ``omniweave.rl.rollout.GroupKVCache`` (many prompts in one row, a prompt prefix shared by a
+    ``omniweave.generation.GroupKVCache`` (many prompts in one row, a prompt prefix shared by a
     group of samples); this one-sequence cache is the simple reference it is checked against
     (``NaiveRollout``: every sample alone, in tests and bench/rl.py's baseline)."""
 

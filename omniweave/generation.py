@@ -352,9 +352,10 @@ def build_rollout_model(cfg, dims, meshes, device) -> torch.nn.Module:
     return model
 
 
-def sync_weights(policy: torch.nn.Module, rollout_model: torch.nn.Module) -> None:
+def sync_weights(policy: torch.nn.Module, rollout_model: torch.nn.Module, pp_group=None) -> None:
     """Collective over the policy's ranks: its current weights (FSDP / TP shards gathered) into
-    ``rollout_model`` on every rank."""
+    ``rollout_model`` on every rank. ``pp_group`` (a pipelined policy: ``policy`` is this rank's
+    stages' part, under the model's names): the parts of the pipeline's ranks gathered too."""
     import logging
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -368,4 +369,8 @@ def sync_weights(policy: torch.nn.Module, rollout_model: torch.nn.Module) -> Non
         state = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
     finally:
         log.setLevel(level)
+    if pp_group is not None:
+        parts = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=pp_group)
+        state = {k: v for part in parts for k, v in part.items()}
     rollout_model.load_state_dict(state)

@@ -1,0 +1,145 @@
+"""Which training mode runs under which parallel layout: the one place that decides it.
+
+    check(cfg)            a recipe's mode x layout, before any rank starts (the CLI) and again
+                          when the engine sets up (in-process runs); LayoutError, one line naming
+                          the keys and why, for what cannot run
+    refusals(mode, lay)   the reasons, from the objective's traits and the layout's dims
+    table()               the mode x layout matrix of docs/training.md (tests/test_layouts.py
+                          checks the docs against it)
+
+A mode's traits (:class:`Traits`) are what the executors care about: whether its loss is a sum
+over tokens (chunks and CP shards add up; else the sums are carried across chunks,
+parallel/seq_chunks.py), whether each row needs a forward of a frozen reference model before its
+loss (which a pipeline, holding a slice of the model per rank, cannot run), and whether its loss
+sums values over the CP group (DPO's pair sums).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omniweave.errors import UserError
+
+
+class LayoutError(UserError, ValueError):
+    """A training mode and a parallel layout that do not run together; the message says why."""
+
+
+@dataclass(frozen=True)
+class Traits:
+    mode: str  # what docs and errors call it: train.phase=sft, train.dpo.ref=model, …
+    token_sum: bool = True
+    reference_forward: str | None = None  # the keys that ask for a frozen reference's forward per row
+    sums_over_cp: bool = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1  # the foundation's (model.foundation.tp)
+    seq_chunks: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    moe: bool = False
+    mix: bool = False
+
+    @classmethod
+    def of(cls, cfg) -> "Layout":
+        from omniweave.config import to_dict
+        from omniweave.models.components.decoder import moe_layer_indices
+
+        par, foundation = cfg.get("parallel") or {}, (to_dict(cfg.model).get("foundation") or {})
+        return cls(pp=_int(par.get("pp")), cp=_int(par.get("cp")), tp=_int(foundation.get("tp")),
+                   seq_chunks=seq_chunks_of(cfg), pp_schedule=str(par.get("pp_schedule", "1f1b")),
+                   pp_virtual=_int(par.get("pp_virtual")), moe=bool(moe_layer_indices(foundation)),
+                   mix=(cfg.get("data") or {}).get("mix") is not None)
+
+
+def _int(value) -> int:
+    return int(value or 1)
+
+
+def seq_chunks_of(cfg) -> int:
+    """``parallel.seq_chunks`` (1: off), checked to be an integer >= 1."""
+    value = (cfg.get("parallel") or {}).get("seq_chunks", 1)
+    value = 1 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayoutError(f"parallel.seq_chunks={value!r}: the number of chunks a row runs in, an integer >= 1 "
+                          "(1: off)")
+    return value
+
+
+def traits(cfg) -> Traits:
+    """The traits of the recipe's training mode (``train.phase``, its settings)."""
+    phase = str(cfg.train.get("phase", "sft"))
+    if phase == "dpo":
+        ref = str((cfg.train.get("dpo") or {}).get("ref", "model"))
+        return Traits(f"train.phase=dpo (train.dpo.ref={ref})", token_sum=False,
+                      reference_forward="train.dpo.ref=model" if ref == "model" else None, sums_over_cp=True)
+    if phase == "grpo":
+        kl = float((cfg.get("rl") or {}).get("kl_coef", 0.0) or 0.0)
+        return Traits(f"train.phase=grpo (rl.kl_coef={kl:g})", reference_forward="rl.kl_coef > 0" if kl > 0 else None)
+    return Traits(f"train.phase={phase}")
+
+
+def refusals(mode: Traits, lay: Layout) -> list[str]:
+    """Why ``mode`` cannot run under ``lay``: one clause per reason, naming the keys ([]: it runs)."""
+    out = []
+    if lay.seq_chunks > 1:
+        n = f"parallel.seq_chunks={lay.seq_chunks}"
+        if lay.cp > 1:
+            out.append(f"{n} with parallel.cp={lay.cp}: chunked rows and context parallelism both replace the "
+                       "decoder's attention; use one of them")
+        if lay.tp > 1:
+            out.append(f"{n} with model.foundation.tp={lay.tp}: a chunk's K/V store holds whole heads, not a tp "
+                       "rank's share; use model.foundation.tp=1")
+        if lay.moe:
+            out.append(f"{n} with a MoE foundation (model.foundation.num_experts): the router statistics would "
+                       "count each chunk's forward sweep and its recompute")
+        if lay.pp > 1 and (lay.pp_schedule != "gpipe" or lay.pp_virtual != 1):
+            out.append(f"{n} under parallel.pp={lay.pp} runs fill-drain with the backwards in reverse chunk order: "
+                       f"set parallel.pp_schedule=gpipe and parallel.pp_virtual=1 (got {lay.pp_schedule}, "
+                       f"{lay.pp_virtual})")
+    if lay.pp > 1:
+        if lay.mix:
+            out.append(f"parallel.pp={lay.pp} with data.mix: the stage split reads one packed dataset's statistics "
+                       "(data.path)")
+        if mode.reference_forward:
+            fix = ("store the reference log-probs once with `omniweave dpo precompute-ref` and set "
+                   "train.dpo.ref=precomputed, or use train.dpo.ref=none" if "dpo" in mode.reference_forward
+                   else "set rl.kl_coef=0")
+            out.append(f"{mode.reference_forward} under parallel.pp={lay.pp}: the frozen reference's forward of each "
+                       f"row would need a pipeline of its own; {fix}")
+        if mode.sums_over_cp and lay.cp > 1:
+            out.append(f"{mode.mode} under parallel.pp={lay.pp} with parallel.cp={lay.cp}: the pairs' log-prob sums "
+                       "would be all-reduced over the cp group inside the last stage's schedule")
+    return out
+
+
+def check(cfg) -> None:
+    """LayoutError (one line) when the recipe's mode cannot run under its layout."""
+    why = refusals(traits(cfg), Layout.of(cfg))
+    if why:
+        raise LayoutError("; ".join(why))
+
+
+# ---------------------------------------------------------------------------- the docs' table
+
+MODES = {"SFT / pretraining": Traits("train.phase=sft"),
+         "DPO, `ref: model`": Traits("train.phase=dpo (train.dpo.ref=model)", False, "train.dpo.ref=model", True),
+         "DPO, `ref: none` / `precomputed`": Traits("train.phase=dpo (train.dpo.ref=none)", False, None, True),
+         "GRPO, `rl.kl_coef: 0`": Traits("train.phase=grpo (rl.kl_coef=0)"),
+         "GRPO, `rl.kl_coef > 0`": Traits("train.phase=grpo (rl.kl_coef=0.1)", reference_forward="rl.kl_coef > 0")}
+LAYOUTS = {"dp (FSDP)": Layout(), "cp": Layout(cp=2), "tp": Layout(tp=2), "seq_chunks": Layout(seq_chunks=2),
+           "pp": Layout(pp=2), "pp × cp": Layout(pp=2, cp=2), "pp × tp": Layout(pp=2, tp=2),
+           "pp × seq_chunks": Layout(pp=2, seq_chunks=2, pp_schedule="gpipe")}
+
+
+def table() -> str:
+    """The mode x layout matrix as a Markdown table: ✓ runs, ✗ refused (the error says why)."""
+    head = "| mode | " + " | ".join(LAYOUTS) + " |"
+    rule = "|" + "---|" * (len(LAYOUTS) + 1)
+    rows = [f"| {name} | " + " | ".join("✗" if refusals(mode, lay) else "✓" for lay in LAYOUTS.values()) + " |"
+            for name, mode in MODES.items()]
+    return "\n".join([head, rule, *rows])

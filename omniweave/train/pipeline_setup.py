@@ -1,0 +1,79 @@
+"""A pipelined run's pipeline from its recipe (``parallel.pp`` > 1; parallel/pipeline.py builds it).
+
+    rows     = PipelineRows.of(cfg, dims)              # SFT / DPO: data.max_len, global_batch / dp rows
+    pipeline = build_pipeline(model, cfg, dims, meshes, device, rows)
+
+The stage split is ``parallel.pp_layers`` or the cost model's (the encoders' share from the packed
+data's vision tokens per row, stats.json); ``parallel.pp_schedule`` and ``parallel.pp_virtual``
+pick the schedule; one micro-batch per row, or ``parallel.seq_chunks`` per row
+(parallel/pipeline_chunks.py). Every row reaches the stages at one static length
+(parallel/pipeline_rows.py), from the mode's row capacity: a training mode whose rows are not the
+packs (GRPO's prompt + response rows) passes its own :class:`PipelineRows`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from torch import nn
+
+from omniweave.parallel.pipeline import Pipeline
+from omniweave.parallel.pipeline_split import encoder_cost_in_layers, split_layers
+
+
+@dataclass(frozen=True)
+class PipelineRows:
+    max_len: int  # tokens per row at most (before padding)
+    per_step: int  # rows (micro-batches) per step and pipeline
+    max_docs: int | None  # documents per row at most (None: as many as tokens); sizes CP's padding
+
+    @classmethod
+    def of(cls, cfg, dims) -> "PipelineRows":
+        """The packs as rows: ``data.max_len`` tokens, ``train.global_batch / dp`` per step."""
+        return cls(int(cfg.data.max_len), int(cfg.train.global_batch) // dims.dp,
+                   _max_docs(cfg.data.path) if dims.cp > 1 else None)
+
+
+def build_pipeline(model: nn.Module, cfg, dims, meshes, device, rows: PipelineRows) -> Pipeline:
+    """The trainer's pipeline over the built ``model`` (see the module docstring)."""
+    from omniweave.config import to_dict
+    from omniweave.parallel.pipeline_rows import static_row_length, static_rows
+    from omniweave.parallel.tp import sequence_parallel_batch
+    from omniweave.train.layouts import seq_chunks_of
+
+    par, model_cfg = cfg.parallel, to_dict(cfg.model)
+    pp_layers = par.get("pp_layers")
+    cost = None if pp_layers is not None else encoder_cost_in_layers(model_cfg, _patches_per_token(cfg.data.path, model_cfg))
+    sizes = split_layers(model.foundation.config.num_layers, dims.pp, int(par.get("pp_virtual", 1) or 1),
+                         None if pp_layers is None else list(pp_layers), first_stage_cost=cost)
+    chunks = seq_chunks_of(cfg)
+    length = static_row_length(rows.max_len, dims.cp, dims.tp, rows.max_docs)
+    length = -(-length // chunks) * chunks  # parallel.seq_chunks (cp = tp = 1): equal chunks cross the stages
+    prepare = partial(static_rows, max_len=rows.max_len, length=length, cp=dims.cp, cp_rank=meshes.cp_rank, tp=dims.tp)
+    return Pipeline(model, sizes, meshes.pp.get_group(), device, str(par.get("pp_schedule", "1f1b")),
+                    n_microbatches=rows.per_step, prepare_rows=prepare,
+                    row_fn=partial(sequence_parallel_batch, meshes.tp) if dims.tp > 1 else None, seq_chunks=chunks)
+
+
+def _stats(packed: str) -> dict:
+    return json.loads((Path(packed) / "stats.json").read_text())
+
+
+def _max_docs(packed: str) -> int | None:
+    """The most documents in one pack of the packed data (stats.json; None if it does not say)."""
+    most = (_stats(packed).get("docs_per_pack") or {}).get("max")
+    return None if most is None else int(most)
+
+
+def _patches_per_token(packed: str, model_cfg: dict) -> float:
+    """Encoder patches per decoder token of the packed data (stats.json: vision tokens, each
+    merge² patches, over the packs' capacity tokens); 0 for a model without an image encoder."""
+    vit = model_cfg.get("image_encoder")
+    if vit is None:
+        return 0.0
+    stats = _stats(packed)
+    merge = int((model_cfg.get("projector") or {}).get("merge_size") or vit.get("spatial_merge_size", 2))
+    return stats["vision_tokens"] * merge**2 / max(stats["capacity_tokens"], 1)
