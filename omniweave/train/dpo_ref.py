@@ -128,21 +128,14 @@ def _precompute(cfg, path: Path, progress: bool) -> int:
 
     from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
     from omniweave.data.packing.packed import PackedDataset
-    from omniweave.device import detect
     from omniweave.parallel.dims import ParallelDims
     from omniweave.train.dpo import sequence_logps
-    from omniweave.train.engine import autocast, init_distributed, tc_threads, to_device
+    from omniweave.train.engine import autocast, join_process, to_device
     from omniweave.train.parallel_model import build
 
-    info = detect()
-    _, world, local_rank = init_distributed(info)
+    _, _, world, device = join_process(cfg)  # the engine's own start: device, process group, threads
     if world > 1:
         raise UserError("`omniweave dpo precompute-ref` runs on one process (no --nproc / torchrun)")
-    device = info.device(local_rank)
-    if info.module is not None and hasattr(info.module, "set_device"):
-        info.module.set_device(device)
-    if device.type == "cpu" and tc_threads(cfg):
-        torch.set_num_threads(tc_threads(cfg))
     dims = ParallelDims.from_config(None, 1)  # one process: the layout keys (parallel.*, model.*.tp) do not apply
     model = build(cfg, device, dims, dims.build_meshes(device.type)).eval()  # the policy's initial weights
     data_cfg = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in LOADER_ONLY_KEYS}

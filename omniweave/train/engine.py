@@ -114,22 +114,33 @@ def all_finite(model: nn.Module) -> bool:
     return bool(ok.item())
 
 
+def join_process(cfg, timeout=None):
+    """This process's part of a run, before anything else: the device (``omniweave/device.py``),
+    the process group (``timeout``: every collective's), the device bound, ``train.cpu_threads``.
+    Returns (device info, rank, world size, device). The engine starts with it, and so does every
+    command that runs the model outside a training run (``omniweave dpo precompute-ref``)."""
+    from omniweave.device import detect
+
+    info = detect()
+    rank, world, local_rank = init_distributed(info, timeout)
+    device = info.device(local_rank)
+    if info.module is not None and hasattr(info.module, "set_device"):
+        info.module.set_device(device)
+    if device.type == "cpu" and tc_threads(cfg):
+        torch.set_num_threads(tc_threads(cfg))
+    return info, rank, world, device
+
+
 class Engine:
     """Set-up and the optimizer step shared by the training modes (see the module docstring)."""
 
     def __init__(self, cfg, pipeline_rows=None):
         """``pipeline_rows(cfg, dims) -> PipelineRows`` (parallel.pp): the mode's rows
         (train/pipeline_setup.py) when they are not the packs of ``data.path``."""
-        from omniweave.device import detect
-
-        self.cfg, self.info = cfg, detect()
-        self.run_dir = Path(cfg.output_dir)
+        self.cfg, self.run_dir = cfg, Path(cfg.output_dir)
         timeout = watchdog.timeout_of(cfg)
         watchdog.prepare_environment(self.run_dir)  # the flight recorder, before the process group
-        self.rank, self.world, local_rank = init_distributed(self.info, timeout)
-        self.device = self.info.device(local_rank)
-        if self.info.module is not None and hasattr(self.info.module, "set_device"):
-            self.info.module.set_device(self.device)
+        self.info, self.rank, self.world, self.device = join_process(cfg, timeout)
         self.run_lock = RunLock(self.run_dir, self.rank)  # before anything is written there; `with` it
         try:
             self._set_up(cfg, timeout, pipeline_rows)
@@ -155,8 +166,6 @@ class Engine:
         self.seq_chunks = seq_chunks_of(cfg)
         self.run_row = self._chunked_row if self.seq_chunks > 1 else self._whole_row  # (a pipeline: _pipeline_step)
         self.meshes = self.dims.build_meshes(self.device.type)
-        if self.device.type == "cpu" and tc_threads(cfg):
-            torch.set_num_threads(tc_threads(cfg))
         tc = cfg.train
         self.total = int(tc.steps)
         self.precision, self.fsdp = str(tc.get("precision", "fp32")), uses_fsdp(cfg, self.world, self.dims.pp)
