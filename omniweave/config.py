@@ -426,3 +426,20 @@ def to_dict(cfg: DictConfig | dict[str, Any] | None) -> dict[str, Any]:
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     return dict(cfg)
+
+
+_SECTIONS = {"train": TrainSchema, "parallel": ParallelSchema, "rl": RLSchema, "eval": EvalSchema}
+
+
+def section(cfg, name: str):
+    """The recipe's ``name`` section as its schema dataclass (``train``: :class:`TrainSchema`, …):
+    every key typed and present, every default the schema's own, so the code reads
+    ``section(cfg, "train").warmup`` and never states a default twice. A recipe composed by
+    :func:`load_recipe` already holds every key; a hand-made config (tests, a checkpoint's
+    config.yaml of an older version) gets the schema's defaults for what it lacks. Run-time keys
+    the schema does not know are left out."""
+    schema = _SECTIONS[name]
+    values = to_dict((cfg.get(name) if cfg is not None else None) or {})
+    known = {f.name for f in fields(schema)}
+    typed = OmegaConf.merge(OmegaConf.structured(schema), {k: v for k, v in values.items() if k in known})
+    return OmegaConf.to_object(typed)

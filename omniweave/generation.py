@@ -341,14 +341,14 @@ def build_rollout_model(cfg, dims, meshes, device) -> torch.nn.Module:
     :func:`sync_weights`), the vision split and the CP attention applied as in training; no TP or
     FSDP, so decoding needs no collective except the CP merges (the tp ranks of a group decode
     the same prompts side by side)."""
-    from omniweave.config import to_dict
+    from omniweave.config import section, to_dict
     from omniweave.models.registry import build_model
     from omniweave.parallel.context import apply_cp, apply_vision_split
 
     model = build_model(to_dict(cfg.model)).to(device).eval()
     model.requires_grad_(False)
     apply_vision_split(model, meshes.vision_split)
-    apply_cp(model, dims, meshes, head_groups=int(cfg.get("parallel", {}).get("cp_head_groups", 1) or 1))
+    apply_cp(model, dims, meshes, head_groups=section(cfg, "parallel").cp_head_groups)
     return model
 
 

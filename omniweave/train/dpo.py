@@ -58,9 +58,10 @@ class DPOConfig:
 
     @classmethod
     def from_recipe(cls, cfg) -> "DPOConfig":
-        d = cfg.train.get("dpo") or {}
-        out = cls(float(d.get("beta", 0.1)), str(d.get("loss", "sigmoid")), float(d.get("label_smoothing", 0.0) or 0.0),
-                  str(d.get("ref", "model")), d.get("ref_path") or None)
+        from omniweave.config import section
+
+        d = section(cfg, "train").dpo
+        out = cls(float(d.beta), d.loss, float(d.label_smoothing or 0.0), d.ref, d.ref_path or None)
         out.validate()
         return out
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omniweave.config import section
 from omniweave.errors import UserError
 
 DEFAULT_NAME = "ref_logps.npz"
@@ -55,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from omniweave.train.trainer import check_ready
 
     cfg = load_recipe(args.recipe, args.overrides)
-    if str(cfg.train.get("phase", "sft")) != "dpo":
-        raise UserError(f"train.phase={cfg.train.get('phase', 'sft')!r}: reference log-probs are for train.phase=dpo")
+    if section(cfg, "train").phase != "dpo":
+        raise UserError(f"train.phase={section(cfg, 'train').phase!r}: reference log-probs are for train.phase=dpo")
     if (cfg.get("data") or {}).get("mix") is not None:
         raise UserError("omniweave dpo precompute-ref stores the reference log-probs of one packed dataset (data.path), "
                         "not of a data.mix yet")
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 def ref_path(cfg) -> Path:
     """``train.dpo.ref_path``, else ``<data.path>/ref_logps.npz``."""
-    given = (cfg.train.get("dpo") or {}).get("ref_path")
+    given = section(cfg, "train").dpo.ref_path
     return Path(given) if given else Path(cfg.data.path) / DEFAULT_NAME
 
 
@@ -79,13 +80,13 @@ def identity(cfg) -> dict:
     ``NOT_REFERENCE_KEYS``) and how it is initialised."""
     from omniweave.config import to_dict
 
-    init = cfg.train.get("init_from")
+    init = section(cfg, "train").init_from
     model = {name: {k: v for k, v in c.items() if k not in NOT_REFERENCE_KEYS} if isinstance(c, dict) else c
              for name, c in to_dict(cfg.model).items()}
     return {"model": model,
             "init": {"init_from": str(Path(init).resolve()), "weights": weights_stamp(init)} if init
             else {"seed": int(cfg.train.seed)},
-            "precision": str(cfg.train.get("precision", "fp32"))}
+            "precision": section(cfg, "train").precision}
 
 
 def weights_stamp(path) -> str:
@@ -142,7 +143,7 @@ def _precompute(cfg, path: Path, progress: bool) -> int:
     ds = PackedDataset(cfg.data.path)
     offsets, pair_index = pair_layout([ds.record(i) for i in range(len(ds))])
     logps = np.zeros((int(offsets[-1]), 2), np.float32)
-    precision = str(cfg.train.get("precision", "fp32"))
+    precision = section(cfg, "train").precision
     for i in tqdm(range(len(ds)), desc="reference log-probs", unit="pack", disable=None if progress else True):  # a terminal only
         mb = to_device(collate_pack(ds[i], data_cfg), device)
         with autocast(device, precision, False):

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from omniweave.config import section
 from omniweave.errors import UserError
 from omniweave.train import checkpoint, checkpoint_io, watchdog
 from omniweave.train.resume_keys import check_resume_keys, describe_applied
@@ -87,7 +88,7 @@ def shutdown_distributed() -> None:
 
 def tc_threads(cfg) -> int:
     """``train.cpu_threads``: intra-op threads per process on CPU (0/null: torch's default)."""
-    return int(cfg.train.get("cpu_threads") or 0)
+    return int(section(cfg, "train").cpu_threads or 0)
 
 
 def to_device(mb: dict, device: torch.device) -> dict:
@@ -166,9 +167,9 @@ class Engine:
         self.seq_chunks = seq_chunks_of(cfg)
         self.run_row = self._chunked_row if self.seq_chunks > 1 else self._whole_row  # (a pipeline: _pipeline_step)
         self.meshes = self.dims.build_meshes(self.device.type)
-        tc = cfg.train
+        tc = section(cfg, "train")  # the typed section: every key present, the schema's defaults
         self.total = int(tc.steps)
-        self.precision, self.fsdp = str(tc.get("precision", "fp32")), uses_fsdp(cfg, self.world, self.dims.pp)
+        self.precision, self.fsdp = tc.precision, uses_fsdp(cfg, self.world, self.dims.pp)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.config_yaml = OmegaConf.to_yaml(cfg)
         if self.rank == 0:
@@ -183,16 +184,14 @@ class Engine:
         if self.dims.pp > 1:  # this rank's stages; self.model becomes its part of the model
             self.flop_counts = model_flop_counts(self.model)  # the whole model's, before it is cut
             self.model = self._pipeline(cfg, pipeline_rows)
-        self.optimizer = build_optimizer(self.model, tc)
-        self.scheduler = build_scheduler(self.optimizer, tc)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.step, self.skipped, self.bad_in_row = 0, 0, 0
-        self.max_bad = int(tc.get("max_bad_steps", 5))
-        self.clip = float(tc.get("grad_clip", 0.0) or 0.0)
-        self.save_interval = int(tc.get("save_interval", 0) or 0)
-        self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, int(tc.get("keep_last", 0) or 0),
-                                                    bool(tc.get("async_save", False)), timeout, self.device)
-        self.eval_interval = int(tc.get("eval_interval", 0) or 0)
+        self.max_bad, self.clip, self.save_interval = tc.max_bad_steps, tc.grad_clip, tc.save_interval
+        self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, tc.keep_last, tc.async_save, timeout, self.device)
+        self.eval_interval = tc.eval_interval
+        self.save_hf, self.eval_path = tc.save_hf, section(cfg, "eval").path
         self.log: MetricsLogger | None = None
 
     def _pipeline(self, cfg, rows_of) -> nn.Module:
@@ -243,14 +242,14 @@ class Engine:
         so an unchanged recipe resumes bit-identically."""
         from omniweave.train.optim import param_groups
 
-        tc = self.cfg.train
+        tc = section(self.cfg, "train")
         lr = float(tc.lr)
-        fresh = param_groups(self.model, float(tc.get("weight_decay", 0.0)))
+        fresh = param_groups(self.model, float(tc.weight_decay))
         self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group, want in zip(self.optimizer.param_groups, fresh, strict=True):
             group.update(initial_lr=lr, lr=lr * factor, weight_decay=want["weight_decay"],
-                         betas=tuple(tc.get("betas", (0.9, 0.95))), eps=float(tc.get("eps", 1e-8)))
+                         betas=tuple(tc.betas), eps=float(tc.eps))
         self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def start_logging(self, line=SFT_LINE) -> None:
@@ -260,7 +259,7 @@ class Engine:
             self.flop_counts = model_flop_counts(self.model)
         self.peak_flops = device_peak_flops(self.device, self.precision) * self.world
         self.log = MetricsLogger(self.run_dir, self.total, self.step, enabled=self.rank == 0,
-                                 log_interval=int(self.cfg.train.get("log_interval", 1)), line=line)
+                                 log_interval=section(self.cfg, "train").log_interval, line=line)
 
     def describe(self) -> str:
         d = self.dims
@@ -432,8 +431,7 @@ class Engine:
         self.checkpointer.poll()  # publishes an asynchronous save once every rank has written it
         if (self.save_interval and self.step % self.save_interval == 0) or self.step == self.total:
             self.save(state_fn())
-        eval_path = self.cfg.get("eval", {}).get("path")
-        if self.eval_interval and eval_path and (self.step % self.eval_interval == 0 or self.step == self.total):
+        if self.eval_interval and self.eval_path and (self.step % self.eval_interval == 0 or self.step == self.total):
             self.evaluate()
         watchdog.maybe_hang(self.rank, self.step + 1)
 
@@ -462,7 +460,7 @@ class Engine:
         seconds since logging started."""
         self.checkpointer.wait()
         self.log.close()
-        if self.cfg.train.get("save_hf") and self.total > 0:
+        if self.save_hf and self.total > 0:
             self.export_hf(self.run_dir / "hf")
         seconds = time.perf_counter() - self.t_start
         dist.barrier()

@@ -153,15 +153,17 @@ def evaluate_file(model, processor, path, media_dir, max_samples: int | None = N
 
 def eval_fn(model: torch.nn.Module, cfg, step: int) -> dict[str, float]:
     """Trainer hook (``train.eval_fn: omniweave.train.evaluate.eval_fn``): accuracy on ``cfg.eval``."""
-    ev = cfg["eval"]
+    from omniweave.config import section
+
+    ev = section(cfg, "eval")
     report = evaluate_file(
         model,
         SampleProcessor(cfg["data"]),
-        ev["path"],
-        ev.get("media_dir") or Path(ev["path"]).parent / "media",
-        max_samples=ev.get("max_samples"),
-        max_new_tokens=int(ev.get("max_new_tokens", 8)),
-        batch_size=int(ev.get("batch_size", 16)),
+        ev.path,
+        ev.media_dir or Path(ev.path).parent / "media",
+        max_samples=ev.max_samples,
+        max_new_tokens=ev.max_new_tokens,
+        batch_size=ev.batch_size,
     )
     out = {"eval_accuracy": report["accuracy"], "eval_n": report["n"]}
     out.update({f"eval_accuracy/{task}": acc for task, acc in report["by_task"].items()})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omniweave.config import section
 from omniweave.errors import UserError
 
 
@@ -49,10 +50,9 @@ class Layout:
         from omniweave.config import to_dict
         from omniweave.models.components.decoder import moe_layer_indices
 
-        par, foundation = cfg.get("parallel") or {}, (to_dict(cfg.model).get("foundation") or {})
-        return cls(pp=_int(par.get("pp")), cp=_int(par.get("cp")), tp=_int(foundation.get("tp")),
-                   seq_chunks=seq_chunks_of(cfg), pp_schedule=str(par.get("pp_schedule", "1f1b")),
-                   pp_virtual=_int(par.get("pp_virtual")), moe=bool(moe_layer_indices(foundation)),
+        par, foundation = section(cfg, "parallel"), (to_dict(cfg.model).get("foundation") or {})
+        return cls(pp=par.pp, cp=par.cp, tp=_int(foundation.get("tp")), seq_chunks=seq_chunks_of(cfg),
+                   pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual, moe=bool(moe_layer_indices(foundation)),
                    mix=(cfg.get("data") or {}).get("mix") is not None)
 
 
@@ -62,8 +62,7 @@ def _int(value) -> int:
 
 def seq_chunks_of(cfg) -> int:
     """``parallel.seq_chunks`` (1: off), checked to be an integer >= 1."""
-    value = (cfg.get("parallel") or {}).get("seq_chunks", 1)
-    value = 1 if value is None else value
+    value = section(cfg, "parallel").seq_chunks
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LayoutError(f"parallel.seq_chunks={value!r}: the number of chunks a row runs in, an integer >= 1 "
                           "(1: off)")
@@ -72,13 +71,14 @@ def seq_chunks_of(cfg) -> int:
 
 def traits(cfg) -> Traits:
     """The traits of the recipe's training mode (``train.phase``, its settings)."""
-    phase = str(cfg.train.get("phase", "sft"))
+    train = section(cfg, "train")
+    phase = train.phase
     if phase == "dpo":
-        ref = str((cfg.train.get("dpo") or {}).get("ref", "model"))
+        ref = train.dpo.ref
         return Traits(f"train.phase=dpo (train.dpo.ref={ref})", token_sum=False,
                       reference_forward="train.dpo.ref=model" if ref == "model" else None, sums_over_cp=True)
     if phase == "grpo":
-        kl = float((cfg.get("rl") or {}).get("kl_coef", 0.0) or 0.0)
+        kl = float(section(cfg, "rl").kl_coef)
         return Traits(f"train.phase=grpo (rl.kl_coef={kl:g})", reference_forward="rl.kl_coef > 0" if kl > 0 else None)
     return Traits(f"train.phase={phase}")
 

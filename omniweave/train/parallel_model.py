@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from omniweave.config import section
 from omniweave.train import checkpoint
 
 META_INIT_PARAMS = 2_000_000_000  # above this, initialise on the meta device and shard before materialising
@@ -50,13 +51,13 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
         apply_tp(model, meshes.tp, meshes.tp_encoder, features_mesh=meshes.tp_encoder if dims.tp_encoder < dims.tp
                  else meshes.tp)
     apply_lora(model, model_cfg)  # after TP: each adapter is placed after its base weight (models/lora.py)
-    apply_cp(model, dims, meshes, head_groups=int(cfg.get("parallel", {}).get("cp_head_groups", 1) or 1))
+    apply_cp(model, dims, meshes, head_groups=section(cfg, "parallel").cp_head_groups)
     if dims.ep > 1:
         apply_ep(model, meshes.ep)
     set_router_groups(model, meshes.dp_cp, meshes.cp)
-    apply_ac(model, str(cfg.train.get("ac", "none")))
+    apply_ac(model, section(cfg, "train").ac)
     if dims.pp == 1 and uses_fsdp(cfg, dims.world_size):  # a pipeline shards its ranks' parts after the cut
-        apply_fsdp(model, meshes.fsdp, str(cfg.train.get("precision", "fp32")),
+        apply_fsdp(model, meshes.fsdp, section(cfg, "train").precision,
                    encoder_mesh=meshes.encoder_fsdp if dims.tp_encoder < dims.tp else None,
                    experts=expert_modules(model) if dims.ep > 1 else (), experts_mesh=meshes.expert_dp,
                    offload=offload_mode(cfg), pin_memory=device.type != "cpu")
@@ -65,7 +66,7 @@ def build(cfg, device: torch.device, dims, meshes, meta_init_params: int = META_
         seed_sharded_init(int(cfg.train.seed), device)
         model.init_weights()
         reset_adapters(model)  # init_weights drew the adapters' Linears like any other
-    if cfg.train.get("init_from"):
+    if section(cfg, "train").init_from:
         init_weights_from(model, str(cfg.train.init_from), cfg.model)
     return model
 
@@ -80,7 +81,7 @@ def frozen_reference(cfg, engine) -> nn.Module:
 
 
 def offload_mode(cfg) -> str:
-    return str(cfg.train.get("offload", "none") or "none")
+    return section(cfg, "train").offload or "none"
 
 
 def uses_fsdp(cfg, world_size: int, pp: int = 1) -> bool:

@@ -39,21 +39,21 @@ class PipelineRows:
 
 def build_pipeline(model: nn.Module, cfg, dims, meshes, device, rows: PipelineRows) -> Pipeline:
     """The trainer's pipeline over the built ``model`` (see the module docstring)."""
-    from omniweave.config import to_dict
+    from omniweave.config import section, to_dict
     from omniweave.parallel.pipeline_rows import static_row_length, static_rows
     from omniweave.parallel.tp import sequence_parallel_batch
     from omniweave.train.layouts import seq_chunks_of
 
-    par, model_cfg = cfg.parallel, to_dict(cfg.model)
-    pp_layers = par.get("pp_layers")
+    par, model_cfg = section(cfg, "parallel"), to_dict(cfg.model)
+    pp_layers = par.pp_layers
     cost = None if pp_layers is not None else encoder_cost_in_layers(model_cfg, _patches_per_token(cfg.data.path, model_cfg))
-    sizes = split_layers(model.foundation.config.num_layers, dims.pp, int(par.get("pp_virtual", 1) or 1),
+    sizes = split_layers(model.foundation.config.num_layers, dims.pp, par.pp_virtual,
                          None if pp_layers is None else list(pp_layers), first_stage_cost=cost)
     chunks = seq_chunks_of(cfg)
     length = static_row_length(rows.max_len, dims.cp, dims.tp, rows.max_docs)
     length = -(-length // chunks) * chunks  # parallel.seq_chunks (cp = tp = 1): equal chunks cross the stages
     prepare = partial(static_rows, max_len=rows.max_len, length=length, cp=dims.cp, cp_rank=meshes.cp_rank, tp=dims.tp)
-    return Pipeline(model, sizes, meshes.pp.get_group(), device, str(par.get("pp_schedule", "1f1b")),
+    return Pipeline(model, sizes, meshes.pp.get_group(), device, par.pp_schedule,
                     n_microbatches=rows.per_step, prepare_rows=prepare,
                     row_fn=partial(sequence_parallel_batch, meshes.tp) if dims.tp > 1 else None, seq_chunks=chunks)
 

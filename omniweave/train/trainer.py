@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from omniweave.config import section
 from omniweave.launch import add_arguments as launch_arguments, wants_launch
 from omniweave.train import checkpoint
 from omniweave.train.engine import Engine, with_process_group
@@ -75,7 +76,7 @@ def phase_kind(cfg) -> str:
     (``train.dpo.*``) checked before any rank starts."""
     from omniweave.data.packing.prompts import dataset_kind
 
-    phase = str(cfg.train.get("phase", "sft"))
+    phase = section(cfg, "train").phase
     if phase not in PHASES:
         from omniweave.errors import UserError
 
@@ -154,19 +155,19 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
     from omniweave.device import peak_memory_bytes
     from omniweave.parallel.cost_model import Refitter
 
-    tc, dims = cfg.train, engine.dims
+    tc, dims = section(cfg, "train"), engine.dims
     gb, seed = int(tc.global_batch), int(tc.seed)
     data_cfg = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in LOADER_ONLY_KEYS}
     balance = cfg.data.get("balance")
     path, mix = data_source(cfg.data)
     loader = PackedLoader(path, gb, dp_rank=engine.meshes.dp_rank, dp_size=dims.dp, seed=seed,
-                          data_cfg=data_cfg, num_workers=int(cfg.data.get("num_workers", 0)), balance=balance,
+                          data_cfg=data_cfg, num_workers=int(cfg.data.num_workers), balance=balance,
                           model_cfg=OmegaConf.to_container(cfg.model, resolve=True) if balance == "cost" else None,
                           kind=phase_kind(cfg), mix=mix)
     mix_counts = MixCounts(loader.mix.names) if loader.mix is not None else None  # packs, samples per dataset
-    refit_steps = int(cfg.data.get("balance_refit", 0) or 0) if balance == "cost" else 0
+    refit_steps = int(cfg.data.balance_refit or 0) if balance == "cost" else 0
     refitter = Refitter(loader.cost_model, warmup=refit_steps) if refit_steps > 0 else None
-    phase = str(tc.get("phase", "sft"))
+    phase = tc.phase
     objective = build_objective(cfg, engine, fault_hook)  # DPO's reference from the seed: before the per-rank seed
     torch.manual_seed(seed + engine.rank)
     vision_pads = _vision_pad_ids(data_cfg)
@@ -236,7 +237,7 @@ def build_objective(cfg, engine: Engine, fault_hook=None):
     or DPO's pair loss; ``fault_hook(step, loss_sum)`` (tests) corrupts its losses."""
     from omniweave.train.objective import TokenCrossEntropy, WithFault
 
-    if str(cfg.train.get("phase", "sft")) == "dpo":
+    if section(cfg, "train").phase == "dpo":
         from omniweave.train.dpo import DPOObjective
 
         objective = DPOObjective(cfg, engine)

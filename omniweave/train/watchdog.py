@@ -54,7 +54,9 @@ def prepare_environment(run_dir: Path) -> None:
 
 
 def timeout_of(cfg) -> datetime.timedelta:
-    seconds = float(cfg.train.get("collective_timeout", 600) or 0)
+    from omniweave.config import section
+
+    seconds = float(section(cfg, "train").collective_timeout or 0)
     if seconds <= 0:
         raise ValueError(f"train.collective_timeout={seconds}: must be > 0 seconds")
     return datetime.timedelta(seconds=seconds)
