@@ -78,7 +78,7 @@ class Arm:
         from omniweave.train.optim import build_optimizer
 
         self.r, self.model = r, build(model_overrides, r)
-        self.opt = build_optimizer(self.model, OmegaConf.create({"lr": 1e-4}))
+        self.opt = build_optimizer(self.model, OmegaConf.create({"train": {"lr": 1e-4, "steps": 1, "global_batch": 1}, "model": {}}))
         self.times: list[float] = []
         self.grads_b = 0
 

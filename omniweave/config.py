@@ -357,7 +357,7 @@ def _component_field_overrides(path: Path, overrides: list[str]) -> list[str]:
     for i, m in fields.items():
         kind, key = m.group(2), m.group(3)
         section = model.get(kind)
-        settable = key == "lora" or key in _component_fields(kind, section)
+        settable = key in ("lora", "lr", "lr_scale", "weight_decay") or key in _component_fields(kind, section)
         if isinstance(section, dict) and key not in section and settable:
             out[i] = "+" + overrides[i]
     for i, m in lora.items():
@@ -441,5 +441,6 @@ def section(cfg, name: str):
     schema = _SECTIONS[name]
     values = to_dict((cfg.get(name) if cfg is not None else None) or {})
     known = {f.name for f in fields(schema)}
-    typed = OmegaConf.merge(OmegaConf.structured(schema), {k: v for k, v in values.items() if k in known})
-    return OmegaConf.to_object(typed)
+    # a typed (structured) config, not to_object: a required key the section lacks (train.steps in a
+    # config made for one function) is an error only where it is read
+    return OmegaConf.merge(OmegaConf.structured(schema), {k: v for k, v in values.items() if k in known})

@@ -157,8 +157,13 @@ def _key_table(doc: str, start: str, end: str) -> dict:
 
 
 def test_training_md_lists_exactly_the_recipe_schema():
+    """The schema's keys, and per component exactly the optimisation keys train/optim.py reads."""
+    from omniweave.train.optim import OPTIM_KEYS
+
     schema = {k: v for k, v in schema_defaults().items() if not k.startswith("rl.")}
-    assert _key_table("docs/training.md", "## Recipe keys", "## What it writes") == schema
+    table = _key_table("docs/training.md", "## Recipe keys", "## What it writes")
+    assert {k: v for k, v in table.items() if not k.startswith("model.")} == schema
+    assert {k for k in table if k.startswith("model.")} == {f"model.<component>.{k}" for k in OPTIM_KEYS}
 
 
 def test_rl_md_lists_exactly_the_rl_schema():

@@ -83,7 +83,7 @@ def test_only_adapters_get_gradients_and_optimizer_state(tiny):
     assert any(n.startswith("image_encoder.") for n in trainable) and any(n.startswith("projector.") for n in trainable)
     assert with_grad == trainable
     assert all(float(model.get_parameter(n).grad.abs().max()) > 0 for n in foundation_adapters)
-    opt = build_optimizer(model, OmegaConf.create({"lr": 1e-3}))
+    opt = build_optimizer(model, OmegaConf.create({"train": {"lr": 1e-3, "steps": 1, "global_batch": 1}, "model": {}}))
     in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
     assert in_opt == {id(p) for p in model.parameters() if p.requires_grad}
 

@@ -72,7 +72,7 @@ MODEL_SECTIONS = ("foundation", *(s for m in MODALITIES for s in (m.encoder, m.p
 
 KINDS = (*MODEL_SECTIONS, "hf", "reward")
 # Keys every component config may carry that are not fields of its dataclass.
-COMMON_KEYS = ("name", "freeze", "tp", "lora")
+COMMON_KEYS = ("name", "freeze", "tp", "lora", "lr", "lr_scale", "weight_decay")  # the last three: train/optim.py
 # Modules whose import registers components (add yours here).
 COMPONENT_MODULES = [
     "omniweave.models.components.decoder",

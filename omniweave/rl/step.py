@@ -145,6 +145,7 @@ class GRPOStep:
         record = {
             "step": e.step, "loss": sum(u["loss"] for u in updates) / len(updates),
             "grad_norm": updates[-1]["grad_norm"], "lr": updates[-1]["lr"],
+            **{k: v for k, v in updates[-1].items() if k.startswith("lr/")},
             "reward_mean": mean, "reward_std": max(r_sq / max(n_ok, 1) - mean * mean, 0.0) ** 0.5,
             **{f"reward/{k}": v / max(n_ok, 1) for k, v in zip(scored.per_reward, g[12:])},
             "response_len_mean": len_sum / max(n, 1), "response_clip_frac": trunc / max(n, 1),

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omniweave.config import section
+from omniweave.config import section, to_dict
 from omniweave.errors import UserError
 from omniweave.train import checkpoint, checkpoint_io, watchdog
 from omniweave.train.resume_keys import check_resume_keys, describe_applied
@@ -184,7 +184,7 @@ class Engine:
         if self.dims.pp > 1:  # this rank's stages; self.model becomes its part of the model
             self.flop_counts = model_flop_counts(self.model)  # the whole model's, before it is cut
             self.model = self._pipeline(cfg, pipeline_rows)
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.step, self.skipped, self.bad_in_row = 0, 0, 0
@@ -236,20 +236,21 @@ class Engine:
         return state
 
     def apply_schedule(self) -> None:
-        """The recipe's learning rate, schedule and AdamW hyperparameters on the restored optimizer
-        (a resume may change them: resume_keys.py): the rate of the current step is ``lr ×
-        factor(step)`` of the recipe's schedule, exactly what the scheduler computes when it steps,
-        so an unchanged recipe resumes bit-identically."""
-        from omniweave.train.optim import param_groups
+        """The recipe's learning rates, schedule and AdamW hyperparameters on the restored optimizer
+        (a resume may change them: resume_keys.py): the rate of each group at the current step is
+        its base rate (``train.lr``, or its component's: optim.py) × ``factor(step)`` of the
+        recipe's schedule, exactly what the scheduler computes when it steps, so an unchanged
+        recipe resumes bit-identically."""
+        from omniweave.train.optim import component_settings, param_groups
 
         tc = section(self.cfg, "train")
-        lr = float(tc.lr)
-        fresh = param_groups(self.model, float(tc.weight_decay))
-        self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
+        fresh = param_groups(self.model, float(tc.weight_decay), float(tc.lr), component_settings(to_dict(self.cfg.model)))
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group, want in zip(self.optimizer.param_groups, fresh, strict=True):
-            group.update(initial_lr=lr, lr=lr * factor, weight_decay=want["weight_decay"],
-                         betas=tuple(tc.betas), eps=float(tc.eps))
+            base = float(want.get("lr", tc.lr))
+            group.update(initial_lr=base, lr=base * factor, weight_decay=want["weight_decay"], betas=tuple(tc.betas),
+                         eps=float(tc.eps))
+        self.scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def start_logging(self, line=SFT_LINE) -> None:
@@ -357,7 +358,7 @@ class Engine:
         """The step after the backward: global loss and stats (``reduce``: summed over the ranks,
         a tp group's replicated values once), clipping, the update or a skip, router statistics."""
         from omniweave.models.components.router_loss import finish_router_step
-        from omniweave.train.optim import clip_grad_norm
+        from omniweave.train.optim import clip_grad_norm, group_lrs
 
         totals = torch.stack([loss_sum, *(torch.as_tensor(v, dtype=torch.float64, device=self.device)
                                           for v in stats.values())])
@@ -366,7 +367,8 @@ class Engine:
         totals = (totals / (self.dims.tp if reduce else 1)).tolist()
         loss = totals[0] / max(normaliser, 1)
         grad_norm = clip_grad_norm(self.params, self.clip, group=self.pipeline.group if self.pipeline else None)
-        lr = self.scheduler.get_last_lr()[0]
+        rates = group_lrs(self.optimizer)  # per-component groups' rates (optim.py), logged as lr/<component>
+        lr = rates.get("lr/foundation", self.scheduler.get_last_lr()[0])
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
@@ -380,7 +382,7 @@ class Engine:
         if self.info.module is not None and hasattr(self.info.module, "synchronize"):
             self.info.module.synchronize()
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not finite, "skipped_total": self.skipped,
-                "compute_s": compute_s, **dict(zip(stats, totals[1:])), **router}
+                "compute_s": compute_s, **dict(zip(stats, totals[1:])), **router, **rates}
 
     def start_router_step(self, micro_batches: list[dict]) -> None:
         """MoE models: the step's token and document counts over all ranks, which the router

@@ -25,6 +25,7 @@ MAY_CHANGE = (
     # the schedule and the optimizer's hyperparameters (applied to the restored optimizer)
     "train.steps", "train.lr", "train.min_lr_ratio", "train.warmup", "train.schedule",
     "train.weight_decay", "train.betas", "train.eps", "train.grad_clip",
+    "model.*.lr", "model.*.lr_scale", "model.*.weight_decay",  # per-component groups (train/optim.py)
     # how the steps run, not what they compute
     "train.precision", "train.cpu_threads", "train.ac", "train.offload", "train.init_from",
     "train.save_interval", "train.keep_last", "train.async_save", "train.collective_timeout",

@@ -99,11 +99,13 @@ def check_ready(cfg, resume: str | None, kind: str = "sft") -> None:
     from omniweave.data.packing.packed import MANIFEST
     from omniweave.errors import UserError
     from omniweave.models.lora import check_lora
+    from omniweave.train.optim import component_settings
 
     path, mix = data_source(cfg.data)  # data.path or data.mix
     require(cfg, "train.steps", "train.global_batch", "train.lr")
     check_attn_backends(to_dict(cfg.model))
     check_lora(to_dict(cfg.model))
+    component_settings(to_dict(cfg.model))  # model.<component>.lr / lr_scale / weight_decay (train/optim.py)
     from omniweave.train.layouts import check
 
     check(cfg)  # the training mode under the recipe's layout (train/layouts.py)
@@ -224,7 +226,7 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
                 "mfu": step_flops(engine.flop_counts, tokens, sum_len2) / dt / engine.peak_flops,
                 "memory_gb": peak_memory_bytes(engine.info) / 2**30, "skipped": out["skipped"],
                 "skipped_total": out["skipped_total"], **skip_log, **balance_log, **mix_log,
-                **{k: v for k, v in out.items() if k.startswith("moe_")},
+                **{k: v for k, v in out.items() if k.startswith(("moe_", "lr/"))},
                 **objective.metrics(out)}
         engine.finish_step(last, loop_state)
     seconds = engine.finish()

@@ -214,7 +214,7 @@ def _step_body(rank: int, world: int, ep: int, load_from: str | None, save_to: s
     dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
     meshes = dims.build_meshes("cpu")
     model = build(cfg, torch.device("cpu"), dims, meshes)
-    optimizer = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg)
     if load_from is None:
         rows = _rows()
         n = _n_loss_tokens(rows)
@@ -245,7 +245,7 @@ def test_step_and_checkpoint_ep2_match_one_rank_and_load_at_ep1(tmp_path):
     model = build_model(to_dict(cfg.model))
     if hasattr(model, "init_weights"):
         model.init_weights()
-    optimizer = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg)
     rows = _rows()
     (sum(model(r).loss_sum for r in rows) / _n_loss_tokens(rows)).backward()
     norm = clip_grad_norm(list(model.parameters()), 0.5)
