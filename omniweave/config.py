@@ -95,6 +95,19 @@ class DPOSchema:  # train.phase=dpo (docs/dpo.md)
 
 
 @dataclass
+class ORPOSchema:  # train.phase=orpo (docs/dpo.md)
+    beta: float = 0.1
+
+
+@dataclass
+class SimPOSchema:  # train.phase=simpo (docs/dpo.md)
+    beta: float = 2.0
+    gamma: float = 0.5
+    label_smoothing: float = 0.0
+    nll_weight: float = 0.0
+
+
+@dataclass
 class TrainSchema:
     phase: str = "sft"
     steps: int = MISSING
@@ -122,6 +135,8 @@ class TrainSchema:
     eval_interval: int = 0
     save_hf: bool = False
     dpo: DPOSchema = field(default_factory=DPOSchema)
+    orpo: ORPOSchema = field(default_factory=ORPOSchema)
+    simpo: SimPOSchema = field(default_factory=SimPOSchema)
 
 
 @dataclass
@@ -166,6 +181,7 @@ class RLSchema:  # GRPO (omniweave rl; docs/rl.md)
     kl_coef: float = 0.0
     loss_agg: str = "token-mean"
     filter_zero_std: bool = True
+    advantage: str = "grpo"
     ppo_epochs: int = 1
     mini_batches: int = 1
     update_max_len: Optional[int] = None

@@ -41,12 +41,12 @@ def _check(recipe, overrides, keys, tmp_path, chunks):
     assert set(grads[0]) == set(want_grads[0]) and worst <= GRAD_RTOL
 
 
-@pytest.mark.parametrize("chunks", [2, 4])
-def test_dpo_with_chunked_rows_equals_whole_rows(tmp_path_factory, tmp_path, chunks):
+@pytest.mark.parametrize("phase, chunks", [("dpo", 2), ("dpo", 4), ("orpo", 3), ("simpo", 2)])
+def test_pair_losses_with_chunked_rows_equal_whole_rows(tmp_path_factory, tmp_path, phase, chunks):
     from tests.dpo_factory import dpo_overrides, make_pairs
 
     pairs = make_pairs(tmp_path_factory.mktemp("pairs"))
-    _check("demo_dpo", lambda out: dpo_overrides(pairs, out, steps=2, global_batch=2), (
+    _check("demo_dpo", lambda out: dpo_overrides(pairs, out, steps=2, global_batch=2, train__phase=phase), (
         "loss", "pairs", "reward_chosen", "reward_rejected", "reward_accuracy", "grad_norm"), tmp_path, chunks)
 
 

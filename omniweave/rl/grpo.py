@@ -63,6 +63,21 @@ def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: 
     return centered.reshape(-1)
 
 
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """Per-sample REINFORCE leave-one-out advantage [N*G] (Ahmadian et al. 2024): the reward minus
+    the mean of the *other* samples of its group, r_i − (Σ_j r_j − r_i) / (G − 1); TRL 1.16's
+    ``RLOOTrainer`` (``normalize_advantages=False``, its default). It equals G / (G − 1) times the
+    group-centred reward, so no std is involved; a group of size 1 has no baseline (0)."""
+    r = _grouped(rewards, group_size)
+    if group_size == 1:
+        return torch.zeros_like(r).reshape(-1)
+    baseline = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    return (r - baseline).reshape(-1)
+
+
+ADVANTAGES = ("grpo", "rloo")
+
+
 def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
     """BoolTensor [N]: groups whose rewards are all equal, so every advantage is 0 (no signal).
 
@@ -218,6 +233,7 @@ class GRPOConfig:
     kl_coef: float = 0.0  # weight of k3 KL to the reference model in the loss; 0: no reference
     loss_agg: str = "token-mean"  # one of LOSS_AGG_MODES
     filter_zero_std: bool = True  # drop groups whose rewards are all equal (no signal)
+    advantage: str = "grpo"  # one of ADVANTAGES: group-normalised (GRPO) or leave-one-out (RLOO)
 
     def validate(self) -> GRPOConfig:
         """Raise GRPOConfigError naming every bad value; return self for chaining."""
@@ -242,6 +258,8 @@ class GRPOConfig:
             problems.append(f"rl.dual_clip must be > 1 (or null to disable), got {dual}")
         if kl_coef is not None and kl_coef < 0.0:
             problems.append(f"rl.kl_coef must be >= 0, got {kl_coef}")
+        if self.advantage not in ADVANTAGES:
+            problems.append(f"rl.advantage must be one of {', '.join(ADVANTAGES)}; got {self.advantage!r}")
         if self.loss_agg not in LOSS_AGG_MODES:
             problems.append(f"rl.loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {self.loss_agg!r}")
         if problems:

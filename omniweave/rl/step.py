@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from omniweave.rl.batch import dummy_row, update_rows
-from omniweave.rl.grpo import group_advantages, zero_std_groups
+from omniweave.rl.grpo import group_advantages, rloo_advantages, zero_std_groups
 from omniweave.rl.objective import GRPOObjective
 from omniweave.generation import Prompt, sync_weights
 from omniweave.train.engine import autocast, to_device
@@ -79,7 +79,9 @@ class GRPOStep:
         advantages = torch.zeros(n * G)
         if keep:
             idx = torch.tensor(keep)
-            adv = group_advantages(flat[idx].reshape(-1), G, scale=self.s.grpo.scale_rewards)
+            kept = flat[idx].reshape(-1)
+            adv = (rloo_advantages(kept, G) if self.s.grpo.advantage == "rloo"
+                   else group_advantages(kept, G, scale=self.s.grpo.scale_rewards))
             advantages.view(n, G)[idx] = adv.view(len(keep), G)
         return keep, advantages, {"groups": n, "failed": int(failed.sum()), "zero_std": int(zero.sum()),
                                   "media_skipped": int(media.sum())}

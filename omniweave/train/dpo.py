@@ -249,12 +249,18 @@ class DPOObjective(Objective):
         pairs = sums.shape[0]
         policy, lengths, ref = sums[:, :2], sums[:, 2:], target.row["ref_logps"][:pairs]
         live = lengths[:, 0] > 0  # a pair whose media did not decode has no tokens left: not a pair
-        losses, chosen, rejected = dpo_loss(policy, ref, self.settings, lengths.clamp(min=1))  # (1: live pairs' own)
+        losses, chosen, rejected = self.pair_losses(policy, ref, lengths.clamp(min=1))  # (1: live pairs' own)
         losses, chosen, rejected = (torch.where(live, x, 0.0) for x in (losses, chosen, rejected))
         # every cp rank now holds the same pairs' values: 1/cp each, so sums over ranks count them once
         stats = {"pairs": live.sum().float(), "reward_chosen": chosen.sum(), "reward_rejected": rejected.sum(),
                  "reward_accuracy": ((chosen > rejected) & live).sum().float()}
         return losses.sum() / cp, {k: v.double() / cp for k, v in stats.items()}
+
+    def pair_losses(self, policy: Tensor, ref: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(loss [P], chosen reward [P], rejected reward [P]) from the pairs' [P, 2] policy and
+        reference sequence log-probs and answer lengths; the preference losses of
+        train/preference.py override it."""
+        return dpo_loss(policy, ref, self.settings, lengths)
 
     def metrics(self, out: dict) -> dict:
         """The step's mean rewards over its pairs (``out``: the engine step's summed stats)."""

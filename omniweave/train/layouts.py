@@ -77,6 +77,8 @@ def traits(cfg) -> Traits:
         ref = train.dpo.ref
         return Traits(f"train.phase=dpo (train.dpo.ref={ref})", token_sum=False,
                       reference_forward="train.dpo.ref=model" if ref == "model" else None, sums_over_cp=True)
+    if phase in ("orpo", "simpo"):  # DPO's pair sums without a reference
+        return Traits(f"train.phase={phase}", token_sum=False, sums_over_cp=True)
     if phase == "grpo":
         kl = float(section(cfg, "rl").kl_coef)
         return Traits(f"train.phase=grpo (rl.kl_coef={kl:g})", reference_forward="rl.kl_coef > 0" if kl > 0 else None)
@@ -129,6 +131,7 @@ def check(cfg) -> None:
 MODES = {"SFT / pretraining": Traits("train.phase=sft"),
          "DPO, `ref: model`": Traits("train.phase=dpo (train.dpo.ref=model)", False, "train.dpo.ref=model", True),
          "DPO, `ref: none` / `precomputed`": Traits("train.phase=dpo (train.dpo.ref=none)", False, None, True),
+         "ORPO / SimPO": Traits("train.phase=orpo", False, None, True),
          "GRPO, `rl.kl_coef: 0`": Traits("train.phase=grpo (rl.kl_coef=0)"),
          "GRPO, `rl.kl_coef > 0`": Traits("train.phase=grpo (rl.kl_coef=0.1)", reference_forward="rl.kl_coef > 0")}
 LAYOUTS = {"dp (FSDP)": Layout(), "cp": Layout(cp=2), "tp": Layout(tp=2), "seq_chunks": Layout(seq_chunks=2),

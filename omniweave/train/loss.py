@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-PHASES = ("sft", "pretrain", "dpo")  # dpo: the packs' answer labels, its own loss (train/dpo.py)
+# dpo, orpo, simpo: pairs of answers, their labels as packed, their own losses (train/dpo.py, train/preference.py)
+PHASES = ("sft", "pretrain", "dpo", "orpo", "simpo")
+PAIR_PHASES = ("dpo", "orpo", "simpo")
 
 
 def pretrain_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, ignore_ids: tuple[int, ...] = ()) -> torch.Tensor:
@@ -29,7 +31,7 @@ def apply_phase(packs: list[dict], phase: str, ignore_ids: tuple[int, ...]) -> l
     """The micro-batches with the labels (and loss-token counts) of ``phase``."""
     if phase not in PHASES:
         raise ValueError(f"train.phase={phase!r}; choose one of {PHASES}")
-    if phase in ("sft", "dpo"):
+    if phase == "sft" or phase in PAIR_PHASES:
         return packs
     out = []
     for p in packs:

@@ -85,6 +85,10 @@ def phase_kind(cfg) -> str:
         from omniweave.train.dpo import check_settings
 
         check_settings(cfg)
+    elif phase in ("orpo", "simpo"):
+        from omniweave.train.preference import check_settings
+
+        check_settings(cfg)
     return dataset_kind(phase)
 
 
@@ -235,14 +239,19 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
 
 
 def build_objective(cfg, engine: Engine, fault_hook=None):
-    """The objective of ``train.phase`` (train/objective.py): token cross-entropy (sft, pretrain)
-    or DPO's pair loss; ``fault_hook(step, loss_sum)`` (tests) corrupts its losses."""
+    """The objective of ``train.phase`` (train/objective.py): token cross-entropy (sft, pretrain),
+    DPO's pair loss or ORPO's / SimPO's (train/preference.py); ``fault_hook(step, loss_sum)`` (tests) corrupts its losses."""
     from omniweave.train.objective import TokenCrossEntropy, WithFault
 
-    if section(cfg, "train").phase == "dpo":
+    phase = section(cfg, "train").phase
+    if phase == "dpo":
         from omniweave.train.dpo import DPOObjective
 
         objective = DPOObjective(cfg, engine)
+    elif phase in ("orpo", "simpo"):
+        from omniweave.train.preference import OBJECTIVES
+
+        objective = OBJECTIVES[phase](cfg, engine)
     else:
         objective = TokenCrossEntropy()
     if fault_hook is not None:

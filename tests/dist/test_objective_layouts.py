@@ -93,3 +93,19 @@ def test_dpo_through_a_pipeline_with_chunked_rows_equals_one_rank(tmp_path_facto
     layout = ["parallel.pp=2", "parallel.seq_chunks=2", "parallel.pp_schedule=gpipe"]
     _compare("demo_dpo", base, layout, 2, ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "grad_norm"),
              tmp_path)
+
+
+@pytest.mark.parametrize("phase", ["orpo", "simpo"])
+@pytest.mark.parametrize("layout", [[], ["parallel.cp=2"]], ids=["dp2", "cp2"])
+def test_reference_free_preference_losses_equal_one_rank(tmp_path_factory, tmp_path, phase, layout):
+    """ORPO and SimPO (train/preference.py) from DPO's pair sums: dp 2 (pairs split, the global
+    pair count), cp 2 (each answer's sums over the cp ranks before the loss)."""
+    from tests.dpo_factory import dpo_overrides, make_pairs
+
+    pairs = make_pairs(tmp_path_factory.mktemp("pairs"), pairs=24)
+
+    def base(out):
+        return dpo_overrides(pairs, out, steps=2, global_batch=2, train__phase=phase)
+
+    _compare("demo_dpo", base, layout, 2, ("loss", "pairs", "reward_chosen", "reward_rejected", "reward_accuracy",
+                                           "grad_norm"), tmp_path)

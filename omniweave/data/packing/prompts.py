@@ -15,7 +15,7 @@ from omniweave.data.sample import RawSample, TokenizedSample
 from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
 
 RL_PHASES = ("grpo",)
-PREFERENCE_PHASES = ("dpo",)
+PREFERENCE_PHASES = ("dpo", "orpo", "simpo")  # pairs of answers (train/loss.py PAIR_PHASES)
 KIND_SFT, KIND_PROMPTS, KIND_PAIRS = "sft", "prompts", "pairs"
 
 
