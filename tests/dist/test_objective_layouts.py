@@ -74,7 +74,7 @@ def test_grpo_through_a_pipeline_equals_one_rank(prompts, tmp_path, layout, npro
     from tests.rl_factory import rl_overrides
 
     def base(out):
-        return rl_overrides(prompts, out, steps=2, train__cpu_threads=1)
+        return rl_overrides(prompts, out, steps=1, train__cpu_threads=1)  # 2 updates (2 mini-batches)
 
     _compare("demo_grpo", base, layout, nproc, GRPO_KEYS, tmp_path)
 
