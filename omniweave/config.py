@@ -353,10 +353,12 @@ def _compose_with_component_fields(path: Path, overrides: list[str]) -> DictConf
 
 def _component_field_overrides(path: Path, overrides: list[str]) -> list[str]:
     """``overrides`` with ``+`` added to each ``model.<component>.<field>=V`` whose field is not in
-    the composed YAML but is a field of the component's registered config or ``lora``, and to each
+    the composed YAML but is a field of the component's registered config or a key every component
+    takes (registry.COMMON_KEYS: ``lora``, ``lr``, ``lr_scale``, ``weight_decay``, …), and to each
     ``model.<component>.lora.<field>=V`` of a component whose YAML lacks that LoRA field (an
     unknown LoRA field is a RecipeError listing the valid ones)."""
     from omniweave.models.lora import LORA_KEYS
+    from omniweave.models.registry import COMMON_KEYS
 
     fields = {i: m for i, o in enumerate(overrides) if (m := _COMPONENT_KEY.match(o))}
     lora = {i: m for i, o in enumerate(overrides) if (m := _LORA_KEY.match(o))}
@@ -373,7 +375,7 @@ def _component_field_overrides(path: Path, overrides: list[str]) -> list[str]:
     for i, m in fields.items():
         kind, key = m.group(2), m.group(3)
         section = model.get(kind)
-        settable = key in ("lora", "lr", "lr_scale", "weight_decay") or key in _component_fields(kind, section)
+        settable = key in COMMON_KEYS or key in _component_fields(kind, section)
         if isinstance(section, dict) and key not in section and settable:
             out[i] = "+" + overrides[i]
     for i, m in lora.items():

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from omniweave.errors import UserError
+from omniweave.models.registry import component_modules
 
 ALL_LINEAR = "all-linear"
 LORA_KEYS = ("r", "alpha", "dropout", "targets")
@@ -231,10 +232,10 @@ def is_adapter_name(name: str) -> bool:
 def apply_lora(model: nn.Module, model_cfg: dict) -> dict[str, list[str]]:
     """Add the recipe's adapters to ``model`` (built, and tensor-parallelised if it is going to be),
     freeze each adapted component's base weights; returns section -> adapted module names."""
-    configs = lora_configs(model_cfg)
+    configs, modules = lora_configs(model_cfg), component_modules(model)
     plan = {}
     for section, cfg in configs.items():  # validate every component before changing any
-        component = getattr(model, section, None)
+        component = modules.get(section)
         if component is None:
             raise UserError(f"model.{section}.lora: the model has no {section}")
         plan[section] = (component, cfg, target_names(component, cfg, section))

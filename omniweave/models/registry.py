@@ -175,6 +175,14 @@ def build_component(kind: str, cfg: Any) -> nn.Module:
     return module
 
 
+def component_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{section: module}`` of the components ``model`` holds: an OmniModel / CausalLM keeps each
+    section's module as the attribute of that name (a pipeline stage's absent parts are None). The
+    one mapping from recipe sections to modules: LoRA adds adapters by it, the optimizer groups
+    parameters by it (train/optim.py)."""
+    return {s: m for s in MODEL_SECTIONS if (m := getattr(model, s, None)) is not None}
+
+
 def build_model(model_cfg: Any, adapters: bool = True) -> nn.Module:
     """The recipe's ``model:`` section -> a model implementing the trainer's model contract.
 

@@ -129,6 +129,19 @@ def _flat_optim(path: Path) -> bool:
     return "optim.param_groups.0.params" not in checkpoint_io.read_metadata(path).state_dict_metadata
 
 
+def _group_names_missing(path: Path, optim_state: dict) -> dict[str, Any]:
+    """The (flat) optimizer state's group names (``param_groups.<param>.component``: per-component
+    groups, train/optim.py) that checkpoint ``path`` lacks, taken out of ``optim_state`` to be put
+    back after DCP loads the rest: a run may add ``model.<component>.lr`` at resume (resume_keys.py),
+    and a group's name is the recipe's to decide, not something the run learned."""
+    from omniweave.train.optim import GROUP_NAME
+
+    saved = checkpoint_io.read_metadata(path).state_dict_metadata
+    missing = [k for k in optim_state if k.startswith("param_groups.") and k.endswith(f".{GROUP_NAME}")
+               and f"optim.{k}" not in saved]
+    return {k: optim_state.pop(k) for k in missing}
+
+
 def _family_differences(path: Path, model_cfg) -> list[str]:
     """Components whose ``name`` / ``family`` differ between the checkpoint's recipe and ``model_cfg``."""
     import yaml
@@ -343,10 +356,12 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, verified: bo
     flat = _flat_optim(path)
     state = _dcp_state(model, optimizer, flat)
     check_fits(path, state["model"], model_cfg)
+    recipe_only = _group_names_missing(path, state["optim"]) if optimizer is not None and flat else {}
     checkpoint_io.dcp_load(state, path)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
+        state["optim"].update(recipe_only)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(flatten_optimizer_state_dict=flat))
     rng = path / f"rng_rank{_rank()}.pt"

@@ -4,8 +4,8 @@ Per-component optimisation (``model.<component>.lr`` / ``lr_scale`` / ``weight_d
 slower vision tower): once any component sets one, every component's parameters get groups of
 their own (decay / no-decay), each with its component's learning rate (``lr``, or ``lr_scale`` ×
 ``train.lr``, or ``train.lr``) and weight decay; the schedule scales every group's rate by the
-same factor. A parameter's component is the model section whose module holds it (the first part
-of its name, LoRA adapters included: they live inside the module they adapt).
+same factor. A parameter's component is the model section whose module holds it
+(registry.component_modules, the mapping LoRA adds adapters by: adapters are their component's).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import nn
 from omniweave.errors import UserError
 
 OPTIM_KEYS = ("lr", "lr_scale", "weight_decay")  # model.<component>.<key>
+GROUP_NAME = "component"  # the key naming a per-component group's section (checkpoint.py, the log)
 
 
 def component_settings(model_cfg: dict) -> dict[str, dict]:
@@ -42,33 +43,44 @@ def _decays(name: str, p: torch.Tensor) -> bool:
     return not ("norm" in name.lower() or name.endswith(".bias") or p.ndim < 2)
 
 
+def _owners(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> section`` of the component module holding each parameter."""
+    from omniweave.models.registry import component_modules
+
+    return {id(p): section for section, module in component_modules(model).items() for p in module.parameters()}
+
+
 def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
                  components: dict[str, dict] | None = None) -> list[dict]:
     """Trainable parameters split into (decay, no-decay); frozen components are left out. With
     ``components`` (:func:`component_settings`, non-empty) one (decay, no-decay) pair per
     component, in the order the model holds them, each group naming its ``component`` and
     carrying its ``lr`` (``train.lr`` = ``lr`` unless the component sets its own) and weight decay."""
-    groups: dict[tuple[str, bool], dict] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        decay = _decays(name, p)
-        if not components:
-            key = ("all", decay)
-            group = groups.setdefault(key, {"params": [], "weight_decay": weight_decay if decay else 0.0})
-        else:
-            part = name.split(".", 1)[0]
-            own = components.get(part, {})
-            rate = own.get("lr", lr * float(own.get("lr_scale", 1.0)))
-            wd = float(own.get("weight_decay", weight_decay)) if decay else 0.0
-            group = groups.setdefault((part, decay), {"params": [], "weight_decay": wd, "lr": float(rate),
-                                                      "component": part})
-        group["params"].append(p)
-    if not groups:
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not trainable:
         raise ValueError("no trainable parameters: every component is frozen")
     if not components:  # (decay, no-decay), as before per-component groups existed
-        return [groups[k] for k in (("all", True), ("all", False)) if k in groups]
+        pair = {True: {"params": [], "weight_decay": weight_decay}, False: {"params": [], "weight_decay": 0.0}}
+        for name, p in trainable:
+            pair[_decays(name, p)]["params"].append(p)
+        return [g for g in pair.values() if g["params"]]
+    owners, groups = _owners(model), {}
+    for name, p in trainable:
+        part = owners.get(id(p))
+        if part is None:
+            raise ValueError(f"parameter {name}: no model component holds it, so no model.<component>.lr applies")
+        own, decay = components.get(part, {}), _decays(name, p)
+        rate = own["lr"] if "lr" in own else lr * float(own.get("lr_scale", 1.0))
+        wd = float(own.get("weight_decay", weight_decay)) if decay else 0.0
+        group = groups.setdefault((part, decay), {"params": [], "weight_decay": wd, "lr": float(rate), GROUP_NAME: part})
+        group["params"].append(p)
     return list(groups.values())
+
+
+def _groups_of(model: nn.Module, tc, model_cfg: dict) -> list[dict]:
+    """:func:`param_groups` of the recipe's train section ``tc`` (typed: config.section) and model
+    section ``model_cfg`` (a dict)."""
+    return param_groups(model, float(tc.weight_decay), float(tc.lr), component_settings(model_cfg))
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
@@ -76,15 +88,35 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     from omniweave.config import section, to_dict
 
     tc = section(cfg, "train")
-    return torch.optim.AdamW(
-        param_groups(model, float(tc.weight_decay), float(tc.lr), component_settings(to_dict(cfg.model))),
-        lr=float(tc.lr), betas=tuple(tc.betas), eps=float(tc.eps), foreach=True,
-    )
+    return torch.optim.AdamW(_groups_of(model, tc, to_dict(cfg.model)), lr=float(tc.lr), betas=tuple(tc.betas),
+                             eps=float(tc.eps), foreach=True)
+
+
+def apply_recipe(optimizer: torch.optim.Optimizer, scheduler, model: nn.Module, train_cfg, model_cfg: dict) -> None:
+    """The recipe's rates, decays and AdamW hyperparameters on a restored optimizer and its LambdaLR
+    (a resume may change them: resume_keys.py); ``train_cfg``: the typed train section
+    (config.section), ``model_cfg``: the model section as a dict. Each group's rate at the current
+    step is its own base rate (``train.lr``, or its component's) × the schedule's factor there,
+    which is what the scheduler computes when it steps (``base_lrs`` × factor), so an unchanged
+    recipe resumes bit-identically; a group's ``component`` is the recipe's too (a checkpoint may
+    predate it)."""
+    tc = train_cfg
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)  # the factor of the restored step
+    for group, want in zip(optimizer.param_groups, _groups_of(model, tc, model_cfg), strict=True):
+        if [id(p) for p in group["params"]] != [id(p) for p in want["params"]]:
+            raise RuntimeError("the optimizer's groups are not the recipe's: build it with build_optimizer")
+        base = float(want.get("lr", tc.lr))
+        group.update(initial_lr=base, lr=base * factor, weight_decay=want["weight_decay"], betas=tuple(tc.betas),
+                     eps=float(tc.eps))
+        if GROUP_NAME in want:
+            group[GROUP_NAME] = want[GROUP_NAME]
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """``{"lr/<component>": rate}`` of per-component groups (empty without them): the log's rates."""
-    return {f"lr/{g['component']}": g["lr"] for g in optimizer.param_groups if "component" in g}
+    return {f"lr/{g[GROUP_NAME]}": g["lr"] for g in optimizer.param_groups if GROUP_NAME in g}
 
 
 def _full(norm) -> torch.Tensor:

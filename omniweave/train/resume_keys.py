@@ -46,12 +46,19 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# optional keys no schema fills in: one the checkpoint's recipe lacks was unset there
+UNSET_WHEN_ABSENT = ("model.*.lr", "model.*.lr_scale", "model.*.weight_decay")
+
+
 def changed_keys(saved: dict, now: dict) -> dict[str, tuple[Any, Any]]:
     """Dotted keys whose value differs: {key: (checkpoint's, recipe's)}. A key the checkpoint's
-    recipe does not have (one added to omniweave since) is not a change."""
+    recipe does not have (one added to omniweave since) is not a change, unless it is one of
+    :data:`UNSET_WHEN_ABSENT` set now."""
     old, new = flatten(saved), flatten(now)
+    added = {k: (None, new[k]) for k in sorted(new) if k not in old and new[k] is not None
+             and any(fnmatchcase(k, pattern) for pattern in UNSET_WHEN_ABSENT)}
     return {k: (old[k], new.get(k)) for k in sorted(old) if k in new and old[k] != new[k]} | \
-        {k: (old[k], None) for k in sorted(old) if k not in new and old[k] is not None}
+        {k: (old[k], None) for k in sorted(old) if k not in new and old[k] is not None} | added
 
 
 def may_change(key: str, old: Any = None, new: Any = None) -> bool:
