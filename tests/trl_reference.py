@@ -78,8 +78,10 @@ def trl_grpo_loss(
     epsilon_high: float = 0.28,
     grad_accum_steps: int = 1,
     num_items_in_batch: float | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, list[float]]]:
-    """(the loss TRL backpropagates for this micro-batch, TRL's logged metrics)."""
+    """(the loss TRL backpropagates for this micro-batch, TRL's logged metrics);
+    ``importance_sampling_level="sequence"``: GSPO's sequence-level ratio."""
 
     def forward(model, input_ids, attention_mask, logits_to_keep, **kwargs):
         logps = trl_utils.selective_log_softmax(logits, b.ids)
@@ -90,7 +92,7 @@ def trl_grpo_loss(
         _get_per_token_logps_and_entropies=forward,
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
-        importance_sampling_level="token",
+        importance_sampling_level=importance_sampling_level,
         beta=beta,
         loss_type=loss_type,
         epsilon_low=epsilon,

@@ -5,6 +5,7 @@ The training loop flattens the response tokens of a micro-batch into 1-D tensors
 sequence), calls :func:`grpo_token_loss` and :func:`aggregate`, and sums the numerators and
 denominators over every micro-batch and rank before dividing once. That is the SFT rule of
 docs/design.md ("divide by the global count") and why every parallel layout gives the same loss.
+GSPO's sequence-level ratio is :func:`gspo_token_loss`; RLOO's advantages :func:`rloo_advantages`.
 
 Semantics follow verl (``core_algos.py``: ``compute_grpo_outcome_advantage``,
 ``compute_policy_loss_vanilla``, ``kl_penalty`` ``low_var_kl``, ``agg_loss``) and EasyR1, which
@@ -234,6 +235,7 @@ class GRPOConfig:
     loss_agg: str = "token-mean"  # one of LOSS_AGG_MODES
     filter_zero_std: bool = True  # drop groups whose rewards are all equal (no signal)
     advantage: str = "grpo"  # one of ADVANTAGES: group-normalised (GRPO) or leave-one-out (RLOO)
+    importance_sampling: str = "token"  # "sequence": GSPO's sequence-level ratio (gspo_token_loss)
 
     def validate(self) -> GRPOConfig:
         """Raise GRPOConfigError naming every bad value; return self for chaining."""
@@ -258,6 +260,11 @@ class GRPOConfig:
             problems.append(f"rl.dual_clip must be > 1 (or null to disable), got {dual}")
         if kl_coef is not None and kl_coef < 0.0:
             problems.append(f"rl.kl_coef must be >= 0, got {kl_coef}")
+        if self.importance_sampling not in ("token", "sequence"):
+            problems.append(f"rl.importance_sampling must be token or sequence; got {self.importance_sampling!r}")
+        elif self.importance_sampling == "sequence" and self.loss_agg != "seq-mean-token-mean":
+            problems.append("rl.importance_sampling=sequence (GSPO) weighs each sequence once: set "
+                            f"rl.loss_agg=seq-mean-token-mean (got {self.loss_agg})")
         if self.advantage not in ADVANTAGES:
             problems.append(f"rl.advantage must be one of {', '.join(ADVANTAGES)}; got {self.advantage!r}")
         if self.loss_agg not in LOSS_AGG_MODES:
@@ -282,6 +289,12 @@ def grpo_token_loss(
     """
     cfg.validate()
     loss, stats = policy_loss(logp, old_logp, advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+    return _with_kl(loss, stats, logp, ref_logp, cfg)
+
+
+def _with_kl(loss: Tensor, stats: dict[str, Tensor], logp: Tensor, ref_logp: Tensor | None,
+             cfg: GRPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """The policy term ``loss`` plus ``cfg.kl_coef`` · k3 per token; ``pg_loss`` / ``kl`` stats."""
     stats["pg_loss"] = loss.detach()
     if ref_logp is not None:
         kl = kl_k3(logp, ref_logp)
@@ -291,3 +304,45 @@ def grpo_token_loss(
     elif cfg.kl_coef > 0:
         raise ValueError(f"rl.kl_coef is {cfg.kl_coef} but no ref_logp was given")
     return loss, stats
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, seq_ids: Tensor) -> Tensor:
+    """Per token [T], fp32: the mean of logp − old_logp over the tokens of its sequence, log s_i of
+    GSPO (Zheng et al. 2025), on flat tokens where ``seq_ids`` names each token's sequence (any ids,
+    any order, as :func:`aggregate`: a packed row's sequences work). ``old_logp`` is a constant; the
+    gradient reaches every token of the sequence through the mean, as in TRL 1.16 (no stop-gradient).
+    A sequence must lie wholly in one call: a CP shard or a chunk must sum Σ(logp − old_logp) and
+    the token count with the others first."""
+    _check_same_shape(logp=logp, old_logp=old_logp, seq_ids=seq_ids)
+    diff = logp.float() - old_logp.detach().float()
+    _, index = torch.unique(seq_ids, return_inverse=True)
+    num_seqs = int(index.max()) + 1 if index.numel() else 0
+    sums = diff.new_zeros(num_seqs).index_add(0, index, diff)
+    counts = torch.bincount(index, minlength=num_seqs).to(diff.dtype)
+    return (sums / counts)[index]
+
+
+def gspo_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    seq_ids: Tensor,
+    cfg: GRPOConfig,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token GSPO loss [T] (Zheng et al. 2025): the clipped surrogate of the sequence ratio
+    s_i = exp(:func:`sequence_log_ratio`), the same value on each of the sequence's tokens, plus
+    ``cfg.kl_coef`` · k3 per token:
+
+        loss_t = max(−A_t · s_i, −A_t · clip(s_i, 1 − clip_low, 1 + clip_high)) + kl_coef · k3_t
+
+    (and the dual clip unless ``cfg.dual_clip`` is None; TRL has none). Through :func:`aggregate`
+    with ``seq-mean-token-mean`` it is TRL 1.16's ``GRPOTrainer._compute_loss`` with
+    ``importance_sampling_level="sequence"``, ``loss_type="grpo"`` (the GSPO paper's; value and
+    gradient, ``epsilon`` / ``epsilon_high`` = clip_low / clip_high), with ``token-mean`` its
+    ``bnpo``. ``stats`` as :func:`grpo_token_loss`'s, ``ratio`` / ``clipped*`` the sequence's."""
+    cfg.validate()
+    log_ratio = sequence_log_ratio(logp, old_logp, seq_ids)
+    loss, stats = policy_loss(log_ratio, torch.zeros_like(log_ratio), advantages, cfg.clip_low, cfg.clip_high,
+                              cfg.dual_clip)
+    return _with_kl(loss, stats, logp, ref_logp, cfg)
