@@ -237,21 +237,10 @@ class Engine:
 
     def apply_schedule(self) -> None:
         """The recipe's learning rates, schedule and AdamW hyperparameters on the restored optimizer
-        (a resume may change them: resume_keys.py): the rate of each group at the current step is
-        its base rate (``train.lr``, or its component's: optim.py) × ``factor(step)`` of the
-        recipe's schedule, exactly what the scheduler computes when it steps, so an unchanged
-        recipe resumes bit-identically."""
-        from omniweave.train.optim import component_settings, param_groups
+        (a resume may change them: resume_keys.py; each group's own base rate: optim.apply_recipe)."""
+        from omniweave.train.optim import apply_recipe
 
-        tc = section(self.cfg, "train")
-        fresh = param_groups(self.model, float(tc.weight_decay), float(tc.lr), component_settings(to_dict(self.cfg.model)))
-        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-        for group, want in zip(self.optimizer.param_groups, fresh, strict=True):
-            base = float(want.get("lr", tc.lr))
-            group.update(initial_lr=base, lr=base * factor, weight_decay=want["weight_decay"], betas=tuple(tc.betas),
-                         eps=float(tc.eps))
-        self.scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        apply_recipe(self.optimizer, self.scheduler, self.model, section(self.cfg, "train"), to_dict(self.cfg.model))
 
     def start_logging(self, line=SFT_LINE) -> None:
         """Metrics from the current step on; ``line``: the console fields (metrics.SFT_LINE format)."""
