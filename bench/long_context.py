@@ -87,6 +87,7 @@ def run_point(length: int, chunks: int, device: str, threads: int, doc_lens: tup
     """One forward + backward of a row of ``length`` tokens in ``chunks`` chunks (0: unchunked)."""
     from omniweave.models.registry import build_model
     from omniweave.parallel.seq_chunks import chunked_forward_backward
+    from omniweave.train.objective import TokenCrossEntropy
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -96,7 +97,7 @@ def run_point(length: int, chunks: int, device: str, threads: int, doc_lens: tup
 
     def step(batch, n):
         if n:
-            return chunked_forward_backward(model, batch, lambda m, mb: (m(mb).loss_sum, {}), n, scale)[0]
+            return chunked_forward_backward(model, batch, TokenCrossEntropy(), {}, n, scale)[0]
         loss = model(batch).loss_sum
         (loss * scale).backward()
         return loss

@@ -67,6 +67,7 @@ def _arm_rank(rank: int, world: int, offload: str, steps: int, length: int, work
     from omniweave.config import load_recipe
     from omniweave.device import detect, peak_memory_bytes
     from omniweave.train.engine import Engine
+    from omniweave.train.objective import TokenCrossEntropy
 
     cfg = load_recipe("demo", [*MODEL, f"train.offload={offload}", f"train.steps={steps}", "train.global_batch=2",
                                f"data.max_len={length}", f"output_dir={work}/{offload}_{world}"])
@@ -85,7 +86,7 @@ def _arm_rank(rank: int, world: int, offload: str, steps: int, length: int, work
     engine.optimizer.step = step_and_count
     for _ in range(steps):
         t0 = time.perf_counter()
-        engine.optimizer_step(rows, lambda model, mb: (model(mb).loss_sum, {}), normaliser)
+        engine.optimizer_step(rows, TokenCrossEntropy(), normaliser)
         times.append(time.perf_counter() - t0)
     info = detect()
     return {"rank": rank, "ranks": world, "offload": offload, "placement": placement,

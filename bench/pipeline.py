@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: omniweave
 from omniweave.parallel.spawn import run_ranks  # noqa: E402
+from omniweave.train.objective import TokenCrossEntropy  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/
 from context_parallel import MODEL as CP_MODEL, make_row  # noqa: E402
@@ -124,7 +125,7 @@ class TimedPipeline:
         dist.barrier()
         self.timer.seconds = 0.0
         t0 = time.perf_counter()
-        self.pipe.step(self.rows, self.normaliser)
+        self.pipe.step(self.rows, self.normaliser, TokenCrossEntropy())
         wall = time.perf_counter() - t0
         worst = torch.tensor(wall)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -216,7 +217,7 @@ def _memory_rank(rank: int, world: int, sizes: list[int], m: int, length: int, a
     optimizer = torch.optim.AdamW(pipe.local.parameters(), lr=1e-4)
     dist.barrier()
     rss0 = _rss_bytes()
-    pipe.step(rows, sum(r["num_loss_tokens"] for r in rows))
+    pipe.step(rows, sum(r["num_loss_tokens"] for r in rows), TokenCrossEntropy())
     optimizer.step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
 

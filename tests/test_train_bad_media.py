@@ -156,7 +156,8 @@ def test_a_group_whose_media_failed_is_dropped_from_the_advantages():
         failed = torch.zeros(6, dtype=torch.bool)
 
     step = GRPOStep.__new__(GRPOStep)
-    step.s = type("S", (), {"group_size": 2, "grpo": type("G", (), {"filter_zero_std": True, "scale_rewards": "group"})})
+    step.s = type("S", (), {"group_size": 2, "grpo": type("G", (), {"filter_zero_std": True, "scale_rewards": "group",
+                                                                  "advantage": "grpo"})})
     keep, adv, counts = step._advantages(Scored, 3, {1})
     assert keep == [0, 2] and adv.view(3, 2)[1].tolist() == [0.0, 0.0]
     assert counts == {"groups": 3, "failed": 0, "zero_std": 0, "media_skipped": 1}
