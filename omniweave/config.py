@@ -182,6 +182,7 @@ class RLSchema:  # GRPO (omniweave rl; docs/rl.md)
     loss_agg: str = "token-mean"
     filter_zero_std: bool = True
     advantage: str = "grpo"
+    importance_sampling: str = "token"
     ppo_epochs: int = 1
     mini_batches: int = 1
     update_max_len: Optional[int] = None

@@ -50,10 +50,14 @@ def test_pair_losses_with_chunked_rows_equal_whole_rows(tmp_path_factory, tmp_pa
         "loss", "pairs", "reward_chosen", "reward_rejected", "reward_accuracy", "grad_norm"), tmp_path, chunks)
 
 
-@pytest.mark.parametrize("chunks", [2, 4])
-def test_grpo_with_chunked_rows_equals_whole_rows(tmp_path_factory, tmp_path, chunks):
+GSPO = {"rl__importance_sampling": "sequence", "rl__loss_agg": "seq-mean-token-mean"}
+
+
+@pytest.mark.parametrize("chunks, extra", [(2, {}), (4, {}), (3, GSPO)], ids=["grpo-2", "grpo-4", "gspo-3"])
+def test_grpo_with_chunked_rows_equals_whole_rows(tmp_path_factory, tmp_path, chunks, extra):
+    """GRPO's token sums chunk by chunk; GSPO's per-sequence sums carried across the chunks."""
     from tests.rl_factory import make_rl_prompts, rl_overrides
 
     prompts = make_rl_prompts(tmp_path_factory.mktemp("prompts"))
-    _check("demo_grpo", lambda out: rl_overrides(prompts, out, steps=1, rl__kl_coef=0.05), (
+    _check("demo_grpo", lambda out: rl_overrides(prompts, out, steps=1, rl__kl_coef=0.05, **extra), (
         "loss", "reward_mean", "samples", "kl", "clip_frac", "grad_norm"), tmp_path, chunks)

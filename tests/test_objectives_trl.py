@@ -345,3 +345,59 @@ def test_a_grpo_run_with_rloo_advantages_trains_on_them(tmp_path_factory, tmp_pa
         runs[name] = read_metrics(tmp_path / name)[0]
     assert runs["rloo"]["reward_mean"] == runs["drgrpo"]["reward_mean"]  # the same rollouts
     assert runs["rloo"]["loss"] == pytest.approx(runs["drgrpo"]["loss"] * 4 / 3, rel=1e-5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_gspo_objective_on_a_packed_row_equals_trl(beta):
+    """The training objective (rl.importance_sampling=sequence) on one packed row — five sequences
+    of unequal lengths, two prompt tokens before each — from its per-sequence sums: TRL 1.16's
+    padded-batch loss and gradient w.r.t. the logits, and the token-wise spelling
+    (gspo_token_loss + aggregate) the same value: one GSPO."""
+    from omniweave.rl.grpo import GRPOConfig, aggregate, gspo_token_loss
+    from omniweave.rl.objective import GRPOObjective
+    from omniweave.train.objective import Target
+    from tests.trl_reference import random_batch, trl_grpo_loss
+
+    b = random_batch(4, [7, 2, 5, 9, 4])
+    trl_logits, our_logits = (b.logits.clone().requires_grad_(True) for _ in range(2))
+    want, _ = trl_grpo_loss(trl_logits, b, "grpo", beta, 0.2, 0.28, importance_sampling_level="sequence")
+    want.backward()
+    keep = b.mask.bool()
+    n_seq = len(b.advantages)
+    prompt = torch.zeros(n_seq, 2, dtype=torch.bool)
+    row_keep = torch.cat([prompt, keep], 1)  # each sequence: 2 prompt tokens, then its response (and pads)
+    in_row = torch.cat([torch.ones_like(prompt), keep], 1)  # pads are not in the packed row
+    labels = torch.where(row_keep, 1, -100)[in_row]
+    logp_padded = torch.log_softmax(our_logits, -1).gather(-1, b.ids[..., None])[..., 0]
+
+    def packed(v):  # a [B, T] per-token value -> the row's tokens (0 on the prompts)
+        return torch.cat([torch.zeros(n_seq, 2, dtype=v.dtype), v], 1)[in_row]
+
+    slot = (torch.arange(n_seq) + 1)[:, None].expand(keep.shape)
+    tokens = {"old_logp": packed(b.old_logp), "advantages": packed(b.advantages[:, None].expand(keep.shape)),
+              "seq_slot": packed(torch.where(keep, slot, 0)), "ref_logp": packed(b.ref_logp),
+              "weights": packed(keep.float())}
+    cfg = GRPOConfig(clip_low=0.2, clip_high=0.28, dual_clip=None, kl_coef=beta, loss_agg="seq-mean-token-mean",
+                     importance_sampling="sequence").validate()
+    objective = GRPOObjective(cfg, 1.0)
+    assert objective.token_sum is False
+    target = Target(labels, tokens if beta else {k: v for k, v in tokens.items() if k != "ref_logp"},
+                    {"num_seqs": torch.tensor([n_seq])})
+    loss, stats = objective.loss(_LogpModel(), packed(logp_padded), target)
+    (loss / n_seq).backward()
+    d_loss, d_grad = abs(float(loss.detach() / n_seq - want.detach())), (our_logits.grad - trl_logits.grad).abs().max().item()
+    print(f"gspo objective beta={beta}: |Δloss| {d_loss:.1e}, |Δgrad| {d_grad:.1e}")
+    assert d_loss <= TOL and d_grad <= TOL and trl_logits.grad.abs().max() > 1e-4
+    assert float(stats["tokens"]) == int(keep.sum())
+    token_loss, _ = gspo_token_loss(logp_padded.detach()[keep], b.old_logp[keep], b.ref_logp[keep] if beta else None,
+                                    b.advantages[:, None].expand(keep.shape)[keep], slot[keep], cfg)
+    num, den = aggregate(token_loss, slot[keep], "seq-mean-token-mean")
+    assert abs(float(num / den - loss.detach() / n_seq)) <= TOL  # the token-wise spelling, same tokens
+
+
+class _LogpModel:
+    """A model whose hidden states are the labels' log-probs already (objective unit tests)."""
+
+    @staticmethod
+    def token_logps(h, labels, temperature=1.0):
+        return torch.where(labels != -100, h, 0.0)

@@ -54,11 +54,11 @@ from torch import nn
 
 from omniweave.models.components.attention import attn, autocast_inputs
 from omniweave.models.registry import MODALITIES
+from omniweave.parallel.context.sharding import WHOLE_ROW_KEYS
 
 # keys of a micro-batch (loader.collate_pack) that chunk_batch cuts / passes through
 _ROW_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_valid", "token_data",
              *(k for m in MODALITIES for k in (m.spans, m.rows)))
-_WHOLE_ROW_KEYS = ("num_loss_tokens", "num_pairs", "pack_id", *(k for m in MODALITIES for k in (m.inputs, m.grid)))
 
 
 # ---------------------------------------------------------------------------- the plan (pure)
@@ -310,7 +310,7 @@ def chunk_batch(batch: dict, plan: ChunkPlan, rows: dict[str, torch.Tensor], lab
     """The micro-batch of one chunk: ids, labels (all -100 with ``labels=False``), positions,
     token_valid cut to the chunk's rows, its document boundaries, per modality with items its
     feature rows in place of the spans; the encoders' inputs and the pack's counts unchanged."""
-    unknown = sorted(set(batch) - set(_ROW_KEYS) - set(_WHOLE_ROW_KEYS))
+    unknown = sorted(set(batch) - set(_ROW_KEYS) - set(WHOLE_ROW_KEYS))
     if unknown:
         raise ValueError(f"parallel.seq_chunks does not know how to cut batch key(s) {unknown}")
     s, e, ids = plan.start, plan.end, batch["input_ids"]
@@ -326,7 +326,7 @@ def chunk_batch(batch: dict, plan: ChunkPlan, rows: dict[str, torch.Tensor], lab
     by_name = {m.name: m for m in MODALITIES}
     for name, r in rows.items():
         out[by_name[name].rows] = r[s:e]
-    out.update({k: batch[k] for k in _WHOLE_ROW_KEYS if k in batch})
+    out.update({k: batch[k] for k in WHOLE_ROW_KEYS if k in batch})
     return out
 
 

@@ -63,7 +63,7 @@ def update_rows(prompts: list[Prompt], rollouts: list[Rollout], advantages: torc
 
 
 def _row(units, prompts: list[Prompt], rollouts: list[Rollout], advantages, group_size: int, loss_agg: str) -> dict:
-    ids, pos, labels, old, adv, weight, lens = [], [], [], [], [], [], []
+    ids, pos, labels, old, adv, weight, slot, lens = [], [], [], [], [], [], [], []
     media = {m: _Items() for m in MODALITIES}
     for i, samples, _ in units:
         b = prompts[i].batch
@@ -85,13 +85,16 @@ def _row(units, prompts: list[Prompt], rollouts: list[Rollout], advantages, grou
             adv.append(torch.where(lab != IGNORE, float(advantages[i * group_size + j]), 0.0))
             w = 1.0 / m if loss_agg == "seq-mean-token-mean" else 1.0
             weight.append(torch.where(lab != IGNORE, w, 0.0))
+            slot.append(torch.where(lab != IGNORE, len(lens) + 1, 0))  # 1 + the sequence's index in the row
             for modality, items in media.items():
                 items.rows.append(torch.cat([prompt_rows[modality], torch.full((m,), -1, dtype=torch.long)]))
             lens.append(n + m)
     out = {
         "input_ids": torch.cat(ids), "labels": torch.cat(labels), "position_ids": torch.cat(pos, -1),
         "cu_seqlens": torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32),
-        "token_data": {"old_logp": torch.cat(old), "advantages": torch.cat(adv), "weights": torch.cat(weight)},
+        "token_data": {"old_logp": torch.cat(old), "advantages": torch.cat(adv), "weights": torch.cat(weight),
+                       "seq_slot": torch.cat(slot)},
+        "num_seqs": len(lens),
         "num_loss_tokens": int(sum(len(rollouts[i * group_size + j].tokens) for i, s, _ in units for j in s)),
     }
     for m, items in media.items():
@@ -139,6 +142,8 @@ def dummy_row(length: int, axes: int, pad_id: int = 0) -> dict:
         "position_ids": torch.arange(length).expand(axes, -1).clone(),
         "cu_seqlens": torch.tensor([0, length], dtype=torch.int32),
         "feature_rows": torch.full((length,), -1, dtype=torch.long),
-        "token_data": {k: torch.zeros(length) for k in ("old_logp", "advantages", "weights")},
+        "token_data": {**{k: torch.zeros(length) for k in ("old_logp", "advantages", "weights")},
+                       "seq_slot": torch.zeros(length, dtype=torch.long)},
+        "num_seqs": 0,
         "num_loss_tokens": 0,
     }

@@ -28,7 +28,8 @@ class GRPOStep:
         self.sampling = settings.sampling
         # the log-probs the rollout reports: of logits / T, or of the logits themselves when greedy
         self.logp_temperature = settings.sampling.temperature or 1.0
-        self.objective = GRPOObjective(settings.grpo, self.logp_temperature)
+        self.objective = GRPOObjective(settings.grpo, self.logp_temperature,
+                                       engine.meshes.cp.get_group() if engine.dims.cp > 1 else None, engine.dims.cp)
         keys = settings.rewards.keys
         self.accuracy_key = next((k for k in keys if k.rsplit("_", 1)[0] in ANSWER_REWARDS or k in ANSWER_REWARDS),
                                  keys[0])

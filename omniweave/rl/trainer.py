@@ -77,7 +77,8 @@ def settings(cfg, stop_ids: tuple[int, ...] = ()) -> Settings:
         raise UserError(f"omniweave rl needs train.phase=grpo (the recipe has {cfg.train.phase!r})")
     grpo = GRPOConfig(scale_rewards=rl["scale_rewards"], clip_low=rl["clip_low"], clip_high=rl["clip_high"],
                       dual_clip=rl["dual_clip"], kl_coef=rl["kl_coef"], loss_agg=rl["loss_agg"],
-                      filter_zero_std=rl["filter_zero_std"], advantage=rl["advantage"])
+                      filter_zero_std=rl["filter_zero_std"], advantage=rl["advantage"],
+                      importance_sampling=rl["importance_sampling"])
     grpo.validate()
     sampling = SamplingParams(rl["temperature"], rl["top_p"], rl["top_k"], rl["max_new_tokens"], tuple(stop_ids))
     try:

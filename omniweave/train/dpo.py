@@ -133,6 +133,12 @@ def pair_slots(labels: Tensor, cu_seqlens: Tensor, sides: list[str]) -> Tensor:
     return torch.where(labels != -100, 1 + doc, 0)
 
 
+def sum_over_group(x: Tensor, group) -> Tensor:
+    """``x`` summed over ``group`` (an all-reduce whose gradient is the all-reduced gradient): the
+    per-row sums of a sequence-level objective (DPO's pairs, GSPO's sequences) over a CP group."""
+    return _SumOverGroup.apply(x, group)
+
+
 class _SumOverGroup(torch.autograd.Function):
     """All-reduce (sum) over a process group whose gradient is the all-reduced gradient: every rank
     computes the loss from the same sums, so each share's gradient is the sum of theirs."""
@@ -245,7 +251,7 @@ class DPOObjective(Objective):
         """The pairs' loss sum and reward sums from the row's [P, 4] sums (a cp group's summed first)."""
         cp = self.engine.dims.cp
         if cp > 1:  # each cp rank holds a share of every answer's tokens: whole sums before the loss
-            sums = _SumOverGroup.apply(sums, self.engine.meshes.cp.get_group())
+            sums = sum_over_group(sums, self.engine.meshes.cp.get_group())
         pairs = sums.shape[0]
         policy, lengths, ref = sums[:, :2], sums[:, 2:], target.row["ref_logps"][:pairs]
         live = lengths[:, 0] > 0  # a pair whose media did not decode has no tokens left: not a pair

@@ -80,8 +80,10 @@ def traits(cfg) -> Traits:
     if phase in ("orpo", "simpo"):  # DPO's pair sums without a reference
         return Traits(f"train.phase={phase}", token_sum=False, sums_over_cp=True)
     if phase == "grpo":
-        kl = float(section(cfg, "rl").kl_coef)
-        return Traits(f"train.phase=grpo (rl.kl_coef={kl:g})", reference_forward="rl.kl_coef > 0" if kl > 0 else None)
+        rl = section(cfg, "rl")
+        kl, gspo = float(rl.kl_coef), rl.importance_sampling == "sequence"
+        return Traits(f"train.phase=grpo (rl.kl_coef={kl:g}{', rl.importance_sampling=sequence' if gspo else ''})",
+                      token_sum=not gspo, reference_forward="rl.kl_coef > 0" if kl > 0 else None, sums_over_cp=gspo)
     return Traits(f"train.phase={phase}")
 
 
@@ -114,8 +116,8 @@ def refusals(mode: Traits, lay: Layout) -> list[str]:
             out.append(f"{mode.reference_forward} under parallel.pp={lay.pp}: the frozen reference's forward of each "
                        f"row would need a pipeline of its own; {fix}")
         if mode.sums_over_cp and lay.cp > 1:
-            out.append(f"{mode.mode} under parallel.pp={lay.pp} with parallel.cp={lay.cp}: the pairs' log-prob sums "
-                       "would be all-reduced over the cp group inside the last stage's schedule")
+            out.append(f"{mode.mode} under parallel.pp={lay.pp} with parallel.cp={lay.cp}: its per-row log-prob sums "
+                       "(pairs', sequences') would be all-reduced over the cp group inside the last stage's schedule")
     return out
 
 
@@ -133,7 +135,9 @@ MODES = {"SFT / pretraining": Traits("train.phase=sft"),
          "DPO, `ref: none` / `precomputed`": Traits("train.phase=dpo (train.dpo.ref=none)", False, None, True),
          "ORPO / SimPO": Traits("train.phase=orpo", False, None, True),
          "GRPO, `rl.kl_coef: 0`": Traits("train.phase=grpo (rl.kl_coef=0)"),
-         "GRPO, `rl.kl_coef > 0`": Traits("train.phase=grpo (rl.kl_coef=0.1)", reference_forward="rl.kl_coef > 0")}
+         "GRPO, `rl.kl_coef > 0`": Traits("train.phase=grpo (rl.kl_coef=0.1)", reference_forward="rl.kl_coef > 0"),
+         "GSPO (`rl.importance_sampling: sequence`)": Traits("train.phase=grpo (rl.importance_sampling=sequence)",
+                                                            token_sum=False, sums_over_cp=True)}
 LAYOUTS = {"dp (FSDP)": Layout(), "cp": Layout(cp=2), "tp": Layout(tp=2), "seq_chunks": Layout(seq_chunks=2),
            "pp": Layout(pp=2), "pp × cp": Layout(pp=2, cp=2), "pp × tp": Layout(pp=2, tp=2),
            "pp × seq_chunks": Layout(pp=2, seq_chunks=2, pp_schedule="gpipe")}

@@ -64,19 +64,26 @@ def prompts(tmp_path_factory):
 GRPO_KEYS = ("loss", "reward_mean", "samples", "response_len_mean", "clip_frac", "grad_norm")
 
 
+GSPO = ["rl.importance_sampling=sequence", "rl.loss_agg=seq-mean-token-mean"]
+
+
 @pytest.mark.parametrize("layout, nproc", [
     (["parallel.pp=2"], 2),
     (["parallel.pp=2"], 4),
     (["parallel.pp=2", "parallel.cp=2"], 4),
     (["parallel.pp=2", "parallel.seq_chunks=2", "parallel.pp_schedule=gpipe"], 2),
-], ids=["pp2", "pp2xdp2", "pp2xcp2", "pp2-chunks2"])
+    (["parallel.cp=2", *GSPO], 2),
+    (["parallel.pp=2", "parallel.seq_chunks=2", "parallel.pp_schedule=gpipe", *GSPO], 2),
+], ids=["pp2", "pp2xdp2", "pp2xcp2", "pp2-chunks2", "gspo-cp2", "gspo-pp2-chunks2"])
 def test_grpo_through_a_pipeline_equals_one_rank(prompts, tmp_path, layout, nproc):
     from tests.rl_factory import rl_overrides
 
-    def base(out):
-        return rl_overrides(prompts, out, steps=1, train__cpu_threads=1)  # 2 updates (2 mini-batches)
+    gspo = [o for o in layout if o in GSPO]
 
-    _compare("demo_grpo", base, layout, nproc, GRPO_KEYS, tmp_path)
+    def base(out):  # 2 updates (2 mini-batches)
+        return rl_overrides(prompts, out, steps=1, train__cpu_threads=1) + gspo
+
+    _compare("demo_grpo", base, [o for o in layout if o not in GSPO], nproc, GRPO_KEYS, tmp_path)
 
 
 def test_dpo_through_a_pipeline_with_chunked_rows_equals_one_rank(tmp_path_factory, tmp_path):

@@ -38,7 +38,8 @@ from omniweave.models.registry import MODALITIES
 # keys of a micro-batch (loader.collate_pack) that shard_batch rewrites / passes through
 _REWRITTEN_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_data", "token_valid",
                    *(k for m in MODALITIES for k in (m.spans, m.rows)))
-_WHOLE_ROW_KEYS = ("num_loss_tokens", "num_pairs", "pack_id", *(k for m in MODALITIES for k in (m.inputs, m.grid)))  # passed through unchanged
+# a row's keys that are not per token, passed through unchanged (by CP shards and by chunks: seq_chunks.py)
+WHOLE_ROW_KEYS = ("num_loss_tokens", "num_pairs", "num_seqs", "pack_id", *(k for m in MODALITIES for k in (m.inputs, m.grid)))
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
     pads); pixel_values, grid_thw and num_loss_tokens (the pack's global count) unchanged, so the
     vision split decides who encodes.
     """
-    unknown = sorted(set(batch) - set(_REWRITTEN_KEYS) - set(_WHOLE_ROW_KEYS))
+    unknown = sorted(set(batch) - set(_REWRITTEN_KEYS) - set(WHOLE_ROW_KEYS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to shard batch key(s) {unknown}")
     ids = batch["input_ids"]
@@ -194,7 +195,7 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
     valid = batch.get("token_valid")
     valid = torch.ones(plan.row_len, dtype=torch.bool, device=ids.device) if valid is None else valid
     out["token_valid"] = shard_rows(valid, plan, rank, fill=False)  # pads: no router statistics (MoE)
-    out.update({k: batch[k] for k in _WHOLE_ROW_KEYS if k in batch})
+    out.update({k: batch[k] for k in WHOLE_ROW_KEYS if k in batch})
     return out
 
 
