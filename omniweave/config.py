@@ -447,7 +447,7 @@ def to_dict(cfg: DictConfig | dict[str, Any] | None) -> dict[str, Any]:
     return dict(cfg)
 
 
-_SECTIONS = {"train": TrainSchema, "parallel": ParallelSchema, "rl": RLSchema, "eval": EvalSchema}
+_SECTIONS = {"train": TrainSchema, "parallel": ParallelSchema, "rl": RLSchema, "eval": EvalSchema, "data": DataSchema}
 
 
 def section(cfg, name: str):
