@@ -16,9 +16,9 @@ from tests.fakes_data import build_packed
 
 # Qwen2.5-VL-7B shapes (omniweave/configs/models/foundation/qwen2_5_7b.yaml, image_encoder/qwen2_5_vit.yaml)
 QWEN25_VL_7B = {
-    "foundation": {"hidden_size": 3584, "intermediate_size": 18944, "num_layers": 28, "num_heads": 28,
+    "foundation": {"name": "decoder", "hidden_size": 3584, "intermediate_size": 18944, "num_layers": 28, "num_heads": 28,
                    "num_kv_heads": 4, "vocab_size": 152064, "qkv_bias": True},
-    "image_encoder": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "patch_size": 14,
+    "image_encoder": {"name": "qwen2_5_vit", "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "patch_size": 14,
                       "temporal_patch_size": 2, "mlp": "swiglu", "window_size": 112,
                       "fullatt_block_indexes": [7, 15, 23, 31]},
     "projector": {"name": "patch_merger", "merge_size": 2},
@@ -183,7 +183,7 @@ def test_refit_falls_back_to_the_scaled_flop_model_and_keeps_unseen_features_in_
 def test_the_audio_tower_terms_come_from_its_config_and_refit_like_the_others():
     """A Qwen2-Audio-7B-shaped model: f = 12·d·layers (attention over an item's frames after the
     stem), q = 6 per tower parameter a frame runs (+ the linear projector on the pooled half)."""
-    dec = {"hidden_size": 4096, "num_heads": 32, "num_kv_heads": 32, "intermediate_size": 11008,
+    dec = {"name": "decoder", "hidden_size": 4096, "num_heads": 32, "num_kv_heads": 32, "intermediate_size": 11008,
            "num_layers": 32, "vocab_size": 156032}
     audio = {"name": "qwen2_audio", "hidden_size": 1280, "num_layers": 32, "intermediate_size": 5120, "num_mel_bins": 128}
     prior = CostModel.from_model_config({"foundation": dec, "audio_encoder": audio,

@@ -54,9 +54,13 @@ class LoraConfig:
     and the targeted module names (``"all-linear"`` or names relative to the component)."""
 
     r: int
-    alpha: float
+    alpha: float | None = None  # None: r (scaling 1)
     dropout: float = 0.0
     targets: tuple[str, ...] | str = ALL_LINEAR
+
+    def __post_init__(self):
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", self.r)
 
     @property
     def scaling(self) -> float:
@@ -75,16 +79,14 @@ def parse_lora(section: str, raw: Any) -> LoraConfig | None:
         raise UserError(f"{key}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(LORA_KEYS)}")
     if "r" not in raw:
         raise UserError(f"{key}.r is required (the adapter rank, e.g. 16)")
-    r = raw["r"]
+    given = LoraConfig(**raw)  # LoraConfig holds the defaults of the keys the recipe leaves out
+    r, alpha, dropout, targets = given.r, given.alpha, given.dropout, given.targets
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise UserError(f"{key}.r={r!r}: the rank must be an integer >= 1")
-    alpha = raw.get("alpha", r)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise UserError(f"{key}.alpha={alpha!r}: must be a number > 0 (scaling = alpha / r)")
-    dropout = raw.get("dropout", 0.0)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise UserError(f"{key}.dropout={dropout!r}: must be in [0, 1)")
-    targets = raw.get("targets", ALL_LINEAR)
     if isinstance(targets, str) and targets != ALL_LINEAR:
         targets = [targets]
     if not isinstance(targets, str):

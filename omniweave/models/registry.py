@@ -71,8 +71,24 @@ def modality_of(kind: str) -> Modality:
 MODEL_SECTIONS = ("foundation", *(s for m in MODALITIES for s in (m.encoder, m.projector)))
 
 KINDS = (*MODEL_SECTIONS, "hf", "reward")
-# Keys every component config may carry that are not fields of its dataclass.
-COMMON_KEYS = ("name", "freeze", "tp", "lora", "lr", "lr_scale", "weight_decay")  # the last three: train/optim.py
+
+
+@dataclasses.dataclass(frozen=True)
+class CommonConfig:
+    """The keys every component config may carry that are not fields of its dataclass, with their
+    defaults: read them through :func:`common_config`, never with a default of their own."""
+
+    name: str | None = None  # the registered name
+    freeze: bool = False  # no gradients for the component's weights
+    tp: int = 1  # tensor-parallel ranks for the component (parallel/dims.py)
+    lora: Any = None  # adapters (models/lora.py)
+    lr: float | None = None  # train/optim.py: the component's own rate (None: train.lr x lr_scale)
+    lr_scale: float = 1.0
+    weight_decay: float | None = None  # None: train.weight_decay
+
+
+COMMON_KEYS = tuple(f.name for f in dataclasses.fields(CommonConfig))
+
 # Modules whose import registers components (add yours here).
 COMPONENT_MODULES = [
     "omniweave.models.components.decoder",
@@ -144,6 +160,25 @@ def _as_dict(cfg: Any) -> dict[str, Any]:
     return to_dict(cfg)
 
 
+def common_config(cfg: Any) -> CommonConfig:
+    """The common keys (:class:`CommonConfig`) of a component's YAML mapping (None: no section),
+    the dataclass's defaults for those it leaves out."""
+    cfg = _as_dict(cfg)
+    return CommonConfig(**{k: cfg[k] for k in COMMON_KEYS if k in cfg})
+
+
+def field_defaults(config_cls: type) -> dict[str, Any]:
+    """Field -> default of a config dataclass, for every field that has one (a default_factory's
+    value made fresh); the required fields are left out."""
+    out = {}
+    for f in dataclasses.fields(config_cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
 def build_config(kind: str, cfg: Any):
     """The config dataclass of ``cfg['name']`` filled from ``cfg`` (common keys dropped)."""
     cfg = _as_dict(cfg)
@@ -170,7 +205,7 @@ def build_component(kind: str, cfg: Any) -> nn.Module:
     config = build_config(kind, cfg)
     cls, _ = lookup(kind, cfg["name"])
     module = cls(config)
-    if cfg.get("freeze", False):
+    if common_config(cfg).freeze:
         module.requires_grad_(False)
     return module
 

@@ -43,6 +43,7 @@ model's proportion. Too few samples (< F + 2) or no spread in the timings: the s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,30 +105,33 @@ class CostModel:
     @classmethod
     def from_model_config(cls, model_cfg: dict) -> CostModel:
         """FLOP model of ``model_cfg`` (the recipe's ``model`` section: ``foundation`` and
-        optionally ``image_encoder`` / ``projector``); see the module docstring."""
+        optionally ``image_encoder`` / ``projector``, ``audio_encoder`` / ``audio_projector``),
+        each component read through its registered config dataclass (the defaults its YAML
+        leaves out are the model's); see the module docstring."""
+        from omniweave.models.components.audio_projector import LinearAudioProjectorConfig
+        from omniweave.models.registry import common_config
+
         if "foundation" not in model_cfg:
             raise ValueError(f"model config needs a 'foundation' section, got keys {sorted(model_cfg)}")
-        dec, vit, proj = model_cfg["foundation"], model_cfg.get("image_encoder"), model_cfg.get("projector")
-        audio, audio_proj = model_cfg.get("audio_encoder"), model_cfg.get("audio_projector")
-        vit_trains = vit is not None and not vit.get("freeze", False)
-        proj_trains = proj is not None and not proj.get("freeze", False)
-        audio_trains = audio is not None and not audio.get("freeze", False)
-        audio_proj_trains = audio_proj is not None and not audio_proj.get("freeze", False)
-        dec_trains = not dec.get("freeze", False)
-        h, heads, layers = int(dec["hidden_size"]), int(dec["num_heads"]), int(dec["num_layers"])
-        hd = int(dec.get("head_dim") or h // heads)
-        if dec.get("family") == "deepseek_v3":  # MLA: q·k over qk dims, p·v over v dims
-            hd = (int(dec["qk_nope_head_dim"]) + int(dec["qk_rope_head_dim"]) + int(dec["v_head_dim"])) // 2
+        sections = ("foundation", "image_encoder", "projector", "audio_encoder", "audio_projector")
+        dec, vit, proj, audio, audio_proj = (component_config(k, model_cfg.get(k)) for k in sections)
+        vit_trains, proj_trains, audio_trains, audio_proj_trains, dec_trains = (
+            model_cfg.get(k) is not None and not common_config(model_cfg.get(k)).freeze
+            for k in ("image_encoder", "projector", "audio_encoder", "audio_projector", "foundation"))
+        h, heads, layers = dec.hidden_size, dec.num_heads, dec.num_layers
+        hd = dec.head_dim
+        if dec.family == "deepseek_v3":  # MLA: q·k over qk dims, p·v over v dims
+            hd = (dec.qk_nope_head_dim + dec.qk_rope_head_dim + dec.v_head_dim) // 2
         dec_grad = dec_trains or vit_trains or proj_trains or audio_trains or audio_proj_trains
         a = (2 + 4 * dec_grad) * layers * heads * hd
         b = _passes(dec_trains, vit_trains or proj_trains or audio_trains or audio_proj_trains) * decoder_params(dec)
         c = a * DOC_TILE**2 / 2
         e = p = 0.0
         if vit is not None:
-            d, depth = int(vit["hidden_size"]), int(vit["depth"])
-            window = vit.get("window_size")
-            full = len(vit.get("fullatt_block_indexes") or []) if window else depth
-            win_patches = (int(window) // int(vit["patch_size"])) ** 2 if window else 0
+            d, depth = vit.hidden_size, vit.depth
+            window = vit.window_size
+            full = len(vit.fullatt_block_indexes or []) if window else depth
+            win_patches = (int(window) // vit.patch_size) ** 2 if window else 0
             attn = 4 + 8 * vit_trains
             e = float(attn * d * full)
             p = _passes(vit_trains, False) * vit_params(vit) + attn * d * win_patches * (depth - full)
@@ -135,10 +139,10 @@ class CostModel:
                 p += _passes(proj_trains, vit_trains) * projector_params_per_patch(proj, d, h, vit)
         f = q = 0.0
         if audio is not None:
-            d, layers = int(audio["hidden_size"]), int(audio["num_layers"])
+            d, layers = audio.hidden_size, audio.num_layers
             f = float((4 + 8 * audio_trains) * d * layers)
             q = _passes(audio_trains, False) * audio_params_per_frame(audio)
-            if audio_proj is not None and audio_proj.get("name") == "linear":
+            if isinstance(audio_proj, LinearAudioProjectorConfig):
                 q += _passes(audio_proj_trains, audio_trains) * (d * h + h) / 2
         return cls(a=float(a), b=float(b), c=float(c), e=float(e), p=float(p), f=f, q=float(q))
 
@@ -168,73 +172,84 @@ class CostModel:
         coefficients[seen] = (u / norms)[:-1]
         return CostModel(*coefficients.tolist())
 
-def decoder_params(dec: dict) -> int:
-    """Non-embedding parameters a token of a ``decoder`` config computes with, the LM head
-    counted even when tied (its matmul runs either way); a MoE layer counts its router and the
-    k experts a token uses (plus shared experts), not all of them."""
-    from omniweave.models.components.decoder import moe_layer_indices
 
-    h, heads, kv, inter = (int(dec[k]) for k in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size"))
-    hd = int(dec.get("head_dim") or h // heads)
-    if dec.get("family") == "deepseek_v3":
+def component_config(kind: str, cfg):
+    """A component's registered config dataclass (``registry.build_config``) from its YAML
+    mapping; a config already built is returned as it is, no section (None) stays None."""
+    if cfg is None or dataclasses.is_dataclass(cfg):
+        return cfg
+    from omniweave.models.registry import build_config
+
+    return build_config(kind, cfg)
+
+
+def decoder_params(dec) -> int:
+    """Non-embedding parameters a token of a ``decoder`` config (its YAML mapping or its
+    DecoderConfig) computes with, the LM head counted even when tied (its matmul runs either way);
+    a MoE layer counts its router and the k experts a token uses (plus shared experts), not all of them."""
+    dec = component_config("foundation", dec)
+    h, heads, kv, inter, hd = dec.hidden_size, dec.num_heads, dec.num_kv_heads, dec.intermediate_size, dec.head_dim
+    if dec.family == "deepseek_v3":
         attention = _mla_params(dec)
     else:
-        attention = (heads + 2 * kv) * hd * (h + bool(dec.get("qkv_bias", False))) + heads * hd * h
-    norms = 2 * h + (2 * hd if dec.get("qk_norm", False) else 0)
-    layers, moe = int(dec["num_layers"]), len(moe_layer_indices(dec))
+        attention = (heads + 2 * kv) * hd * (h + dec.qkv_bias) + heads * hd * h
+    norms = 2 * h + (2 * hd if dec.qk_norm else 0)
+    layers, moe = dec.num_layers, len(dec.moe_layers())
     dense_mlp = 3 * h * inter
-    active = int(dec.get("num_experts_per_tok", 0) or 0) + int(dec.get("n_shared_experts", 0) or 0)
-    moe_mlp = 3 * h * int(dec.get("moe_intermediate_size") or 0) * active + int(dec.get("num_experts", 0) or 0) * h
+    active = dec.num_experts_per_tok + dec.n_shared_experts
+    moe_mlp = 3 * h * (dec.moe_intermediate_size or 0) * active + dec.num_experts * h
     mlp = (layers - moe) * dense_mlp + moe * moe_mlp
-    return layers * (attention + norms) + mlp + h + int(dec["vocab_size"]) * h
+    return layers * (attention + norms) + mlp + h + dec.vocab_size * h
 
 
-def _mla_params(dec: dict) -> int:
+def _mla_params(dec) -> int:
     """DeepSeek-V3's multi-head latent attention (components/mla.py): low-rank q (or a plain
     q_proj), the joint kv latent + rope key, its up-projection, the output."""
-    h, heads, bias = int(dec["hidden_size"]), int(dec["num_heads"]), bool(dec.get("qkv_bias", False))
-    nope, rope, v = (int(dec[k]) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
-    q_rank, kv_rank = dec.get("q_lora_rank"), int(dec["kv_lora_rank"])
-    q = h * heads * (nope + rope) if q_rank is None else (h + bias + 1) * int(q_rank) + int(q_rank) * heads * (nope + rope)
+    h, heads, bias = dec.hidden_size, dec.num_heads, int(dec.qkv_bias)
+    nope, rope, v = dec.qk_nope_head_dim, dec.qk_rope_head_dim, dec.v_head_dim
+    q_rank, kv_rank = dec.q_lora_rank, dec.kv_lora_rank
+    q = h * heads * (nope + rope) if q_rank is None else (h + bias + 1) * q_rank + q_rank * heads * (nope + rope)
     kv = (h + bias) * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v)
     return q + kv + heads * v * h + bias * h
 
 
-def vit_params(vit: dict) -> int:
+def vit_params(vit) -> int:
     """Parameters of a Qwen2-VL / Qwen2.5-VL vision tower config (each patch runs all of them)."""
-    d, inter = int(vit["hidden_size"]), int(vit["intermediate_size"])
-    patch_in = int(vit.get("in_channels", 3)) * int(vit.get("temporal_patch_size", 2)) * int(vit["patch_size"]) ** 2
-    mlp = 3 * d * inter + 2 * inter + d if vit.get("mlp", "quick_gelu") == "swiglu" else 2 * d * inter + inter + d
-    return patch_in * d + int(vit["depth"]) * (4 * d * d + 4 * d + mlp + 2 * d)
+    d, inter = vit.hidden_size, vit.intermediate_size
+    patch_in = vit.in_channels * vit.temporal_patch_size * vit.patch_size**2
+    mlp = 3 * d * inter + 2 * inter + d if vit.mlp == "swiglu" else 2 * d * inter + inter + d
+    return patch_in * d + vit.depth * (4 * d * d + 4 * d + mlp + 2 * d)
 
 
-def audio_params_per_frame(audio: dict) -> int:
+def audio_params_per_frame(audio) -> int:
     """Audio tower matmul parameters per frame after the conv stem (Whisper-style: conv1 k3 over
     2 mel frames per frame, conv2 k3, layers of attention + MLP, Qwen2.5-Omni's output proj on the
-    pooled half)."""
-    d, ffn, mels = int(audio["hidden_size"]), int(audio["intermediate_size"]), int(audio["num_mel_bins"])
+    pooled half; Qwen2-Audio's tower has none)."""
+    d, ffn, mels = audio.hidden_size, audio.intermediate_size, audio.num_mel_bins
     conv = 2 * 3 * mels * d + 3 * d * d
     layer = 4 * d * d + 2 * d * ffn
-    out = int(audio.get("output_dim") or 0) * d // 2
-    return conv + int(audio["num_layers"]) * layer + out
+    out = audio.output_dim * d // 2 if hasattr(audio, "output_dim") else 0
+    return conv + audio.num_layers * layer + out
 
 
-def projector_params_per_patch(proj: dict, vit_dim: int, dec_dim: int, vit: dict) -> float:
+def projector_params_per_patch(proj, vit_dim: int, dec_dim: int, vit) -> float:
     """Projector parameters a patch runs through: a patch merger's per merged token / merge²."""
-    name = proj.get("name", "patch_merger")
-    if name == "patch_merger":
-        merge = int(proj.get("merge_size") or vit.get("spatial_merge_size", 2))
+    from omniweave.models.components.projector import MLPAdapterConfig, PatchMergerConfig
+    from omniweave.models.components.qwen3_vit import Qwen3MergerConfig
+
+    if isinstance(proj, PatchMergerConfig):
+        merge = proj.merge_size
         merged = vit_dim * merge**2
         return (vit_dim + merged * merged + merged + merged * dec_dim + dec_dim) / merge**2
-    if name == "qwen3_merger":  # the merger and one DeepStack merger per level, each fc1 -> fc2 on merged tokens
-        merge = int(proj.get("merge_size") or vit.get("spatial_merge_size", 2))
+    if isinstance(proj, Qwen3MergerConfig):  # the merger and one DeepStack merger per level, each fc1 -> fc2 on merged tokens
+        merge = proj.merge_size
         merged = vit_dim * merge**2
         one = merged * merged + merged + merged * dec_dim + dec_dim
-        return (1 + int(proj.get("deepstack_levels", 0))) * one / merge**2
-    if name == "mlp_adapter":
-        hidden = int(proj.get("hidden_dim") or dec_dim)
+        return (1 + proj.deepstack_levels) * one / merge**2
+    if isinstance(proj, MLPAdapterConfig):
+        hidden = proj.hidden_dim or dec_dim
         return vit_dim * hidden + hidden + hidden * dec_dim + dec_dim
-    raise ValueError(f"projector {name!r}: the cost model knows patch_merger, qwen3_merger and mlp_adapter")
+    raise ValueError(f"projector {type(proj).__name__}: the cost model knows patch_merger, qwen3_merger and mlp_adapter")
 
 
 def nnls(a: np.ndarray, y: np.ndarray, max_iter: int | None = None) -> np.ndarray:

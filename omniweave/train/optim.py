@@ -64,14 +64,16 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
         for name, p in trainable:
             pair[_decays(name, p)]["params"].append(p)
         return [g for g in pair.values() if g["params"]]
+    from omniweave.models.registry import common_config
+
     owners, groups = _owners(model), {}
     for name, p in trainable:
         part = owners.get(id(p))
         if part is None:
             raise ValueError(f"parameter {name}: no model component holds it, so no model.<component>.lr applies")
-        own, decay = components.get(part, {}), _decays(name, p)
-        rate = own["lr"] if "lr" in own else lr * float(own.get("lr_scale", 1.0))
-        wd = float(own.get("weight_decay", weight_decay)) if decay else 0.0
+        own, decay = common_config(components.get(part)), _decays(name, p)  # registry.CommonConfig's defaults
+        rate = own.lr if own.lr is not None else lr * float(own.lr_scale)
+        wd = float(own.weight_decay if own.weight_decay is not None else weight_decay) if decay else 0.0
         group = groups.setdefault((part, decay), {"params": [], "weight_decay": wd, "lr": float(rate), GROUP_NAME: part})
         group["params"].append(p)
     return list(groups.values())

@@ -71,9 +71,12 @@ def _max_docs(packed: str) -> int | None:
 def _patches_per_token(packed: str, model_cfg: dict) -> float:
     """Encoder patches per decoder token of the packed data (stats.json: vision tokens, each
     merge² patches, over the packs' capacity tokens); 0 for a model without an image encoder."""
-    vit = model_cfg.get("image_encoder")
-    if vit is None:
+    from omniweave.parallel.cost_model import component_config
+
+    if model_cfg.get("image_encoder") is None:
         return 0.0
     stats = _stats(packed)
-    merge = int((model_cfg.get("projector") or {}).get("merge_size") or vit.get("spatial_merge_size", 2))
+    vit = component_config("image_encoder", model_cfg["image_encoder"])  # its registered config dataclass
+    proj = component_config("projector", model_cfg.get("projector"))
+    merge = getattr(proj, "merge_size", None) or vit.spatial_merge_size  # a merging projector's, else the tower's
     return stats["vision_tokens"] * merge**2 / max(stats["capacity_tokens"], 1)

@@ -120,16 +120,24 @@ class DecoderConfig:
         return layer in self.moe_layers()
 
 
+def decoder_fields(cfg) -> dict:
+    """A decoder's YAML mapping (or DecoderConfig's ``vars``) over DecoderConfig's defaults: every
+    field with a default present, as a dict, without building (or checking) the config."""
+    from omniweave.config import to_dict
+    from omniweave.models.registry import field_defaults
+
+    return {**field_defaults(DecoderConfig), **to_dict(cfg)}
+
+
 def moe_layer_indices(cfg) -> list[int]:
     """The layers whose MLP is a MoE block, from a decoder config (dataclass fields or its YAML
     mapping): HF's rule (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``, DeepSeek-V3's
     ``first_k_dense_replace``), see DecoderConfig."""
-    get = cfg.get
-    if not int(get("num_experts", 0) or 0):
+    c = decoder_fields(cfg)
+    if not c["num_experts"]:
         return []
-    skip, step = set(get("mlp_only_layers", None) or []), int(get("decoder_sparse_step", 1) or 1)
-    first = int(get("first_k_dense_replace", 0) or 0)
-    return [i for i in range(first, int(get("num_layers", 0) or 0)) if i not in skip and (i + 1) % step == 0]
+    skip, step, first = set(c["mlp_only_layers"] or []), int(c["decoder_sparse_step"]), int(c["first_k_dense_replace"])
+    return [i for i in range(first, int(c["num_layers"])) if i not in skip and (i + 1) % step == 0]
 
 
 def layer_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
