@@ -189,3 +189,65 @@ def test_a_long_first_sentence_is_cut_at_110_characters_with_an_ellipsis(configs
     _write(configs / "recipes/long.yaml", "# " + "word " * 40 + "\ntrain:\n  steps: 1\n")
     text = recipes.description(configs / "recipes/long.yaml")
     assert len(text) == 110 and text == ("word " * 22)[:109].rstrip() + "…"
+
+
+# ---------------------------------------------------------------------------- typed recipe reads
+
+# the modules that read recipe sections (train, data, parallel, eval, rl; model components, their
+# common keys and lora) through their typed schema: config.section, registry.common_config, a
+# component's registered config dataclass, models/lora.LoraConfig (issue 33, item 7)
+TYPED_READERS = ("parallel/dims.py", "parallel/cost_model.py", "models/registry.py", "models/lora.py",
+                 "models/components/decoder.py", "models/hf/export.py", "models/hf/processor_files.py",
+                 "train/schedule.py", "train/optim.py", "train/pipeline_setup.py", "train/dpo_ref.py")
+NOT_RECIPE_READS = {("train/optim.py", "lr")}  # apply_recipe: an optimizer param group's own rate, else train.lr
+
+
+def _recipe_keys() -> set[str]:
+    """Every key a recipe may set: the schema's (last name of each dotted key), a component's
+    common and LoRA keys, and the fields of every registered component config."""
+    import dataclasses
+
+    from omniweave.models import registry
+    from omniweave.models.lora import LORA_KEYS
+
+    keys = {k.rsplit(".", 1)[-1] for k in config.schema_defaults()} | set(registry.COMMON_KEYS) | set(LORA_KEYS)
+    for kind in registry.MODEL_SECTIONS:
+        keys |= {f.name for name in registry.names(kind) for f in dataclasses.fields(registry.lookup(kind, name)[1])}
+    return keys
+
+
+def test_recipe_readers_state_no_default_beside_the_schema():
+    """No ``x.get("<recipe key>", <default>)`` in the modules that read the recipe: the default is
+    the schema's, stated once (a second copy drifts: the cost model's projector read
+    ``deepstack_levels`` 0 where Qwen3MergerConfig, the model, says 3)."""
+    import ast
+    from pathlib import Path
+
+    keys, root, found = _recipe_keys(), Path(config.__file__).resolve().parent, []
+    assert {"pp_schedule", "template", "freeze", "tp", "alpha", "qkv_bias", "deepstack_levels"} <= keys
+    for rel in TYPED_READERS:
+        for node in ast.walk(ast.parse((root / rel).read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and len(node.args) == 2 and isinstance(node.args[0], ast.Constant) and node.args[0].value in keys
+                    and (rel, node.args[0].value) not in NOT_RECIPE_READS):
+                found.append(f"omniweave/{rel}:{node.lineno} .get({node.args[0].value!r}, …)")
+    assert not found, "recipe keys read with a default of their own (read them through the schema): " + "; ".join(found)
+
+
+def test_a_partial_recipe_gets_the_schemas_defaults_through_the_typed_reads():
+    """What a recipe leaves out is the schema's: LoRA's alpha = r, no dropout, every Linear
+    (LoraConfig); a component's common keys (CommonConfig); a qwen3_merger projector without
+    ``deepstack_levels`` costs Qwen3MergerConfig's levels; ``data.template`` its schema default."""
+    from omniweave.models.components.qwen3_vit import Qwen3MergerConfig
+    from omniweave.models.lora import ALL_LINEAR, LoraConfig, parse_lora
+    from omniweave.models.registry import CommonConfig, common_config
+    from omniweave.parallel.cost_model import CostModel
+
+    assert parse_lora("foundation", {"r": 4}) == LoraConfig(r=4, alpha=4.0, dropout=0.0, targets=ALL_LINEAR)
+    assert common_config({"name": "decoder"}) == CommonConfig(name="decoder") and common_config(None).tp == 1
+    foundation = {"name": "decoder", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 16, "num_layers": 2,
+                  "num_heads": 2, "num_kv_heads": 1}
+    cost = lambda **proj: CostModel.from_model_config(  # noqa: E731
+        {"foundation": foundation, "image_encoder": {"name": "qwen3_vit"}, "projector": {"name": "qwen3_merger", **proj}})
+    assert cost() == cost(deepstack_levels=Qwen3MergerConfig.deepstack_levels) != cost(deepstack_levels=0)
+    assert config.section({"data": {"tokenizer": "demo"}}, "data").template == config.DataSchema.template

@@ -64,17 +64,20 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallel: Any, world_size: int, model: Any = None) -> "ParallelDims":
-        get = (lambda k, d: parallel.get(k, d)) if parallel is not None else (lambda k, d: d)
-        if int(get("tp", 1)) != 1:
-            raise NotImplementedError(f"parallel.tp={get('tp', 1)}: set tensor parallelism per component "
+        from omniweave.config import section
+        from omniweave.models.registry import common_config
+
+        if parallel is not None and "tp" in parallel and parallel["tp"] != 1:  # not a schema key: an older recipe
+            raise NotImplementedError(f"parallel.tp={parallel['tp']}: set tensor parallelism per component "
                                       "(model.foundation.tp, model.image_encoder.tp)")
-        comp = (lambda c: (model.get(c) or {}).get("tp", 1) or 1) if model is not None else (lambda c: 1)
+        par = section({"parallel": parallel}, "parallel")  # typed: the schema's defaults for what it lacks
+        comp = (lambda c: common_config(model.get(c)).tp) if model is not None else (lambda c: 1)
         encoders = [m.encoder for m in MODALITIES if model is not None and model.get(m.encoder) is not None]
         encoder_tp = {e: int(comp(e)) for e in encoders}
         if len(set(encoder_tp.values())) > 1:
             raise ValueError("the encoders share one tp group: set the same tp for each "
                              f"({', '.join(f'model.{e}.tp={t}' for e, t in encoder_tp.items())})")
-        dp, cp, tp, pp = int(get("dp", -1)), int(get("cp", 1)), int(comp("foundation")), int(get("pp", 1))
+        dp, cp, tp, pp = par.dp, par.cp, int(comp("foundation")), par.pp
         tp_enc, enc_key = next(iter(encoder_tp.values()), 1), f"model.{encoders[0] if encoders else 'image_encoder'}.tp"
         if cp < 1 or tp < 1 or tp_enc < 1:
             raise ValueError(f"parallel.cp={cp}, model.foundation.tp={tp}, {enc_key}={tp_enc} must be >= 1")
@@ -84,32 +87,32 @@ class ParallelDims:
         if pp < 1:
             raise ValueError(f"parallel.pp={pp} must be >= 1")
         pp_names = ("pp*", f"pp={pp} x ") if pp > 1 else ("", "")
-        factors = dp == -1 and int(get("dp_shard", -1)) != -1  # HSDP given by its two factors
+        factors = dp == -1 and par.dp_shard != -1  # HSDP given by its two factors
         if factors:
-            dp = int(get("dp_replicate", 1) or 1) * int(get("dp_shard", -1))
+            dp = par.dp_replicate * par.dp_shard
         if dp == -1:
             if world_size % (pp * cp * tp):
                 raise ValueError(f"world size {world_size} is not divisible by {pp_names[0]}cp*tp = {pp * cp * tp}")
             dp = world_size // (pp * cp * tp)
         if dp < 1 or pp * dp * cp * tp != world_size:
-            dp_name = f"(dp_replicate={get('dp_replicate', 1)} x dp_shard={get('dp_shard', -1)})" if factors else ""
+            dp_name = f"(dp_replicate={par.dp_replicate} x dp_shard={par.dp_shard})" if factors else ""
             raise ValueError(f"parallel {pp_names[1]}dp={dp}{dp_name} x cp={cp} x tp={tp} = {pp * dp * cp * tp} != world size "
                              f"{world_size} (set parallel.dp=-1 to use all remaining ranks)")
-        mode = str(get("cp_attention", "ring"))
+        mode = par.cp_attention
         if mode not in CP_ATTENTION:
             raise ValueError(f"parallel.cp_attention={mode!r}; choose one of {', '.join(CP_ATTENTION)}")
-        uly = int(get("cp_ulysses", 1) or 1)
+        uly = par.cp_ulysses
         if mode == "hybrid" and cp > 1 and not (1 < uly < cp and cp % uly == 0):
             raise ValueError(f"parallel.cp_attention=hybrid needs parallel.cp_ulysses (the Ulysses group size) "
                              f"strictly between 1 and cp={cp} and dividing it; got {uly}")
-        dp_replicate = resolve_hsdp(dp, int(get("dp_replicate", 1) or 1), int(get("dp_shard", -1)))
-        ep = int(get("ep", 1) or 1)
+        dp_replicate = resolve_hsdp(dp, par.dp_replicate, par.dp_shard)
+        ep = par.ep
         if ep != 1:
             check_ep(ep, dp, cp, (model.get("foundation") or {}) if model is not None else {})
         if pp > 1:
-            check_pp(parallel, pp, dp, cp, tp, ep, model)
+            check_pp(par, pp, dp, cp, tp, ep, model)
         return cls(dp=dp, cp=cp, tp=tp, world_size=world_size, cp_attention=mode,
-                   cp_ulysses=uly if mode == "hybrid" else 1, vision_split=bool(get("vision_split", True)),
+                   cp_ulysses=uly if mode == "hybrid" else 1, vision_split=par.vision_split,
                    tp_encoder=tp_enc, ep=ep, pp=pp, dp_replicate=dp_replicate)
 
     @property
@@ -183,9 +186,9 @@ def check_ep(ep: int, dp: int, cp: int, foundation: Any) -> None:
     if (dp * cp) % ep:
         raise ValueError(f"parallel.ep={ep} must divide parallel.dp x parallel.cp = {dp} x {cp} "
                          "(an EP group is ep of the data- and context-parallel ranks)")
-    from omniweave.models.components.decoder import moe_layer_indices
+    from omniweave.models.components.decoder import decoder_fields, moe_layer_indices
 
-    experts = int(foundation.get("num_experts", 0) or 0)
+    experts = decoder_fields(foundation)["num_experts"]
     if not moe_layer_indices(foundation):
         raise ValueError(f"parallel.ep={ep}: the foundation has no MoE layers (model.foundation.num_experts="
                          f"{experts}); expert parallelism needs a Mixture-of-Experts model")
@@ -195,19 +198,20 @@ def check_ep(ep: int, dp: int, cp: int, foundation: Any) -> None:
 
 
 def check_pp(parallel: Any, pp: int, dp: int, cp: int, tp: int, ep: int, model: Any) -> None:
-    """``parallel.pp`` and its keys against the layout and the foundation (errors name the keys)."""
+    """``parallel.pp`` and its keys against the layout and the foundation (errors name the keys);
+    ``parallel``: the typed section (config.section)."""
     from omniweave.parallel.pipeline import check_schedule
     from omniweave.parallel.pipeline_split import split_layers
 
-    schedule, virtual = str(parallel.get("pp_schedule", "1f1b")), int(parallel.get("pp_virtual", 1) or 1)
+    schedule, virtual = parallel.pp_schedule, parallel.pp_virtual
     check_schedule(schedule, virtual)
     if schedule == "zero_bubble" and dp * cp * tp > 1:  # torch 2.13: KeyError in its split weight backward
         raise ValueError(f"parallel.pp_schedule=zero_bubble runs on pipeline ranks only (parallel.pp = the world "
                          f"size): its split weight-gradient backward does not see FSDP2's sharded parameters, "
                          f"which dp x cp x tp = {dp} x {cp} x {tp} ranks use; choose interleaved_1f1b")
     if model is not None:
-        layers = int((model.get("foundation") or {}).get("num_layers", 0))
-        pp_layers = parallel.get("pp_layers")
+        layers = int(model["foundation"]["num_layers"])  # a required field of DecoderConfig
+        pp_layers = parallel.pp_layers
         split_layers(layers, pp, virtual, None if pp_layers is None else list(pp_layers))
 
 

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_recipe(args.recipe, args.overrides)
     if section(cfg, "train").phase != "dpo":
         raise UserError(f"train.phase={section(cfg, 'train').phase!r}: reference log-probs are for train.phase=dpo")
-    if (cfg.get("data") or {}).get("mix") is not None:
+    if section(cfg, "data").mix is not None:
         raise UserError("omniweave dpo precompute-ref stores the reference log-probs of one packed dataset (data.path), "
                         "not of a data.mix yet")
     check_ready(cfg, None, kind="pairs")

@@ -28,12 +28,13 @@ def lr_factor(step: int, total_steps: int, warmup: int = 0, schedule: str = "cos
 
 
 def build_scheduler(optimizer, train_cfg):
+    """LambdaLR of the recipe's ``train:`` section (read through TrainSchema: its defaults)."""
     import torch
 
-    total = int(train_cfg.steps)
-    warmup = int(train_cfg.get("warmup", 0))
-    schedule = str(train_cfg.get("schedule", "cosine"))
-    floor = float(train_cfg.get("min_lr_ratio", 0.0))
+    from omniweave.config import section
+
+    tc = section({"train": train_cfg}, "train")
+    total, warmup, schedule, floor = int(tc.steps), int(tc.warmup), str(tc.schedule), float(tc.min_lr_ratio)
     lr_factor(0, total, warmup, schedule, floor)  # validate now, not at the first step
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total, warmup, schedule, floor))

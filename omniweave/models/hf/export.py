@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from omniweave.config import section
 from omniweave.data.media.vision import VisionConfig
 from omniweave.models.hf.loading import adapter_for, assign_state_dict
 from omniweave.models.hf.processor_files import media_tokens, write_processor_files
@@ -46,7 +47,8 @@ def tokenizer_hf_fields(data_cfg: dict | None) -> tuple[dict, Path | None]:
     from omniweave.data.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data_cfg["tokenizer"])
-    media = media_tokens(load_template(str(data_cfg.get("template", "chatml")), tokenizer=data_cfg["tokenizer"]))  # what training wrote
+    template = section({"data": data_cfg}, "data").template  # the schema's default where the recipe has none
+    media = media_tokens(load_template(template, tokenizer=data_cfg["tokenizer"]))  # what training wrote
     ids = {}
     for key, token in (("image_token_id", media["image_token"]), ("video_token_id", media["video_token"]),
                        ("vision_start_token_id", media["vision_bos_token"]), ("vision_end_token_id", media["vision_eos_token"]),

@@ -37,6 +37,7 @@ import re
 import shutil
 from pathlib import Path
 
+from omniweave.config import section
 from omniweave.data.media.vision import VisionConfig
 from omniweave.data.media.mel import CHUNK_SAMPLES, HOP_LENGTH, N_FFT, SAMPLE_RATE
 
@@ -195,7 +196,7 @@ def write_processor_files(out_dir: Path, data_cfg: dict, hf_cfg: dict, tok_dir: 
     written = []
     processor_class = PROCESSOR_CLASSES.get(hf_cfg.get("model_type"))
     if tok_dir is not None:
-        written += write_tokenizer_files(tok_dir, out_dir, str(data_cfg.get("template", "chatml")),
+        written += write_tokenizer_files(tok_dir, out_dir, section({"data": data_cfg}, "data").template,
                                          named_tokens=processor_class in NAMED_TOKEN_PROCESSORS)  # fmt: skip
     if hf_cfg.get("model_type") in AUDIO_PROCESSOR_CLASSES:
         return written + write_audio_processor_files(out_dir, hf_cfg)
