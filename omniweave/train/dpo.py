@@ -170,6 +170,28 @@ def only_adapters_train(model) -> bool:
     return bool(trainable) and all(is_adapter_name(n) for n in trainable)
 
 
+class Reference:
+    """The frozen initial policy a preference objective (DPO's ``ref: model``, KTO) measures its
+    log-ratios against. With LoRA that trains nothing but adapters the policy with its adapters off
+    IS the initial policy, so it is the reference (no second copy); else a frozen copy built and
+    sharded like the policy (train/parallel_model.frozen_reference)."""
+
+    def __init__(self, cfg, engine):
+        self.base_is_reference = only_adapters_train(engine.model)
+        self.copy = None if self.base_is_reference else frozen_reference(cfg, engine)
+
+    @torch.no_grad()
+    def token_logps(self, policy, mb: dict) -> Tensor:
+        """The reference's per-token log-probs [L] of the micro-batch's labels (``policy``: the
+        model in training, whose adapters are switched off when it is the reference)."""
+        from omniweave.models.lora import adapters_disabled
+
+        if self.base_is_reference:
+            with adapters_disabled(policy):
+                return policy(mb, token_logprobs=True).token_logp
+        return self.copy(mb, token_logprobs=True).token_logp
+
+
 class DPOObjective(Objective):
     """``train.phase=dpo``: a sequence-level objective (train/objective.py) over the pairs of a row.
     ``sums`` [P, 4]: each pair's chosen and rejected answer log-prob sums and token counts;
@@ -184,11 +206,7 @@ class DPOObjective(Objective):
     def __init__(self, cfg, engine):
         self.settings = DPOConfig.from_recipe(cfg)
         self.engine = engine
-        # LoRA that trains nothing but adapters: the policy with its adapters off IS the initial
-        # policy, so it is the reference (no second copy); else a frozen copy
-        self.base_is_reference = self.settings.ref == "model" and only_adapters_train(engine.model)
-        self.reference = (frozen_reference(cfg, engine) if self.settings.ref == "model" and not self.base_is_reference
-                          else None)
+        self.reference = Reference(cfg, engine) if self.settings.ref == "model" else None
         self.stored = None
         if self.settings.ref == "precomputed":
             from omniweave.train.dpo_ref import StoredReference
@@ -205,19 +223,6 @@ class DPOObjective(Objective):
         ``drop_skipped_docs``)."""
         return float(sum(live_pairs(p["token_data"]["pair_slot"]) for p in packs))
 
-    @torch.no_grad()
-    def reference_token_logps(self, model, mb: dict) -> Tensor | None:
-        """The reference's per-token log-probs of the micro-batch, None when reference-free: the
-        policy with its LoRA adapters off (``base_is_reference``) or the frozen copy."""
-        from omniweave.models.lora import adapters_disabled
-
-        if self.base_is_reference:
-            with adapters_disabled(model):
-                return model(mb, token_logprobs=True).token_logp
-        if self.reference is None:
-            return None
-        return self.reference(mb, token_logprobs=True).token_logp
-
     def reference_logps(self, model, mb: dict) -> Tensor:
         """[P, 2] the reference's sequence log-probs of the micro-batch's pairs: the stored whole
         values (``precomputed``), else the sums over the answers' tokens (this rank's share summed
@@ -225,10 +230,9 @@ class DPOObjective(Objective):
         slots, pairs = mb["token_data"]["pair_slot"], int(mb["num_pairs"])
         if self.stored is not None:
             return self.stored.pack(int(mb["pack_id"])).to(slots.device)
-        tokens = self.reference_token_logps(model, mb)
-        if tokens is None:
+        if self.reference is None:  # reference-free
             return torch.zeros(pairs, 2, device=slots.device)
-        ref = sequence_logps(tokens, slots, pairs)
+        ref = sequence_logps(self.reference.token_logps(model, mb), slots, pairs)
         if self.engine.dims.cp > 1:  # each cp rank holds a share of every answer's tokens
             import torch.distributed as dist
 
