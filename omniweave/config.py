@@ -108,6 +108,14 @@ class SimPOSchema:  # train.phase=simpo (docs/dpo.md)
 
 
 @dataclass
+class KTOSchema:  # train.phase=kto (docs/dpo.md)
+    beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    loss: str = "kto"
+
+
+@dataclass
 class TrainSchema:
     phase: str = "sft"
     steps: int = MISSING
@@ -137,6 +145,7 @@ class TrainSchema:
     dpo: DPOSchema = field(default_factory=DPOSchema)
     orpo: ORPOSchema = field(default_factory=ORPOSchema)
     simpo: SimPOSchema = field(default_factory=SimPOSchema)
+    kto: KTOSchema = field(default_factory=KTOSchema)
 
 
 @dataclass

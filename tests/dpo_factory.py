@@ -28,3 +28,16 @@ def dpo_overrides(pairs: Path, out: Path, steps: int = 2, global_batch: int = 2,
           "train.cpu_threads": 1}
     ov.update({k.replace("__", "."): v for k, v in kw.items()})
     return [f"{k}={v}" for k, v in ov.items()]
+
+
+def make_kto(root: Path, completions: int = 32, max_len: int = MAX_LEN) -> Path:
+    """``data demo`` KTO completions (half desirable) -> convert -> pack (demo_kto): images, a
+    video and text-only rows among them; each pack holds its completions and their KL documents."""
+    root = Path(root)
+    assert cli(["data", "demo", str(root / "demo"), "--samples", "0", "--eval-samples", "0", "--rl-samples", "0",
+                "--dpo-samples", "0", "--kto-samples", str(completions)]) == 0
+    assert cli(["data", "convert", "--input", str(root / "demo" / "kto.jsonl"), "--media-dir",
+                str(root / "demo" / "media"), "--output", str(root / "raw"), "--workers", "1", "--no-progress"]) == 0
+    assert cli(["data", "pack", "--input", str(root / "raw"), "--output", str(root / "completions"), "--recipe",
+                "demo_kto", "--max-len", str(max_len), "--workers", "1"]) == 0
+    return root / "completions"

@@ -163,7 +163,8 @@ def test_recipe_pp_layout():
     (["rl", "demo_grpo", "rl.kl_coef=0.05"], "rl.kl_coef > 0 under parallel.pp=2: the frozen reference's forward"),
     (["train", "demo_dpo"], "train.dpo.ref=model under parallel.pp=2: the frozen reference's forward"),
     (["train", "demo_dpo", "train.dpo.ref=none", "parallel.cp=2"], "(train.dpo.ref=none) under parallel.pp=2 with "
-                                                                  "parallel.cp=2: the pairs' log-prob sums"),
+                                                                  "parallel.cp=2: its per-row log-prob sums"),
+    (["train", "demo_kto"], "train.phase=kto under parallel.pp=2: the frozen reference's forward"),
 ])
 def test_training_modes_pipelines_cannot_run_yet_are_refused(capsys, command, expected):
     """A frozen reference's forward per row (GRPO's KL, DPO's reference model) and DPO with CP under

@@ -7,6 +7,8 @@
     OUT/dpo.jsonl     preference pairs (docs/dpo.md) in the OpenAI layout: the question, the correct
                       answer as the last assistant turn, a wrong answer of the same task as ``rejected``
     OUT/dpo_eval.jsonl  held-out pairs in the ShareGPT layout (``conversations`` + ``chosen`` / ``rejected``)
+    OUT/kto.jsonl     KTO rows (``--kto-samples``; docs/dpo.md): the question and an answer, correct with
+                      ``kto_tag: true`` for every other row, a wrong one of the task with ``kto_tag: false``
     OUT/media/        small PNG images, 4-frame MPEG-4 videos (and with ``--audio`` 16 kHz wav clips);
                       rows name them relative to it
     OUT/demo.json     what was generated (seed, counts per task, answer classes)
@@ -274,21 +276,32 @@ def preference_row(row: dict, task: str, answer: str, rng: np.random.Generator, 
             "rejected": {"from": "gpt", "value": wrong}, "images": row["images"], "videos": row["videos"]}
 
 
+def kto_row(row: dict, task: str, answer: str, rng: np.random.Generator, desirable: bool) -> dict:
+    """A demo row as a KTO completion: its answer (desirable) or another answer of the task (not)."""
+    if desirable:
+        return {**row, "kto_tag": True}
+    wrong = str(rng.choice([c for c in CLASSES[task] if c != answer]))
+    return {**row, "messages": [*row["messages"][:-1], {"role": "assistant", "content": wrong}], "kto_tag": False}
+
+
 def generate(out_dir: str | Path, samples: int = 1000, eval_samples: int = 200, seed: int = 0, size: int = 56,
-             rl_samples: int = 0, audio: bool = False, dpo_samples: int = 0) -> dict:
+             rl_samples: int = 0, audio: bool = False, dpo_samples: int = 0, kto_samples: int = 0) -> dict:
     """Write the demo dataset to ``out_dir``; returns a summary (also saved as ``demo.json``).
     ``audio``: add the listening tasks (``AUDIO_TASKS``) to train and eval. ``dpo_samples``:
-    preference pairs (``dpo.jsonl``, and ``eval_samples`` held-out ones in ``dpo_eval.jsonl``)."""
+    preference pairs (``dpo.jsonl``, and ``eval_samples`` held-out ones in ``dpo_eval.jsonl``);
+    ``kto_samples``: KTO completions (``kto.jsonl``), half of them desirable."""
     out = Path(out_dir)
     summary = {"seed": seed, "size": size, "train": samples, "eval": eval_samples, "rl": rl_samples,
                "classes": {**CLASSES, **(AUDIO_CLASSES if audio else {})}, **({"audio": True} if audio else {}),
-               **({"dpo": dpo_samples} if dpo_samples else {})}
+               **({"dpo": dpo_samples} if dpo_samples else {}), **({"kto": kto_samples} if kto_samples else {})}
     extra = AUDIO_TASKS if audio else ()
     splits = [("train", samples, TRAIN_TASKS + extra, 0), ("eval", eval_samples, EVAL_TASKS + extra, 1)]
     if rl_samples:
         splits.append(("rl", rl_samples, RL_TASKS, 2))
     if dpo_samples:
         splits += [("dpo", dpo_samples, DPO_TASKS, 3), ("dpo_eval", eval_samples, DPO_TASKS, 4)]
+    if kto_samples:
+        splits.append(("kto", kto_samples, DPO_TASKS, 5))
     for split, n, tasks, sub_seed in splits:
         rng = np.random.default_rng([seed, sub_seed])
         (out / "media" / split).mkdir(parents=True, exist_ok=True)
@@ -303,6 +316,8 @@ def generate(out_dir: str | Path, samples: int = 1000, eval_samples: int = 200, 
                     row = {**row, "messages": messages[:-1], "answer": answer, "task": task}
                 elif split.startswith("dpo"):
                     row = preference_row(row, task, answer, rng, "openai" if split == "dpo" else "sharegpt")
+                elif split == "kto":
+                    row = kto_row(row, task, answer, rng, desirable=i % 2 == 0)
                 f.write(json.dumps(row) + "\n")
                 counts[task] = counts.get(task, 0) + 1
         summary[f"{split}_tasks"] = counts
@@ -317,6 +332,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rl-samples", type=int, default=1000, help="RL prompt rows (rl.jsonl; 0: none)")
     p.add_argument("--dpo-samples", type=int, default=1000,
                    help="preference pairs (dpo.jsonl, plus --eval-samples held-out ones in dpo_eval.jsonl; 0: none)")
+    p.add_argument("--kto-samples", type=int, default=0, help="KTO completions, half desirable (kto.jsonl; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", type=int, default=56, help="image / video side in pixels")
     p.add_argument("--audio", action="store_true",
@@ -327,9 +343,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     t0 = time.perf_counter()
     s = generate(args.out, samples=args.samples, eval_samples=args.eval_samples, seed=args.seed, size=args.size,
-                 rl_samples=args.rl_samples, audio=args.audio, dpo_samples=args.dpo_samples)
+                 rl_samples=args.rl_samples, audio=args.audio, dpo_samples=args.dpo_samples, kto_samples=args.kto_samples)
+    kto = f" + {s['kto']} KTO completions" if s.get("kto") else ""
     print(
-        f"demo: {s['train']} train + {s['eval']} eval + {s['rl']} RL rows + {s.get('dpo', 0)} preference pairs, {len(s['train_tasks'])} tasks, "
+        f"demo: {s['train']} train + {s['eval']} eval + {s['rl']} RL rows + {s.get('dpo', 0)} preference pairs{kto}, "
+        f"{len(s['train_tasks'])} tasks, "
         f"{args.size}px media{' + wav clips' if args.audio else ''} in {time.perf_counter() - t0:.1f}s -> {args.out}"
     )
     return 0

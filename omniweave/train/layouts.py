@@ -79,6 +79,8 @@ def traits(cfg) -> Traits:
                       reference_forward="train.dpo.ref=model" if ref == "model" else None, sums_over_cp=True)
     if phase in ("orpo", "simpo"):  # DPO's pair sums without a reference
         return Traits(f"train.phase={phase}", token_sum=False, sums_over_cp=True)
+    if phase == "kto":  # per-completion sums; the reference's forward (and z0's pre-pass over the step's rows)
+        return Traits("train.phase=kto", token_sum=False, reference_forward="train.phase=kto", sums_over_cp=True)
     if phase == "grpo":
         rl = section(cfg, "rl")
         kl, gspo = float(rl.kl_coef), rl.importance_sampling == "sequence"
@@ -112,7 +114,8 @@ def refusals(mode: Traits, lay: Layout) -> list[str]:
         if mode.reference_forward:
             fix = ("store the reference log-probs once with `omniweave dpo precompute-ref` and set "
                    "train.dpo.ref=precomputed, or use train.dpo.ref=none" if "dpo" in mode.reference_forward
-                   else "set rl.kl_coef=0")
+                   else "set rl.kl_coef=0" if "rl." in mode.reference_forward
+                   else "KTO's reference point is a no-grad pass over the step's rows first; use dp, cp or seq_chunks")
             out.append(f"{mode.reference_forward} under parallel.pp={lay.pp}: the frozen reference's forward of each "
                        f"row would need a pipeline of its own; {fix}")
         if mode.sums_over_cp and lay.cp > 1:
@@ -134,6 +137,7 @@ MODES = {"SFT / pretraining": Traits("train.phase=sft"),
          "DPO, `ref: model`": Traits("train.phase=dpo (train.dpo.ref=model)", False, "train.dpo.ref=model", True),
          "DPO, `ref: none` / `precomputed`": Traits("train.phase=dpo (train.dpo.ref=none)", False, None, True),
          "ORPO / SimPO": Traits("train.phase=orpo", False, None, True),
+         "KTO": Traits("train.phase=kto", False, "train.phase=kto", True),
          "GRPO, `rl.kl_coef: 0`": Traits("train.phase=grpo (rl.kl_coef=0)"),
          "GRPO, `rl.kl_coef > 0`": Traits("train.phase=grpo (rl.kl_coef=0.1)", reference_forward="rl.kl_coef > 0"),
          "GSPO (`rl.importance_sampling: sequence`)": Traits("train.phase=grpo (rl.importance_sampling=sequence)",

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 # dpo, orpo, simpo: pairs of answers, their labels as packed, their own losses (train/dpo.py, train/preference.py)
-PHASES = ("sft", "pretrain", "dpo", "orpo", "simpo")
+PHASES = ("sft", "pretrain", "dpo", "orpo", "simpo", "kto")
 PAIR_PHASES = ("dpo", "orpo", "simpo")
+ANSWER_PHASES = (*PAIR_PHASES, "kto")  # labelled on the final answers by data pack, kept as packed
 
 
 def pretrain_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, ignore_ids: tuple[int, ...] = ()) -> torch.Tensor:
@@ -31,7 +32,7 @@ def apply_phase(packs: list[dict], phase: str, ignore_ids: tuple[int, ...]) -> l
     """The micro-batches with the labels (and loss-token counts) of ``phase``."""
     if phase not in PHASES:
         raise ValueError(f"train.phase={phase!r}; choose one of {PHASES}")
-    if phase == "sft" or phase in PAIR_PHASES:
+    if phase == "sft" or phase in ANSWER_PHASES:
         return packs
     out = []
     for p in packs:

@@ -7,6 +7,8 @@ never knows which mode runs:
     count      = objective.count(packs)              this rank's share of the step's normaliser
                                                      (loss tokens, pairs, sequences); the engine
                                                      sums it over the ranks and divides by it
+    objective.prepare_step(model, micro_batches)     once per step, before any forward (no grad):
+                                                     KTO's reference point over the step's rows
     row        = objective.row_inputs(model, mb)     per-row inputs at static shapes, no grad
                                                      (DPO's reference log-probs); {} for most
     loss, stats = objective.loss(model, h, target)   from the final hidden states ``h`` (after
@@ -57,12 +59,19 @@ class Objective:
 
     name = "objective"
     token_sum = True
+    step_pre_pass = False  # prepare_step runs (the step's micro-batches then sit on the device together)
     stat_keys: tuple[str, ...] = ()
     line = None  # the console fields of the mode (train/metrics.py SFT_LINE format); None: SFT's
 
     def count(self, packs: list[dict]) -> float:
         """This rank's share of the step's normaliser; the loss tokens by default."""
         return float(sum(p["num_loss_tokens"] for p in packs))
+
+    def prepare_step(self, model, micro_batches: list[dict]) -> None:
+        """Before the step's first forward, with all of this rank's (CP-sharded) micro-batches: a
+        step-level quantity every row's loss needs (KTO's reference point z0, from a no-grad
+        pass over the step's rows), when ``step_pre_pass``. An objective that needs it refuses the
+        pipeline layouts (train/layouts.py: a reference forward)."""
 
     def row_inputs(self, model, mb: dict) -> dict[str, Tensor]:
         """Per-row inputs computed before the row's forward (no grad), at shapes that depend on the
@@ -125,9 +134,13 @@ class WithFault(Objective):
     def __init__(self, inner: Objective, hook):
         self.inner, self.hook = inner, hook
         self.name, self.token_sum, self.stat_keys, self.line = inner.name, inner.token_sum, inner.stat_keys, inner.line
+        self.step_pre_pass = inner.step_pre_pass
 
     def count(self, packs):
         return self.inner.count(packs)
+
+    def prepare_step(self, model, micro_batches):
+        self.inner.prepare_step(model, micro_batches)
 
     def row_inputs(self, model, mb):
         return self.inner.row_inputs(model, mb)

@@ -24,8 +24,8 @@ SimPO (Meng et al. 2024; TRL 1.16 ``trl.experimental.cpo.CPOTrainer.cpo_loss``, 
 
 KTO (Ethayarajh et al. 2024; TRL 1.16 ``trl.trainer.kto_trainer.KTOTrainer._compute_loss``) is
 unpaired: each completion is desirable or not, scored by its sequence log-ratio to the reference
-against a reference point z0 (:func:`kto_kl_reference`), see :func:`kto_loss`. Only its math is
-here (no data kind or objective yet).
+against a reference point z0 (:func:`kto_kl_reference`), see :func:`kto_loss`; the training
+objective, its data and its z0 over the step's rows: train/kto.py.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class _ReferenceFree(DPOObjective):
         from omniweave.train.dpo import DPOConfig
 
         self.settings, self.engine = DPOConfig(ref="none"), engine
-        self.base_is_reference, self.reference, self.stored = False, None, None
+        self.reference, self.stored = None, None
 
 
 class ORPOObjective(_ReferenceFree):
@@ -208,7 +208,7 @@ OBJECTIVES = {"orpo": ORPOObjective, "simpo": SimPOObjective}
 
 
 def check_settings(cfg) -> None:
-    """``train.orpo.*`` / ``train.simpo.*`` valid (before any rank starts)."""
+    """``train.orpo.*`` / ``train.simpo.*`` / ``train.kto.*`` valid (before any rank starts)."""
     from omniweave.config import section
 
     tc = section(cfg, "train")
@@ -217,3 +217,7 @@ def check_settings(cfg) -> None:
     elif tc.phase == "simpo":
         SimPOConfig(float(tc.simpo.beta), float(tc.simpo.gamma), float(tc.simpo.label_smoothing),
                     float(tc.simpo.nll_weight)).validate()
+    elif tc.phase == "kto":
+        from omniweave.train.kto import kto_settings
+
+        kto_settings(cfg)

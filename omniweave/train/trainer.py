@@ -85,7 +85,7 @@ def phase_kind(cfg) -> str:
         from omniweave.train.dpo import check_settings
 
         check_settings(cfg)
-    elif phase in ("orpo", "simpo"):
+    elif phase in ("orpo", "simpo", "kto"):
         from omniweave.train.preference import check_settings
 
         check_settings(cfg)
@@ -240,7 +240,7 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
 
 def build_objective(cfg, engine: Engine, fault_hook=None):
     """The objective of ``train.phase`` (train/objective.py): token cross-entropy (sft, pretrain),
-    DPO's pair loss or ORPO's / SimPO's (train/preference.py); ``fault_hook(step, loss_sum)`` (tests) corrupts its losses."""
+    DPO's pair loss, ORPO's / SimPO's (train/preference.py) or KTO's (train/kto.py); ``fault_hook(step, loss_sum)`` (tests) corrupts its losses."""
     from omniweave.train.objective import TokenCrossEntropy, WithFault
 
     phase = section(cfg, "train").phase
@@ -252,6 +252,10 @@ def build_objective(cfg, engine: Engine, fault_hook=None):
         from omniweave.train.preference import OBJECTIVES
 
         objective = OBJECTIVES[phase](cfg, engine)
+    elif phase == "kto":
+        from omniweave.train.kto import KTOObjective
+
+        objective = KTOObjective(cfg, engine)
     else:
         objective = TokenCrossEntropy()
     if fault_hook is not None:

@@ -160,6 +160,10 @@ def collate_pack(pack: dict, data_cfg: dict, skips: list | None = None) -> dict:
         extra["token_data"] = {"pair_slot": pair_slots(labels, cu_seqlens, [d["side"] for d in pack["docs"]])}
         extra["num_pairs"] = len(pack["docs"]) // 2
         extra["pack_id"] = int(pack["index"])  # where train.dpo.ref=precomputed finds its pairs' values
+    if pack["docs"] and "kto" in pack["docs"][0]:  # KTO completions and their KL documents (data/packing/kto.py)
+        from omniweave.train.kto import kto_token_data
+
+        extra["token_data"], extra["num_kto"] = kto_token_data(labels, cu_seqlens, pack["docs"])
     if any("loss_weights" in d for d in pack["docs"]):  # fractional per-turn weights (a turn's loss_weight)
         extra.setdefault("token_data", {})["loss_weight"] = pack_loss_weights(pack, int(labels.shape[0]))
     encoded = [m for m in pack["media"] if "same_as" not in m]  # shared items: bytes and features once
@@ -249,12 +253,12 @@ def _as_list(batch: list) -> list:
 
 
 def check_kind(manifest: dict, kind: str, where: str, key: str = "data.path") -> None:
-    """SFT packs, RL prompts (``data/packing/prompts.py``) and preference pairs (``data/packing/pairs.py``) are not
-    interchangeable."""
+    """SFT packs, RL prompts (``data/packing/prompts.py``), preference pairs (``data/packing/pairs.py``) and KTO
+    completions (``data/packing/kto.py``) are not interchangeable."""
     have = manifest.get("kind", "sft")
     if have != kind:
         what = {"sft": "training packs (train.phase sft / pretrain)", "prompts": "RL prompts (train.phase grpo)",
-                "pairs": "preference pairs (train.phase dpo)"}
+                "pairs": "preference pairs (train.phase dpo / orpo / simpo)", "kto": "KTO completions (train.phase kto)"}
         raise UserError(f"{key}={where} holds {what.get(have, have)}, but this run needs {what.get(kind, kind)}; "
                         "pack the data with the recipe of this run (`omniweave data pack … --recipe R`)")
 

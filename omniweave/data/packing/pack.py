@@ -129,10 +129,12 @@ def _init_worker(raw_root: str, data_cfg: dict, kind: str, media_kinds: list[str
 
 
 def _tokenize(raw) -> list[tuple]:
-    """[(tokenized document, extra doc info)]: an SFT sample, an RL prompt with its answer, or the
-    two documents of a preference pair (packed as one item, so they stay together)."""
+    """[(tokenized document, extra doc info)]: an SFT sample, an RL prompt with its answer, the
+    two documents of a preference pair (packed as one item, so they stay together) or a KTO
+    completion."""
+    from omniweave.data.packing.kto import tokenize_kto
     from omniweave.data.packing.pairs import tokenize_pair
-    from omniweave.data.packing.prompts import KIND_PAIRS, KIND_PROMPTS, tokenize_rl_prompt
+    from omniweave.data.packing.prompts import KIND_KTO, KIND_PAIRS, KIND_PROMPTS, tokenize_rl_prompt
     from omniweave.data.text.tokenize import SampleRejected
 
     conv, allowed = raw.conversation, _W["media_kinds"]
@@ -145,6 +147,8 @@ def _tokenize(raw) -> list[tuple]:
         return [(sample, {"answer": answer})]
     if _W["kind"] == KIND_PAIRS:
         return tokenize_pair(_W["proc"], raw)
+    if _W["kind"] == KIND_KTO:
+        return tokenize_kto(_W["proc"], raw)
     if conv.meta.get("kto_tag") is False:  # an undesirable answer is no SFT target (KTO trains on it)
         raise SampleRejected("kto_undesirable", "the row's KTO tag marks its answer undesirable")
     return [(_W["proc"].tokenize(raw), {})]
@@ -167,7 +171,7 @@ def _scan_range(bounds: tuple[int, int]) -> tuple[dict, dict]:
             continue
         encoded = [m for s, info in docs if "same_media_as" not in info for m in s.media]  # a pair's media once
         audio = [m for m in encoded if m.kind == "audio"]
-        rows.append((i, sum(len(s) for s, _ in docs), len(encoded),
+        rows.append((i, _planned_length(docs), len(encoded),
                      sum(m.length for s, _ in docs for m in s.media if m.kind != "audio"),
                      sum(m.kind == "image" for m in encoded), sum(m.kind == "video" for m in encoded), len(audio),
                      sum(m.length for s, _ in docs for m in s.media if m.kind == "audio"),
@@ -176,6 +180,15 @@ def _scan_range(bounds: tuple[int, int]) -> tuple[dict, dict]:
                      int(any(s.truncated for s, _ in docs)), sum(int((s.labels != -100).sum()) for s, _ in docs)))
     arr = np.asarray(rows, dtype=np.int64).reshape(-1, len(SCAN_FIELDS))
     return {f: arr[:, k] for k, f in enumerate(SCAN_FIELDS)}, rejects
+
+
+def _planned_length(docs: list[tuple]) -> int:
+    """The tokens an item takes in its pack: its documents', twice for a KTO completion (the pack's
+    KL documents: data/packing/kto.py)."""
+    from omniweave.data.packing.kto import PLANNED_LENGTH_FACTOR
+    from omniweave.data.packing.prompts import KIND_KTO
+
+    return sum(len(s) for s, _ in docs) * (PLANNED_LENGTH_FACTOR if _W["kind"] == KIND_KTO else 1)
 
 
 def _write_shard(shard: int) -> dict:
@@ -188,10 +201,14 @@ def _write_shard(shard: int) -> dict:
         for i in plan["items"][plan["offsets"][k] : plan["offsets"][k + 1]].tolist():
             raw = ds[i]
             item = _tokenize(raw)
-            if sum(len(s) for s, _ in item) != plan["length_of"][i]:
-                raise RuntimeError(f"sample {i} tokenized to {sum(len(s) for s, _ in item)} tokens, scanned as "
+            if _planned_length(item) != plan["length_of"][i]:
+                raise RuntimeError(f"sample {i} tokenized to {_planned_length(item)} planned tokens, scanned as "
                                    f"{plan['length_of'][i]}")
             docs += [(sample, raw.media, {"index": i, "key": raw.key, **extra}) for sample, extra in item]
+        if _W["kind"] == "kto":  # the pack's mismatched pairs for KTO's reference point, after its completions
+            from omniweave.data.packing.kto import kl_documents
+
+            docs += kl_documents(docs)
         writer.add(docs)
     return writer.close()
 
@@ -367,7 +384,8 @@ def run(args) -> int:
                 print(f"packed {s['samples_packed']}/{s['samples']} RL prompts (one per pack, at most "
                       f"{s['capacity']} tokens), dropped {s['dropped'] or 0} -> {out} ({time.time() - t0:.1f}s)")
             else:
-                what = "preference pairs (2 documents each, kept together)" if kind == "pairs" else "samples"
+                what = ("preference pairs (2 documents each, kept together)" if kind == "pairs" else
+                        "KTO completions (and as many KL documents)" if kind == "kto" else "samples")
                 print(f"packed {s['samples_packed']}/{s['samples']} {what} into {s['packs']} packs of {s['capacity']} "
                       f"tokens, efficiency {s['efficiency']:.2%}, dropped {s['dropped'] or 0} -> {out} "
                       f"({time.time() - t0:.1f}s)")

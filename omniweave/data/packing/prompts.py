@@ -16,12 +16,15 @@ from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
 
 RL_PHASES = ("grpo",)
 PREFERENCE_PHASES = ("dpo", "orpo", "simpo")  # pairs of answers (train/loss.py PAIR_PHASES)
-KIND_SFT, KIND_PROMPTS, KIND_PAIRS = "sft", "prompts", "pairs"
+KTO_PHASES = ("kto",)  # unpaired completions tagged desirable or not (data/packing/kto.py)
+KIND_SFT, KIND_PROMPTS, KIND_PAIRS, KIND_KTO = "sft", "prompts", "pairs", "kto"
 
 
 def dataset_kind(phase: str | None) -> str:
     """What ``data pack`` writes for a recipe's ``train.phase``: training packs, RL prompts or
-    preference pairs (data/packing/pairs.py)."""
+    preference pairs (data/packing/pairs.py) or KTO completions (data/packing/kto.py)."""
+    if phase in KTO_PHASES:
+        return KIND_KTO
     return KIND_PROMPTS if phase in RL_PHASES else KIND_PAIRS if phase in PREFERENCE_PHASES else KIND_SFT
 
 
