@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -401,3 +402,61 @@ class _LogpModel:
     @staticmethod
     def token_logps(h, labels, temperature=1.0):
         return torch.where(labels != -100, h, 0.0)
+
+
+@pytest.mark.parametrize("phase", ["simpo", "orpo"])
+def test_pair_objectives_on_a_packed_row_equal_trl(phase):
+    """SimPO's and ORPO's training objectives on one packed row of six pairs (answers of unequal
+    lengths; for ORPO the chosen answers share one length, where TRL's token-mean NLL is ours),
+    from DPO's per-row pair sums: TRL 1.16's loss on the padded batch (CPOTrainer.cpo_loss
+    ``loss_type="simpo"``; ORPOTrainer's NLL − odds_ratio_loss) and its gradient w.r.t. the
+    answers' token log-probs."""
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    from omniweave.train.dpo import pair_slots
+    from omniweave.train.objective import Target
+    from omniweave.train.preference import ORPOObjective, SimPOObjective
+
+    g = torch.Generator().manual_seed(5)
+    P, T = 6, 12
+    lengths = torch.randint(2, T + 1, (P, 2), generator=g)
+    if phase == "orpo":
+        lengths[:, 0] = 7
+    mask = (torch.arange(T) < lengths[..., None]).float()  # [P, 2, T]
+    tokens = -torch.rand(P, 2, T, generator=g) * 2
+    x = tokens.clone().requires_grad_()
+    avg = (x * mask).sum(-1) / mask.sum(-1)  # TRL's get_batch_logps(average_log_prob=True)
+    if phase == "simpo":
+        cfg = SimPOConfig(2.5, 1.4, 0.1)
+        trl = _trainer(CPOTrainer, beta=cfg.beta, simpo_gamma=cfg.gamma, label_smoothing=cfg.label_smoothing,
+                       loss_type="simpo", cpo_alpha=0.0, alpha=0.0)
+        want = trl.cpo_loss(avg[:, 0], avg[:, 1])[0].mean()
+    else:
+        cfg = ORPOConfig(0.2)
+        trl = _trainer(ORPOTrainer, beta=cfg.beta)
+        nll = -(x[:, 0] * mask[:, 0]).sum() / mask[:, 0].sum()  # the chosen tokens' mean NLL
+        want = nll - trl.odds_ratio_loss(avg[:, 0], avg[:, 1])[0].mean()
+    want.backward()
+    # the packed row: per document (chosen, rejected, alternating) 3 prompt tokens then the answer
+    y = tokens.clone().requires_grad_()
+    labels, h_parts, lens = [], [], []
+    for p in range(P):
+        for side in range(2):
+            k = int(lengths[p, side])
+            labels += [-100] * 3 + [1] * k
+            h_parts += [torch.zeros(3), y[p, side, :k]]
+            lens.append(3 + k)
+    labels, h = torch.tensor(labels), torch.cat(h_parts)
+    cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+    slots = pair_slots(labels, cu, ["chosen", "rejected"] * P)
+    objective = object.__new__(SimPOObjective if phase == "simpo" else ORPOObjective)
+    objective.engine = SimpleNamespace(dims=SimpleNamespace(cp=1))
+    setattr(objective, phase, cfg)
+    row = {"num_pairs": torch.tensor([P]), "ref_logps": torch.zeros(P, 2)}
+    loss, stats = objective.loss(_LogpModel(), h, Target(labels, {"pair_slot": slots}, row))
+    (loss / P).backward()
+    d_loss, d_grad = abs(float(loss.detach() / P - want.detach())), (y.grad - x.grad).abs().max().item()
+    print(f"{phase} objective on a packed row: |Δloss| {d_loss:.1e}, |Δgrad| {d_grad:.1e}")
+    assert d_loss <= TOL and d_grad <= TOL and x.grad.abs().max() > 1e-3
+    assert float(stats["pairs"]) == P

@@ -57,7 +57,7 @@ class GRPOObjective(Objective):
             from omniweave.train.dpo import sum_over_group
 
             sums = sum_over_group(sums, self.cp_group)
-        tokens = sums[:, 1]
+        tokens = sums[:, 1].detach()
         live = tokens > 0
         n = tokens.clamp(min=1)
         log_ratio, adv = sums[:, 0] / n, (sums[:, 3] / n).detach()
