@@ -1,0 +1,120 @@
+"""Gated DeltaNet, the linear-attention mixer of Qwen3.5 / Qwen3-Next, over a packed row.
+
+Parameters under transformers 5.24's ``Qwen3_5GatedDeltaNet`` names (so HF weights load by
+name): ``in_proj_qkv`` (H → 2·key_dim + value_dim, contiguous [q | k | v]), ``in_proj_z``
+(the output gate), ``in_proj_b`` (β logits, one per value head), ``in_proj_a`` (the decay
+input), the depthwise ``conv1d`` (kernel ``conv_kernel``, over the q|k|v channels only), ``dt_bias``
+and ``A_log`` per value head, the gated RMSNorm ``norm`` over a value head (plain weight, init 1:
+not zero-centred) and ``out_proj``. Per token:
+
+    q, k, v = split(silu(conv(in_proj_qkv x)))       (the convolution reset per document)
+    β = σ(in_proj_b x),   g = −exp(A_log) · softplus(in_proj_a x + dt_bias)      (fp32)
+    o = gated delta rule(l2norm(q), l2norm(k), v, g, β)                         (gated_delta.py)
+    y = out_proj(rmsnorm(o) · w · silu(z))
+
+A packed row equals each document alone: the convolution window and the recurrent state start
+from zero (or from ``state``: a :class:`LinearState` of an earlier piece of the same documents —
+chunked rows, context parallelism, decoding) at every document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from omniweave.models.components.gated_delta import causal_conv1d_varlen, gated_delta_rule_chunked
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    hidden_size: int
+    num_key_heads: int  # HF linear_num_key_heads
+    num_value_heads: int  # HF linear_num_value_heads (a multiple of the key heads)
+    key_head_dim: int  # HF linear_key_head_dim
+    value_head_dim: int  # HF linear_value_head_dim
+    conv_kernel: int = 4  # HF linear_conv_kernel_dim
+    rms_norm_eps: float = 1e-6
+    chunk_size: int = 64
+
+    def __post_init__(self):
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear_num_value_heads={self.num_value_heads} must be a multiple of "
+                             f"linear_num_key_heads={self.num_key_heads}")
+        if self.conv_kernel < 1:
+            raise ValueError(f"linear_conv_kernel_dim={self.conv_kernel} must be >= 1")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+
+@dataclass
+class LinearState:
+    """Where each document of a piece stands: the convolution's last inputs [N, K−1, conv_dim]
+    and the recurrent state [N, HV, dk, dv] (fp32)."""
+
+    window: Tensor
+    recurrent: Tensor
+
+
+class GatedRMSNorm(nn.Module):
+    """rmsnorm(x) · weight · silu(gate) over the last dim, in fp32 (HF Qwen3_5RMSNormGated; fp64
+    inputs in fp64)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        dtype = x.dtype
+        wide = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        h = x.to(wide)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.to(wide))).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention mixer: ``forward(x [L, H], cu_seqlens, state=None) -> (y [L, H],
+    LinearState)``. Head counts are read from the projections' outputs, so tensor parallelism can
+    shard the heads without the module knowing."""
+
+    def __init__(self, cfg: GatedDeltaNetConfig):
+        super().__init__()
+        self.cfg = cfg
+        conv_dim = 2 * cfg.key_dim + cfg.value_dim
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, cfg.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, cfg.num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, cfg.num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.conv_kernel, groups=conv_dim, bias=False,
+                                padding=cfg.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(cfg.num_value_heads))
+        self.A_log = nn.Parameter(torch.empty(cfg.num_value_heads).uniform_(0.01, 16).log())
+        self.norm = GatedRMSNorm(cfg.value_head_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cu_seqlens: Tensor, state: LinearState | None = None) -> tuple[Tensor, LinearState]:
+        cfg, L = self.cfg, x.shape[0]
+        dk, dv = cfg.key_head_dim, cfg.value_head_dim
+        mixed, window = causal_conv1d_varlen(self.in_proj_qkv(x), self.conv1d.weight[:, 0], cu_seqlens,
+                                             None if state is None else state.window)
+        hk = (mixed.shape[-1] - self.in_proj_z.out_features) // (2 * dk)  # this rank's key heads
+        q, k, v = mixed.split([hk * dk, hk * dk, mixed.shape[-1] - 2 * hk * dk], dim=-1)
+        beta = self.in_proj_b(x).sigmoid()
+        wide = torch.promote_types(x.dtype, torch.float32)  # the decay in fp32 at least (HF: .float())
+        g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
+        o, recurrent = gated_delta_rule_chunked(
+            q.reshape(L, -1, dk), k.reshape(L, -1, dk), v.reshape(L, -1, dv), g, beta, cu_seqlens,
+            chunk_size=cfg.chunk_size, initial_state=None if state is None else state.recurrent, qk_l2norm=True)
+        z = self.in_proj_z(x).reshape(L, -1, dv)
+        y = self.norm(o, z).reshape(L, -1)
+        return self.out_proj(y), LinearState(window, recurrent)
