@@ -20,7 +20,7 @@ from omniweave.models.components.deepstack import DeepStack
 from omniweave.models.components.mla import MLAttention, check_mla_config
 from omniweave.models.components.mlp import SwiGLU
 from omniweave.models.components.moe import ROUTERS, MoE, MoEConfig
-from omniweave.models.components.norm import RMSNorm
+from omniweave.models.components.norm import RMSNorm, ZeroCenteredRMSNorm
 from omniweave.models.components.rope import apply_rope, rope_cos_sin
 from omniweave.models.registry import register
 
@@ -79,6 +79,17 @@ class DecoderConfig:
     aux_loss_level: str = "global"  # global (data-parallel micro-step) | sequence (per document)
     router_z_loss_coef: float = 0.0
     bias_update_speed: float = 0.0  # aux-loss-free bias update (sigmoid router)
+    # Hybrid linear attention (family qwen3_5: Qwen3.5 / Qwen3-Next; components/linear_attention.py)
+    layer_types: list[str] | None = None  # per layer: full_attention | linear_attention (None: all full)
+    partial_rotary_factor: float = 1.0  # RoPE rotates this share of head_dim
+    attn_output_gate: bool = False  # a sigmoid gate on the attention output, from a doubled q_proj
+    norm_zero_centered: bool = False  # the decoder's RMSNorms as x̂ · (1 + w) (weights stored as w − 1)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    linear_chunk_size: int = 64  # the chunkwise gated delta rule's chunk (components/gated_delta.py)
     extra_hf: dict = field(default_factory=dict)  # HF config keys kept for export
 
     def __post_init__(self):
@@ -95,8 +106,9 @@ class DecoderConfig:
         if self.mrope_section is not None and sum(self.mrope_section) != self.rope_dim // 2:
             raise ValueError(f"mrope_section {self.mrope_section} must sum to {self.rope_dim // 2} "
                              f"(half the {'qk_rope_head_dim' if self.mla else 'head_dim'} {self.rope_dim})")  # fmt: skip
-        if self.family not in ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3"):
-            raise ValueError(f"family {self.family!r}: expected qwen2, llama, qwen3, qwen3_moe or deepseek_v3")
+        if self.family not in ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5"):
+            raise ValueError(f"family {self.family!r}: expected qwen2, llama, qwen3, qwen3_moe, deepseek_v3 or qwen3_5")
+        check_layer_types(self)
         if self.num_experts and (not self.num_experts_per_tok or not self.moe_intermediate_size):
             raise ValueError("num_experts > 0 needs num_experts_per_tok and moe_intermediate_size")
         if self.decoder_sparse_step < 1:
@@ -110,7 +122,11 @@ class DecoderConfig:
     @property
     def rope_dim(self) -> int:
         """The dims of a q / k head that RoPE rotates."""
-        return self.qk_rope_head_dim if self.mla else self.head_dim
+        return self.qk_rope_head_dim if self.mla else int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Layer ``layer`` mixes tokens with Gated DeltaNet instead of attention."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
     def moe_layers(self) -> list[int]:
         """The layers whose MLP is a MoE block (``moe_layer_indices``)."""
@@ -118,6 +134,41 @@ class DecoderConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers()
+
+
+LAYER_TYPES = ("full_attention", "linear_attention")
+
+
+def check_layer_types(cfg: DecoderConfig) -> None:
+    """``layer_types`` one known type per layer, and the linear layers' head settings."""
+    if cfg.layer_types is None:
+        return
+    types = list(cfg.layer_types)
+    if len(types) != cfg.num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for num_layers={cfg.num_layers}")
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"layer_types: unknown layer type(s) {unknown}; expected {' or '.join(LAYER_TYPES)}")
+    if "linear_attention" in types:
+        heads = {k: getattr(cfg, k) for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                              "linear_key_head_dim", "linear_value_head_dim")}
+        missing = [k for k, v in heads.items() if v < 1]
+        if missing:
+            raise ValueError(f"layer_types has linear_attention layers: set {', '.join(missing)} (>= 1)")
+
+
+def linear_attention_config(cfg: DecoderConfig):
+    """The Gated DeltaNet settings of a decoder's linear layers."""
+    from omniweave.models.components.linear_attention import GatedDeltaNetConfig
+
+    return GatedDeltaNetConfig(cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                               cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
+                               cfg.rms_norm_eps, cfg.linear_chunk_size)
+
+
+def norm_class(cfg: DecoderConfig):
+    """The decoder's RMSNorm: zero-centred (Qwen3.5) or plain."""
+    return ZeroCenteredRMSNorm if cfg.norm_zero_centered else RMSNorm
 
 
 def decoder_fields(cfg) -> dict:
@@ -199,17 +250,24 @@ class Attention(nn.Module):
         self.cfg, self.layer = cfg, layer
         self.attn_fn = None
         hd = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.qkv_bias)
+        # with an output gate each head's q_proj rows are [q | gate] (HF Qwen3_5Attention)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd * (2 if cfg.attn_output_gate else 1),
+                                bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.q_norm = norm_class(cfg)(hd, cfg.rms_norm_eps)
+            self.k_norm = norm_class(cfg)(hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, cu_seqlens, kv_cache: KVCache | None = None):
         L, hd = x.shape[0], self.cfg.head_dim
-        q = self.q_proj(x).view(L, -1, hd)
+        gate = None
+        if self.cfg.attn_output_gate:
+            q, gate = self.q_proj(x).view(L, -1, 2 * hd).chunk(2, dim=-1)
+            gate = gate.reshape(L, -1)
+        else:
+            q = self.q_proj(x).view(L, -1, hd)
         k = self.k_proj(x).view(L, -1, hd)
         v = self.v_proj(x).view(L, -1, hd)
         if self.cfg.qk_norm:
@@ -223,20 +281,37 @@ class Attention(nn.Module):
         else:
             out, _ = attn(q, k, v, cu_seqlens, cu_seqlens, True, self.cfg.sliding_window, backend=backend,
                           need_lse=False)
-        return self.o_proj(out.reshape(L, -1))
+        out = out.reshape(L, -1)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, layer) if cfg.mla else Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = norm_class(cfg)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.linear = cfg.is_linear_layer(layer)  # a Gated DeltaNet layer (its HF name: linear_attn)
+        if self.linear:
+            from omniweave.models.components.linear_attention import GatedDeltaNet
+
+            self.linear_attn = GatedDeltaNet(linear_attention_config(cfg))
+        else:
+            self.self_attn = MLAttention(cfg, layer) if cfg.mla else Attention(cfg, layer)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = layer_mlp(cfg, layer)
         self.routed = isinstance(self.mlp, MoE)
 
+    def mix(self, h, cos, sin, cu_seqlens, kv_cache=None):
+        """The token mixer: attention, or the linear layer's (state from zero at every document)."""
+        if not self.linear:
+            return self.self_attn(h, cos, sin, cu_seqlens, kv_cache)
+        if kv_cache is not None:
+            raise NotImplementedError("generation with linear-attention layers (layer_types) needs their "
+                                      "recurrent cache, which is not built yet")
+        return self.linear_attn(h, cu_seqlens)[0]
+
     def forward(self, x, cos, sin, cu_seqlens, kv_cache=None, token_valid=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, kv_cache)
+        x = x + self.mix(self.input_layernorm(x), cos, sin, cu_seqlens, kv_cache)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, cu_seqlens, token_valid) if self.routed else self.mlp(h))
 
@@ -248,7 +323,7 @@ class Decoder(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_weights()
 

@@ -23,3 +23,16 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm whose weight is stored as w − 1: x̂ · (1 + w), in float32 then cast (Qwen3.5 /
+    Qwen3-Next's decoder norms, HF Qwen3_5RMSNorm); weight init zeros."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)

@@ -129,9 +129,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [L, H, head_dim] by cos/sin [L, head_dim] (computed in float32)."""
+    """Rotate x [L, H, head_dim] by cos/sin [L, rope_dim] (computed in float32); with rope_dim <
+    head_dim (partial rotary: Qwen3.5, Qwen3-Next) the first rope_dim dims, the rest passed through."""
     xf = x.float()
     cos, sin = cos[:, None, :].float(), sin[:, None, :].float()
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        rot = xf[..., :d]
+        return torch.cat([rot * cos + rotate_half(rot) * sin, xf[..., d:]], -1).to(x.dtype)
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
