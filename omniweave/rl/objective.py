@@ -21,7 +21,7 @@ from torch import Tensor
 
 from omniweave.rl.batch import num_sequences
 from omniweave.rl.grpo import grpo_token_loss, kl_k3, policy_loss
-from omniweave.train.objective import Objective, Target
+from omniweave.train.objective import Objective, Target, slot_sums
 
 
 class GRPOObjective(Objective):
@@ -48,9 +48,7 @@ class GRPOObjective(Objective):
         kl = kl_k3(logp, td["ref_logp"]) if "ref_logp" in td else zero
         values = torch.stack([torch.where(mask, logp - td["old_logp"].float(), zero), mask.float(),
                               torch.where(mask, kl, zero), torch.where(mask, td["advantages"].float(), zero)], 1)
-        seqs = int(target.row["num_seqs"][0])
-        out = values.new_zeros(seqs + 1, 4).index_add(0, td["seq_slot"].long(), values)
-        return out[1:]
+        return slot_sums(values, td["seq_slot"], int(target.row["num_seqs"][0]))
 
     def from_sums(self, sums: Tensor, target: Target) -> tuple[Tensor, dict[str, Tensor]]:
         if self.cp > 1:  # each cp rank holds a share of every sequence's tokens

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from omniweave.errors import UserError
-from omniweave.train.objective import Objective, Target
+from omniweave.train.objective import Objective, Target, slot_sums
 from omniweave.train.parallel_model import frozen_reference
 
 LOSSES = ("sigmoid", "ipo")
@@ -111,9 +111,7 @@ def dpo_loss(policy: Tensor, ref: Tensor, cfg: DPOConfig, lengths: Tensor | None
 
 def sequence_logps(token_logp: Tensor, pair_slot: Tensor, num_pairs: int) -> Tensor:
     """[P, 2] (chosen, rejected) sums of the token values in each slot (1 + 2p + side; 0: none)."""
-    sums = token_logp.new_zeros(2 * num_pairs + 1, dtype=torch.float32)
-    sums = sums.index_add(0, pair_slot.to(torch.long), token_logp.float())
-    return sums[1:].view(num_pairs, 2)
+    return slot_sums(token_logp, pair_slot, 2 * num_pairs).view(num_pairs, 2)
 
 
 def live_pairs(pair_slot: Tensor) -> int:
@@ -128,6 +126,11 @@ def pair_slots(labels: Tensor, cu_seqlens: Tensor, sides: list[str]) -> Tensor:
     expected = ["chosen", "rejected"] * (len(sides) // 2)
     if sides != expected:
         raise ValueError(f"a pair row's documents must alternate chosen, rejected; got {sides}")
+    return document_slots(labels, cu_seqlens)
+
+
+def document_slots(labels: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """int64 [L]: 1 + the index of each loss token's document in the packed row, 0 elsewhere."""
     bounds = cu_seqlens.to(torch.long)
     doc = torch.searchsorted(bounds[1:], torch.arange(labels.shape[0]), right=True)
     return torch.where(labels != -100, 1 + doc, 0)

@@ -132,11 +132,6 @@ def join_process(cfg, timeout=None):
     return info, rank, world, device
 
 
-def _placed(mb: dict) -> dict:
-    """A micro-batch already sharded and on the device (Engine.optimizer_step's pre-pass)."""
-    return mb
-
-
 class Engine:
     """Set-up and the optimizer step shared by the training modes (see the module docstring)."""
 
@@ -298,16 +293,15 @@ class Engine:
                                           for k in objective.stat_keys}
         t0 = time.perf_counter()
 
-        def place(mb):  # this rank's CP shard of a micro-batch, on the device
-            return to_device(shard_micro_batch(mb, self.dims.cp, self.meshes.cp_rank, self.dims.tp), self.device)
-
-        if objective.step_pre_pass:  # KTO's reference point: a no-grad pass over all the step's rows first
-            micro_batches = [place(mb) for mb in micro_batches]
+        # this rank's CP shard of each micro-batch, on the device: one at a time, unless the objective
+        # needs a no-grad pass over all of the step's rows first (KTO's reference point)
+        placed = (to_device(shard_micro_batch(mb, self.dims.cp, self.meshes.cp_rank, self.dims.tp), self.device)
+                  for mb in micro_batches)
+        if objective.step_pre_pass:
+            placed = list(placed)
             with autocast(self.device, self.precision, self.fsdp):
-                objective.prepare_step(self.model, micro_batches)
-            place = _placed
-        for i, mb in enumerate(micro_batches):
-            mb = place(mb)
+                objective.prepare_step(self.model, placed)
+        for i, mb in enumerate(placed):
             last = i == len(micro_batches) - 1
             if self.fsdp:
                 self.model.set_requires_gradient_sync(last)

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from omniweave.train.dpo import Reference, sum_over_group
-from omniweave.train.objective import Objective, Target
+from omniweave.train.dpo import Reference, document_slots, sum_over_group
+from omniweave.train.objective import Objective, Target, slot_sums
 from omniweave.train.preference import KTOConfig, kto_loss
 
 KTO_LINE = (("loss", "loss", ".4f"), ("kl", "kl", ".3f"), ("margin", "reward_margin", ".3f"),
@@ -54,18 +54,9 @@ def kto_token_data(labels: Tensor, cu_seqlens: Tensor, docs: list[dict]) -> tupl
     n = sum("kto" in d for d in docs)
     if len(docs) != 2 * n or any("kto" not in d for d in docs[:n]) or any(not d.get("kto_kl") for d in docs[n:]):
         raise ValueError(f"a KTO row holds n completions then n KL documents; got {len(docs)} documents, {n} tagged")
-    bounds = cu_seqlens.to(torch.long)
-    doc = torch.searchsorted(bounds[1:], torch.arange(labels.shape[0]), right=True)
-    scored = labels != -100
-    desirable = torch.tensor([bool(d["kto"]) for d in docs[:n]] + [False] * n)
-    return {"kto_slot": torch.where(scored, 1 + doc, 0),
-            "kto_desirable": (scored & desirable[doc]).to(torch.float32)}, n
-
-
-def slot_sums(values: Tensor, slots: Tensor, num_slots: int) -> Tensor:
-    """[num_slots, ...] sums of ``values`` [L, ...] over the tokens of each slot 1..num_slots (0: none)."""
-    out = values.new_zeros((num_slots + 1, *values.shape[1:]), dtype=torch.float32)
-    return out.index_add(0, slots.to(torch.long), values.float())[1:]
+    slots = document_slots(labels, cu_seqlens)
+    desirable = torch.tensor([False] + [bool(d["kto"]) for d in docs[:n]] + [False] * n)  # by slot
+    return {"kto_slot": slots, "kto_desirable": desirable[slots].to(torch.float32)}, n
 
 
 def live_completions(slots: Tensor, n: int) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 
@@ -51,6 +52,13 @@ class Target:
     @classmethod
     def of(cls, batch: dict, row: dict | None = None) -> "Target":
         return cls(batch["labels"], dict(batch.get("token_data") or {}), dict(row or {}))
+
+
+def slot_sums(values: Tensor, slots: Tensor, num_slots: int) -> Tensor:
+    """[num_slots, ...] fp32 sums of ``values`` [L, ...] over the tokens of each slot 1..num_slots
+    (0: none): the per-row sums of a sequence-level objective (pairs', sequences', completions')."""
+    out = values.new_zeros((num_slots + 1, *values.shape[1:]), dtype=torch.float32)
+    return out.index_add(0, slots.to(torch.long), values.float())[1:]
 
 
 class Objective:

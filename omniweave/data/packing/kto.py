@@ -22,10 +22,9 @@ Rejected with a counted reason: ``no_kto_tag`` (SFT or preference data packed wi
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
+from omniweave.data.packing.pairs import answer_document
 from omniweave.data.sample import RawSample, TokenizedSample
 from omniweave.data.text.template import IGNORE_INDEX
 from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
@@ -40,25 +39,14 @@ def tokenize_kto(proc: SampleProcessor, raw: RawSample) -> list[tuple[TokenizedS
         raise SampleRejected("no_kto_tag", "no KTO desirability (a bool `kto_tag`, or `label`, column: docs/dpo.md)")
     prompt = proc.tokenize_prompt(raw, bounded=True)
     n = len(prompt)
-    sample = proc.tokenize(raw)
-    if sample.truncated:
-        raise SampleRejected("too_long", f"the completion does not fit data.max_len {proc.max_len}")
-    if len(sample) <= n or not np.array_equal(sample.input_ids[:n], prompt.input_ids):
-        raise SampleRejected("prompt_not_prefix", "the completion's document does not start with the prompt's tokens")
-    labels = sample.labels.copy()
-    labels[:n] = IGNORE_INDEX  # only the final answer is scored
-    if not (labels != IGNORE_INDEX).any():
-        raise SampleRejected("no_assistant_turn", "the answer has no loss tokens")
-    if any(end > n for _, end, _ in sample.loss_weights or ()):
-        raise SampleRejected("fractional_loss_weight", "the answer has a fractional loss_weight, which KTO cannot "
-                             "honour (it scores the answer's whole log-prob)")
+    sample = answer_document(proc, raw, prompt, "completion", "KTO")
     if any(m.start + m.length > n for m in sample.media):
         raise SampleRejected("media_in_answer", "the answer holds media; a KL document pairs answers with other "
                              "prompts, so an answer must be text")
     if PLANNED_LENGTH_FACTOR * len(sample) > proc.max_len:
         raise SampleRejected("too_long", f"the completion needs {PLANNED_LENGTH_FACTOR} x {len(sample)} tokens "
                              f"(itself and its KL document's share) > data.max_len {proc.max_len}")
-    return [(dataclasses.replace(sample, labels=labels, loss_weights=None), {"kto": bool(tag), "answer_start": n})]
+    return [(sample, {"kto": bool(tag), "answer_start": n})]
 
 
 def kl_document(prompt_doc: TokenizedSample, prompt_len: int, answer_doc: TokenizedSample,

@@ -35,28 +35,37 @@ def with_rejected_answer(raw: RawSample) -> RawSample:
     return dataclasses.replace(raw, conversation=dataclasses.replace(conv, messages=messages))
 
 
+def answer_document(proc: SampleProcessor, raw: RawSample, prompt: TokenizedSample, who: str,
+                    mode: str) -> TokenizedSample:
+    """``raw`` tokenized whole with loss labels on its final answer only (after ``prompt``'s tokens,
+    which it must start with; earlier assistant turns are context): the document of a preference
+    pair's side or of a KTO completion (data/packing/kto.py). ``who`` names it and ``mode`` the
+    loss in the rejects' messages (too_long, prompt_not_prefix, no_assistant_turn,
+    fractional_loss_weight: a whole-answer loss has no per-turn weight to apply)."""
+    n = len(prompt)
+    sample = proc.tokenize(raw)
+    if sample.truncated:
+        raise SampleRejected("too_long", f"the {who} does not fit data.max_len {proc.max_len}")
+    if len(sample) <= n or not np.array_equal(sample.input_ids[:n], prompt.input_ids):
+        raise SampleRejected("prompt_not_prefix", f"the {who}'s document does not start with the prompt's tokens")
+    labels = sample.labels.copy()
+    labels[:n] = IGNORE_INDEX  # only the final answer is scored
+    if not (labels != IGNORE_INDEX).any():
+        raise SampleRejected("no_assistant_turn", f"the {who}'s answer has no loss tokens")
+    if any(end > n for _, end, _ in sample.loss_weights or ()):
+        raise SampleRejected("fractional_loss_weight", f"the {who}'s answer has a fractional loss_weight, which "
+                             f"{mode} cannot honour (it scores whole answers' log-probs)")
+    return dataclasses.replace(sample, labels=labels, loss_weights=None)
+
+
 def tokenize_pair(proc: SampleProcessor, raw: RawSample) -> list[tuple[TokenizedSample, dict]]:
     """[(chosen document, {"side": "chosen"}), (rejected document, {"side": "rejected", "same_media_as": -1})]:
     the second document's media are those of the document before it."""
     if not raw.conversation.meta.get("rejected"):
         raise SampleRejected("not_a_pair", "no rejected answer (convert preference rows: docs/dpo.md)")
     prompt = proc.tokenize_prompt(raw, bounded=True)
-    n = len(prompt)
-    docs = []
-    for side, sample_raw in zip(SIDES, (raw, with_rejected_answer(raw))):
-        sample = proc.tokenize(sample_raw)
-        if sample.truncated:
-            raise SampleRejected("too_long", f"the {side} side does not fit data.max_len {proc.max_len}")
-        if len(sample) <= n or not np.array_equal(sample.input_ids[:n], prompt.input_ids):
-            raise SampleRejected("prompt_not_prefix", f"the {side} document does not start with the prompt's tokens")
-        labels = sample.labels.copy()
-        labels[:n] = IGNORE_INDEX  # only the final answer is scored
-        if not (labels != IGNORE_INDEX).any():
-            raise SampleRejected("no_assistant_turn", f"the {side} answer has no loss tokens")
-        if any(end > n for _, end, _ in sample.loss_weights or ()):  # DPO scores whole answers: no weight to apply
-            raise SampleRejected("fractional_loss_weight", f"the {side} answer has a fractional loss_weight, which "
-                                 "DPO cannot honour (it compares the answers' whole log-probs)")
-        docs.append((dataclasses.replace(sample, labels=labels, loss_weights=None), {"side": side}))
+    docs = [(answer_document(proc, sample_raw, prompt, f"{side} side", "DPO"), {"side": side})
+            for side, sample_raw in zip(SIDES, (raw, with_rejected_answer(raw)))]
     (chosen, _), (rejected, info) = docs
     info["same_media_as"] = -1  # the document before: the chosen side, same prompt, same media
     if np.array_equal(chosen.input_ids, rejected.input_ids):
