@@ -12,7 +12,11 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)  # fmt: skip
@@ -37,12 +41,41 @@ DEEPSEEK_V3 = dict(vocab_size=1024, hidden_size=48, intermediate_size=72, moe_in
                                     "mscale_all_dim": 0.8, "original_max_position_embeddings": 16, "beta_fast": 32,
                                     "beta_slow": 1})  # fmt: skip
 
+# Qwen3.5 / Qwen3-Next hybrids: Gated DeltaNet layers (2 key heads of 10, 4 value heads of 14: two value
+# heads per key head, so Qwen3-Next's per-key-head grouping of in_proj_qkvz matters) around gated full
+# attention (6 heads of 12, 2 kv heads, half of each head rotated); MoE: 5 experts, top-2,
+# a gated shared expert of width 28; Qwen3-Next keeps layer 1 dense (mlp_only_layers).
+HYBRID = dict(vocab_size=1024, hidden_size=40, intermediate_size=56, num_hidden_layers=4, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=12, max_position_embeddings=4096,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=10, linear_value_head_dim=14,
+              linear_conv_kernel_dim=4)  # fmt: skip
+HYBRID_MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=28)
+
+
+def _hybrid_rope(mrope: bool = False) -> dict:
+    return {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5,
+            **({"mrope_section": [2, 1, 0], "mrope_interleaved": True} if mrope else {})}  # fmt: skip
+
+
+def _qwen3_5_moe_text(tied):
+    kw = {k: v for k, v in HYBRID.items() if k != "intermediate_size"}
+    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**kw, **HYBRID_MOE, tie_word_embeddings=tied,
+                                                      rope_parameters=_hybrid_rope()))
+
+
 FAMILIES = {
     "qwen2": lambda tied: Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),  # noqa: E501
     "llama": lambda tied: LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tied, rope_parameters=LLAMA3_ROPE)),
     "qwen3": lambda tied: Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=tied)),
     "qwen3_moe": lambda tied: Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE, tie_word_embeddings=tied)),
     "deepseek_v3": lambda tied, **kw: DeepseekV3ForCausalLM(DeepseekV3Config(**{**DEEPSEEK_V3, **kw}, tie_word_embeddings=tied)),
+    "qwen3_5_text": lambda tied: Qwen3_5ForCausalLM(Qwen3_5TextConfig(**HYBRID, tie_word_embeddings=tied,
+                                                                      rope_parameters=_hybrid_rope())),
+    "qwen3_5_moe_text": _qwen3_5_moe_text,
+    "qwen3_next": lambda tied: Qwen3NextForCausalLM(Qwen3NextConfig(**HYBRID, **HYBRID_MOE, mlp_only_layers=[1],
+                                                                    tie_word_embeddings=tied,
+                                                                    rope_parameters=_hybrid_rope())),
 }
 
 

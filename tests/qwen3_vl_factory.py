@@ -29,6 +29,19 @@ VISION = dict(depth=3, hidden_size=32, intermediate_size=40, num_heads=2, out_hi
               num_position_embeddings=36, deepstack_visual_indexes=[0, 1])  # fmt: skip
 
 
+# Qwen3.5 / Qwen3.5-MoE: the same tower without DeepStack over the hybrid decoder (linear, full, linear
+# layers; 2 key heads of 10, 4 value heads of 14; gated attention with half of each 20-dim head
+# rotated: 5 bands, interleaved [2, 2, 1]); MoE: 5 experts, top-2, a gated shared expert of 28.
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+HYBRID_TEXT = dict({k: v for k, v in TEXT.items() if k != "rope_parameters"},
+                   layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=10, linear_value_head_dim=14,
+                   rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5,
+                                    "mrope_section": [2, 2, 1], "mrope_interleaved": True})  # fmt: skip
+HYBRID_MOE = dict(moe_intermediate_size=36, num_experts=5, num_experts_per_tok=2, shared_expert_intermediate_size=28)
+HYBRID_VISION = {k: v for k, v in VISION.items() if k != "deepstack_visual_indexes"}
+
+
 def tiny_hf_config(family: str, tie: bool = False):
     import transformers
 
@@ -36,6 +49,11 @@ def tiny_hf_config(family: str, tie: bool = False):
                vision_end_token_id=VISION_END, tie_word_embeddings=tie)  # fmt: skip
     if family == "qwen3_vl":
         return transformers.Qwen3VLConfig(text_config=TEXT, vision_config=VISION, **ids)
+    if family == "qwen3_5":
+        return transformers.Qwen3_5Config(text_config=HYBRID_TEXT, vision_config=HYBRID_VISION, **ids)
+    if family == "qwen3_5_moe":
+        text = {k: v for k, v in HYBRID_TEXT.items() if k != "intermediate_size"}
+        return transformers.Qwen3_5MoeConfig(text_config={**text, **HYBRID_MOE}, vision_config=HYBRID_VISION, **ids)
     return transformers.Qwen3VLMoeConfig(text_config={**TEXT, **MOE}, vision_config=VISION, **ids)
 
 
@@ -43,7 +61,9 @@ def hf_class(family: str):
     import transformers
 
     return {"qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
-            "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration}[family]  # fmt: skip
+            "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
+            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+            "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}[family]  # fmt: skip
 
 
 def save_tiny(family: str, path: Path, seed: int = 0, tie: bool = False):

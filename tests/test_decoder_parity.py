@@ -9,7 +9,8 @@ from omniweave.models.hf.loading import load_hf
 from tests.hf_factory import save_tiny
 
 FAMILIES = [("qwen2", False), ("qwen2", True), ("llama", False), ("qwen3", False), ("qwen3", True), ("qwen3_moe", False),
-            ("deepseek_v3", False)]
+            ("deepseek_v3", False), ("qwen3_5_text", False), ("qwen3_5_text", True), ("qwen3_5_moe_text", False),
+            ("qwen3_next", False)]
 
 
 def _pair(tmp_path, family, tied):
@@ -30,16 +31,28 @@ def test_logits_and_gradients_match_transformers(tmp_path, family, tied):
     F.cross_entropy(ref, labels, reduction="sum").backward()
     ours({"input_ids": ids, "labels": labels}).loss_sum.backward()
     hf_params = dict(hf.named_parameters())
+    checked = 0
+    for name, grad in _grads_by_hf_name(ours, cfg, family).items():
+        hp = hf_params[name]
+        rel = (grad - hp.grad).norm() / hp.grad.norm().clamp_min(1e-12)
+        # a Gated DeltaNet's decay parameters sum gradients of both signs over every token: fp32
+        # cancellation (tests/test_qwen3_5_decoder.py measured HF itself 2.9e-4 off an fp64 run)
+        tol = 5e-4 if name.endswith(("dt_bias", "A_log")) else 1e-4
+        assert rel.item() <= tol, (name, rel.item())
+        checked += 1
+    assert checked == len(hf_params)
+
+
+def _grads_by_hf_name(ours, cfg, family) -> dict:
+    """Our gradients under the names of transformers' in-memory model (3-D experts, as ours), and
+    Qwen3-Next's linear-layer projections grouped by the export's own pass, so that each is
+    compared with HF's whole tensor."""
     from omniweave.models.hf.loading import adapter_for
 
     adapter = adapter_for(family)
-    checked = 0
-    for name, p in ours.named_parameters():
-        hp = hf_params[adapter.model_name_to_hf(name)]
-        rel = (p.grad - hp.grad).norm() / hp.grad.norm().clamp_min(1e-12)
-        assert rel.item() <= 1e-4, (name, rel.item())
-        checked += 1
-    assert checked == len(hf_params)
+    adapter.model_config_to_hf(ours)  # a stateful adapter reads its sizes (Qwen3-Next)
+    grads = {adapter.model_name_to_hf(name): p.grad for name, p in ours.named_parameters()}
+    return adapter.tensors_to_hf(grads) if hasattr(adapter, "tensors_to_hf") else grads
 
 
 def test_packed_row_equals_documents_alone(tmp_path):

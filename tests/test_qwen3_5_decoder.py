@@ -82,3 +82,24 @@ def test_unknown_layer_types_and_missing_linear_heads_are_refused_in_one_line():
         DecoderConfig(**base, layer_types=["full_attention"])
     with pytest.raises(ValueError, match=r"set linear_num_key_heads, linear_num_value_heads, linear_key_head_dim"):
         DecoderConfig(**base, layer_types=["full_attention", "linear_attention"])
+
+
+def test_cost_model_counts_attention_work_of_the_full_layers_only():
+    """A hybrid decoder's Σ len² term is its full-attention layers' (2 of 4 in qwen3_5_tiny); the
+    linear layers' scan is per-token work (b) that a dense-attention model of the same sizes lacks."""
+    import yaml
+
+    from omniweave.parallel.cost_model import CostModel, linear_scan_equivalent
+
+    f = yaml.safe_load(open("omniweave/configs/models/foundation/qwen3_5_tiny.yaml"))
+    cm = CostModel.from_model_config({"foundation": f})
+    assert cm.a == 6 * 2 * f["num_heads"] * f["head_dim"]
+    scan = linear_scan_equivalent(DecoderConfig(**{k: v for k, v in f.items() if k not in ("name", "freeze", "tp")}))
+    assert scan == 4 * (64 * (10 + 14) // 2 + 2 * 10 * 14)  # 4 value heads, chunk 64, dk 10, dv 14
+
+
+def test_a_gated_shared_expert_excludes_deepseek_shared_experts():
+    from omniweave.models.components.moe import MoEConfig
+
+    with pytest.raises(ValueError, match="exclude each other"):
+        MoEConfig(40, 20, 4, 2, n_shared_experts=1, shared_expert_intermediate_size=28)

@@ -191,7 +191,8 @@ def test_flop_counts_use_active_parameters():
     assert decoder_params(f) - decoder_params(dense) == 8 * 64 + 3 * 64 * (128 - 64)  # router; layer 1's dense 128
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3_tiny", "deepseek_v3", "qwen3_moe_demo", "qwen2_5_tiny", "llama3_8b"])
+@pytest.mark.parametrize("name", ["deepseek_v3_tiny", "deepseek_v3", "qwen3_moe_demo", "qwen2_5_tiny", "llama3_8b",
+                                  "qwen3_5_tiny", "qwen3_5_moe_tiny", "qwen3_next_tiny", "qwen3_5_35b_a3b"])
 def test_cost_model_counts_what_mfu_counts(name):
     """The DP cost model's parameter formula (no weights) equals the model counted on the meta
     device by the MFU estimate: MLA attention, MoE layers with shared experts, dense models

@@ -159,3 +159,84 @@ def test_tiny_qwen3_vl_recipe_trains_on_packed_data(name, tmp_path):
     for part in ("image_encoder.pos_embed.weight", "projector.deepstack_merger_list.1.linear_fc1.weight",
                  "foundation.layers.0.self_attn.q_proj.weight"):  # fmt: skip
         assert model.get_parameter(part).grad.abs().sum() > 0, part
+
+
+# Qwen3.5 / Qwen3-Next (issue 34): parameters of the LLM + tower as built here, checked against the
+# published sizes' names (9B, 35B total / 3B active, 80B total / 3B active) within the rounding of a name
+HYBRID = {"qwen3_5_9b": (9.4e9, "qwen3_5", 27), "qwen3_5_35b_a3b": (35.1e9, "qwen3_5_moe", 27),
+          "qwen3_next_80b_a3b": (79.7e9, "qwen3_next", 0)}
+
+
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_hybrid_recipes_build_on_meta_with_the_named_sizes(name):
+    from omniweave.models.hf.export import hf_model_type
+    from omniweave.train.metrics import foundation_flop_counts
+
+    cfg = load_recipe(name)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    size, family, vit_depth = HYBRID[name]
+    assert abs(_params(model) - size) / size < 0.01, f"{name}: {_params(model) / 1e9:.3f}B"
+    assert hf_model_type(model) == family
+    f = model.foundation.config
+    assert f.layer_types.count("full_attention") * 4 == f.num_layers and f.partial_rotary_factor == 0.25
+    if vit_depth:
+        assert len(model.image_encoder.blocks) == vit_depth and model.projector.cfg.deepstack_levels == 0
+        assert f.mrope_section == [11, 11, 10] and f.mrope_interleaved
+    if f.num_experts:  # "A3B": about 3B parameters per token through the layers and the LM head
+        assert 2.5e9 < foundation_flop_counts(model.foundation)[0] < 4e9
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3_5", "tiny_qwen3_5_moe"])
+def test_tiny_qwen3_5_recipes_train_on_packed_images_and_videos(name, tmp_path):
+    """Pack with the recipe (timestamped videos), collate, forward + backward through the tower,
+    the merger, a linear layer, a full-attention layer (and the MoE's shared expert)."""
+    from omniweave.cli import main
+    from omniweave.config import to_dict
+    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
+    from omniweave.data.packing.packed import PackedDataset
+    from tests.fakes_data import make_samples, write_raw
+
+    raw = write_raw(tmp_path / "raw", make_samples(n_text=2, n_image=3, n_video=2, rejects=False))
+    assert main(["data", "pack", "--input", str(raw), "--output", str(tmp_path / "packed"), "--recipe", name,
+                 "--workers", "1", "data.max_len=2048"]) == 0  # fmt: skip
+    cfg = load_recipe(name, [f"data.path={tmp_path / 'packed'}", "data.max_len=2048"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    data_cfg = {k: v for k, v in to_dict(cfg.data).items() if k not in LOADER_ONLY_KEYS}
+    packs = [collate_pack(p, data_cfg) for p in PackedDataset(tmp_path / "packed")]
+    batch = next(b for b in packs if b["media_spans"].shape[0] > b["grid_thw"].shape[0])  # holds a video
+    out = model(batch)
+    out.loss_sum.backward()
+    assert torch.isfinite(out.loss_sum) and int(out.num_tokens) > 0
+    parts = ["image_encoder.pos_embed.weight", "projector.merger.linear_fc1.weight",
+             "foundation.layers.0.linear_attn.in_proj_qkv.weight", "foundation.layers.1.self_attn.q_proj.weight"]
+    if name.endswith("moe"):
+        parts.append("foundation.layers.0.mlp.shared_expert_gate.weight")
+    for part in parts:
+        assert model.get_parameter(part).grad.abs().sum() > 0, part
+
+
+def test_tiny_qwen3_next_recipe_trains_on_packed_text(tmp_path):
+    """A text-only hybrid MoE recipe: packs of text (1-D positions), forward + backward through a
+    linear layer, a full-attention layer, a MoE layer's shared expert and the dense layer 1."""
+    from omniweave.cli import main
+    from omniweave.config import to_dict
+    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
+    from omniweave.data.packing.packed import PackedDataset
+    from tests.fakes_data import make_samples, write_raw
+
+    raw = write_raw(tmp_path / "raw", make_samples(n_text=6, n_image=0, n_video=0, rejects=False))
+    assert main(["data", "pack", "--input", str(raw), "--output", str(tmp_path / "packed"), "--recipe",
+                 "tiny_qwen3_next", "--workers", "1"]) == 0  # fmt: skip
+    cfg = load_recipe("tiny_qwen3_next", [f"data.path={tmp_path / 'packed'}"])
+    model = build_model(cfg.model)
+    data_cfg = {k: v for k, v in to_dict(cfg.data).items() if k not in LOADER_ONLY_KEYS}
+    batch = collate_pack(next(iter(PackedDataset(tmp_path / "packed"))), data_cfg)
+    assert batch["position_ids"].shape[0] == 1 and batch["cu_seqlens"].numel() > 2
+    out = model(batch)
+    out.loss_sum.backward()
+    assert torch.isfinite(out.loss_sum) and int(out.num_tokens) > 0
+    for part in ("foundation.layers.0.linear_attn.A_log", "foundation.layers.1.self_attn.q_proj.weight",
+                 "foundation.layers.2.mlp.shared_expert.up_proj.weight", "foundation.layers.1.mlp.up_proj.weight"):
+        assert model.get_parameter(part).grad.abs().sum() > 0, part

@@ -103,6 +103,7 @@ COMPONENT_MODULES = [
     "omniweave.models.hf.qwen2_5_vl",
     "omniweave.models.components.qwen3_vit",
     "omniweave.models.hf.qwen3_vl",
+    "omniweave.models.hf.qwen3_5",
     "omniweave.models.components.audio_encoder",
     "omniweave.models.components.audio_projector",
     "omniweave.models.hf.qwen2_audio",

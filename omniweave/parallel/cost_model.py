@@ -11,9 +11,11 @@ estimate counts on the built model (tests/test_qwen3_moe.py).
 Starting coefficients (``CostModel.from_model_config``), in FLOPs of forward + backward:
 
 - ``b`` = passes · N_dec: every decoder token runs every decoder matmul once (N_dec = the
-  non-embedding parameters plus the LM head's matmul; passes = 6 when the decoder trains,
+  non-embedding parameters plus the LM head's matmul, and a hybrid model's linear-attention scan
+  in parameter-equivalents, ``linear_scan_equivalent``; passes = 6 when the decoder trains,
   4 when it is frozen but gradients flow through it to a trained encoder or projector, else 2).
-- ``a`` = (2 + 4·grad) · layers · heads · head_dim: causal varlen attention, QKᵀ and AV over
+- ``a`` = (2 + 4·grad) · layers · heads · head_dim: causal varlen attention (the full-attention
+  layers only, where ``layer_types`` mixes in linear ones), QKᵀ and AV over
   len²/2 pairs per document, the same estimate as ``train.metrics.step_flops``; sliding windows
   are not modelled.
 - ``c`` = a · 128² / 2: a per-document overhead, the half-filled 128×128 diagonal tile a flash
@@ -118,7 +120,9 @@ class CostModel:
         vit_trains, proj_trains, audio_trains, audio_proj_trains, dec_trains = (
             model_cfg.get(k) is not None and not common_config(model_cfg.get(k)).freeze
             for k in ("image_encoder", "projector", "audio_encoder", "audio_projector", "foundation"))
-        h, heads, layers = dec.hidden_size, dec.num_heads, dec.num_layers
+        # the Σ len² term is the full-attention layers' (a hybrid model's linear layers are in b)
+        h, heads = dec.hidden_size, dec.num_heads
+        layers = sum(not dec.is_linear_layer(i) for i in range(dec.num_layers))
         hd = dec.head_dim
         if dec.family == "deepseek_v3":  # MLA: q·k over qk dims, p·v over v dims
             hd = (dec.qk_nope_head_dim + dec.qk_rope_head_dim + dec.v_head_dim) // 2
@@ -191,15 +195,37 @@ def decoder_params(dec) -> int:
     h, heads, kv, inter, hd = dec.hidden_size, dec.num_heads, dec.num_kv_heads, dec.intermediate_size, dec.head_dim
     if dec.family == "deepseek_v3":
         attention = _mla_params(dec)
-    else:
-        attention = (heads + 2 * kv) * hd * (h + dec.qkv_bias) + heads * hd * h
-    norms = 2 * h + (2 * hd if dec.qk_norm else 0)
+    else:  # an output gate doubles q_proj (Qwen3.5)
+        attention = (heads * (1 + dec.attn_output_gate) + 2 * kv) * hd * (h + dec.qkv_bias) + heads * hd * h
+    attention += 2 * hd if dec.qk_norm else 0
     layers, moe = dec.num_layers, len(dec.moe_layers())
+    linear = sum(dec.is_linear_layer(i) for i in range(layers))
     dense_mlp = 3 * h * inter
     active = dec.num_experts_per_tok + dec.n_shared_experts
     moe_mlp = 3 * h * (dec.moe_intermediate_size or 0) * active + dec.num_experts * h
+    if dec.shared_expert_intermediate_size:  # the gated shared expert and its [1, D] gate
+        moe_mlp += 3 * h * dec.shared_expert_intermediate_size + h
     mlp = (layers - moe) * dense_mlp + moe * moe_mlp
-    return layers * (attention + norms) + mlp + h + dec.vocab_size * h
+    mixers = (layers - linear) * attention + linear * (linear_layer_params(dec) + linear_scan_equivalent(dec))
+    return mixers + layers * 2 * h + mlp + h + dec.vocab_size * h
+
+
+def linear_layer_params(dec) -> int:
+    """A Gated DeltaNet layer's parameters (components/linear_attention.py): in_proj_qkv / z / b / a,
+    the depthwise convolution over q|k|v, dt_bias and A_log per value head, the gated norm, out_proj."""
+    h, nk, nv = dec.hidden_size, dec.linear_num_key_heads, dec.linear_num_value_heads
+    key, value = nk * dec.linear_key_head_dim, nv * dec.linear_value_head_dim
+    conv = (2 * key + value) * dec.linear_conv_kernel_dim
+    return h * (2 * key + value) + h * value + 2 * h * nv + conv + 2 * nv + dec.linear_value_head_dim + value * h
+
+
+def linear_scan_equivalent(dec) -> int:
+    """The chunked gated delta rule's work per token of one linear layer, in parameter-equivalents
+    (forward FLOPs / 2, as a weight's matmul costs 2 per parameter): per value head, the causal
+    intra-chunk scores and values (half a chunk of keys on average: C/2 · (dk + dv)) and the state
+    read and update (2 · dk · dv). Linear in length, unlike attention's Σ len² term."""
+    dk, dv, c = dec.linear_key_head_dim, dec.linear_value_head_dim, dec.linear_chunk_size
+    return dec.linear_num_value_heads * (c * (dk + dv) // 2 + 2 * dk * dv)
 
 
 def _mla_params(dec) -> int:

@@ -60,11 +60,14 @@ def model_flop_counts(model: nn.Module) -> tuple[int, int, int]:
 
 
 def foundation_flop_counts(f: nn.Module) -> tuple[int, int, int]:
-    """A decoder's (non-embedding parameters a token uses, layers, attention width): routed MoE
-    experts count k of E (DeepSeek-V3: 37B of 671B), the LM head counts even when tied, the width
+    """A decoder's (non-embedding parameters a token uses, attention layers, attention width): routed
+    MoE experts count k of E (DeepSeek-V3: 37B of 671B), the LM head counts even when tied, the width
     is heads · (qk + v head dims) / 2 (= hidden for most decoders; MLA's qk 192 and v 128 differ).
+    A hybrid model (``layer_types``) counts its full-attention layers only for the Σ len² term and
+    adds its linear layers' scan to the per-token work (``cost_model.linear_scan_equivalent``).
     Works on the meta device (the DP cost model counts a recipe's foundation without weights)."""
     from omniweave.models.components.moe import MoE
+    from omniweave.parallel.cost_model import linear_scan_equivalent
 
     params = {id(p): p for p in f.parameters()}
     emb = f.embed_tokens.weight
@@ -73,8 +76,10 @@ def foundation_flop_counts(f: nn.Module) -> tuple[int, int, int]:
         if isinstance(m, MoE):
             n -= int((m.experts.gate_up_proj.numel() + m.experts.down_proj.numel()) * (1 - m.active_fraction()))
     c = f.config
+    linear = sum(c.is_linear_layer(i) for i in range(len(f.layers)))
+    n += linear * linear_scan_equivalent(c) if linear else 0  # the linear layers' scan, linear in tokens
     v_dim = c.v_head_dim if c.mla else c.head_dim
-    return n, len(f.layers), c.num_heads * (c.head_dim + v_dim) // 2
+    return n, len(f.layers) - linear, c.num_heads * (c.head_dim + v_dim) // 2
 
 
 def step_flops(counts: tuple[int, int, int], tokens: int, sum_len2: int) -> float:

@@ -34,7 +34,7 @@ class DecoderConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int | None = None  # default hidden_size // num_heads (Qwen3 sets it)
-    family: str = "qwen2"  # qwen2 | llama | qwen3 | qwen3_moe | deepseek_v3: which HF family exports it
+    family: str = "qwen2"  # qwen2 | llama | qwen3 | qwen3_moe | deepseek_v3 | qwen3_5 | qwen3_next: which HF family exports it
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": ..., ...}
     mrope_section: list[int] | None = None  # M-RoPE bands over (t, h, w); sums to head_dim/2
@@ -74,12 +74,13 @@ class DecoderConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0  # a gated shared expert (Qwen3-Next / Qwen3.5-MoE, moe.py); 0: none
     # router training signals (components/router_loss.py, docs/moe.md); 0 turns each off
     router_aux_loss_coef: float = 0.0  # load-balancing loss (HF Qwen3-MoE's name; its checkpoints say 0.001)
     aux_loss_level: str = "global"  # global (data-parallel micro-step) | sequence (per document)
     router_z_loss_coef: float = 0.0
     bias_update_speed: float = 0.0  # aux-loss-free bias update (sigmoid router)
-    # Hybrid linear attention (family qwen3_5: Qwen3.5 / Qwen3-Next; components/linear_attention.py)
+    # Hybrid linear attention (families qwen3_5 and qwen3_next; components/linear_attention.py)
     layer_types: list[str] | None = None  # per layer: full_attention | linear_attention (None: all full)
     partial_rotary_factor: float = 1.0  # RoPE rotates this share of head_dim
     attn_output_gate: bool = False  # a sigmoid gate on the attention output, from a doubled q_proj
@@ -106,8 +107,8 @@ class DecoderConfig:
         if self.mrope_section is not None and sum(self.mrope_section) != self.rope_dim // 2:
             raise ValueError(f"mrope_section {self.mrope_section} must sum to {self.rope_dim // 2} "
                              f"(half the {'qk_rope_head_dim' if self.mla else 'head_dim'} {self.rope_dim})")  # fmt: skip
-        if self.family not in ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5"):
-            raise ValueError(f"family {self.family!r}: expected qwen2, llama, qwen3, qwen3_moe, deepseek_v3 or qwen3_5")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family {self.family!r}: expected {', '.join(FAMILIES)}")
         check_layer_types(self)
         if self.num_experts and (not self.num_experts_per_tok or not self.moe_intermediate_size):
             raise ValueError("num_experts > 0 needs num_experts_per_tok and moe_intermediate_size")
@@ -137,6 +138,8 @@ class DecoderConfig:
 
 
 LAYER_TYPES = ("full_attention", "linear_attention")
+# the HF families a decoder exports as (hf/export.py: the text model type of the hybrid ones)
+FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_next")
 
 
 def check_layer_types(cfg: DecoderConfig) -> None:
@@ -198,6 +201,7 @@ def layer_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
                              router=cfg.moe_router, norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group,
                              topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
                              n_shared_experts=cfg.n_shared_experts, hidden_act=cfg.hidden_act,
+                             shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
                              backend=cfg.moe_backend, aux_loss_coef=cfg.router_aux_loss_coef,
                              aux_loss_level=cfg.aux_loss_level, z_loss_coef=cfg.router_z_loss_coef,
                              bias_update_speed=cfg.bias_update_speed))  # fmt: skip

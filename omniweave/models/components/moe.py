@@ -12,6 +12,10 @@ Routers (``MoEConfig.router``):
   by ``routed_scaling_factor``. ``n_shared_experts`` adds a SwiGLU of width
   ``n_shared_experts · moe_intermediate_size`` that every token goes through.
 
+A gated shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE; ``shared_expert_intermediate_size``):
+a SwiGLU ``shared_expert`` of that width every token goes through, scaled per token by
+``sigmoid(shared_expert_gate(x))`` (a ``[1, D]`` linear), added to the routed output.
+
 Expert weights are 3-D tensors, the layout of transformers v5 at runtime (``Qwen3MoeExperts``,
 ``DeepseekV3Experts``)::
 
@@ -54,6 +58,7 @@ class MoEConfig:
     topk_group: int = 1  # ... of which the best topk_group are eligible
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0  # a gated shared expert (Qwen3-Next / Qwen3.5-MoE); 0: none
     hidden_act: str = "silu"
     backend: str = "auto"  # auto | grouped_mm | loop
     # training signals (components/router_loss.py); 0 turns each off
@@ -79,6 +84,9 @@ class MoEConfig:
         if self.bias_update_speed and self.router != "sigmoid":
             raise ValueError("bias_update_speed > 0 needs the sigmoid router (DeepSeek-V3's selection bias); "
                              "the softmax router balances with router_aux_loss_coef")
+        if self.n_shared_experts and self.shared_expert_intermediate_size:
+            raise ValueError("n_shared_experts (DeepSeek-V3's ungated shared experts) and "
+                             "shared_expert_intermediate_size (a gated shared expert) exclude each other")
         if self.router == "sigmoid" and self.n_group > 1 and self.num_experts // self.n_group < 2:
             raise ValueError("the sigmoid router scores a group by its two best experts: needs >= 2 experts per group")
 
@@ -198,7 +206,8 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """x [T, D] -> [T, D]. Parameter names follow transformers v5 (``gate.weight``,
-    ``experts.gate_up_proj``, ``experts.down_proj``, ``shared_experts.{gate,up,down}_proj.weight``)."""
+    ``experts.gate_up_proj``, ``experts.down_proj``, ``shared_experts.{gate,up,down}_proj.weight``;
+    the gated shared expert ``shared_expert.{gate,up,down}_proj.weight``, ``shared_expert_gate.weight``)."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -208,6 +217,10 @@ class MoE(nn.Module):
         if cfg.n_shared_experts:
             self.shared_experts = SwiGLU(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size,
                                          bias=False, act=cfg.hidden_act)  # fmt: skip
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size, bias=False,
+                                        act=cfg.hidden_act)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         # router losses (router_loss.py): the step set by the trainer, the statistics' SUM over
         # the data x context-parallel ranks (global) / a row's context-parallel ranks (sequence),
         # set from outside (parallel/expert.set_router_groups), and the group sizes
@@ -220,9 +233,13 @@ class MoE(nn.Module):
     def reset_parameters(self, std: float = 0.02) -> None:
         for p in (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj):
             nn.init.normal_(p, std=std)
-        if self.cfg.n_shared_experts:
-            for lin in (self.shared_experts.gate_proj, self.shared_experts.up_proj, self.shared_experts.down_proj):
-                nn.init.normal_(lin.weight, std=std)
+        for name in ("shared_experts", "shared_expert"):
+            if hasattr(self, name):
+                mlp = getattr(self, name)
+                for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                    nn.init.normal_(lin.weight, std=std)
+        if hasattr(self, "shared_expert_gate"):
+            nn.init.normal_(self.shared_expert_gate.weight, std=std)
         if self.cfg.router == "sigmoid":
             self.gate.e_score_correction_bias.zero_()
 
@@ -243,6 +260,8 @@ class MoE(nn.Module):
         out = out.to(x.dtype)
         if self.cfg.n_shared_experts:
             out = out + self.shared_experts(x)
+        if self.cfg.shared_expert_intermediate_size:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if torch.is_grad_enabled():  # training: counts for the metrics / bias update, the losses
             out = self._router_signals(out, logits, idx, counts, cu_seqlens, valid)
         return out

@@ -96,8 +96,10 @@ def pos_embed_taps(grid_thw: torch.Tensor, side: int, merge: int) -> tuple[torch
 
 
 def qwen3_vl_model_type(foundation_cfg) -> str:
-    """The HF family a Qwen3-VL model exports as: the MoE one when the decoder has experts."""
-    return "qwen3_vl_moe" if getattr(foundation_cfg, "num_experts", 0) else "qwen3_vl"
+    """The HF family a model with this tower exports as: Qwen3.5 over its hybrid decoder, else
+    Qwen3-VL; the MoE one when the decoder has experts."""
+    base = "qwen3_5" if getattr(foundation_cfg, "family", None) == "qwen3_5" else "qwen3_vl"
+    return f"{base}_moe" if getattr(foundation_cfg, "num_experts", 0) else base
 
 
 # ----------------------------------------------------------------------------- modules

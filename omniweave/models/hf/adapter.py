@@ -8,7 +8,8 @@ registry under kind ``hf`` with their HF ``model_type``.
 Optional hooks, for a family whose tensors are not one-to-one renames (MoE experts: one HF tensor
 per expert, one 3-D tensor of ours), read by loading.py / export.py only where an adapter has them:
 ``model_tensors_to_ours(tensors)`` (whole-model load), ``assemble(name, has, read)`` (sharded load),
-``model_tensors_to_hf(name, t) -> [(hf_name, tensor), ...]`` (export).
+``model_tensors_to_hf(name, t) -> [(hf_name, tensor), ...]`` (export), ``tensors_to_hf(tensors)`` (export:
+a pass over the whole HF dict after the per-tensor renames, for tensors HF fuses, e.g. Qwen3-Next).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict | None, list[int] | No
     merged.pop("rope_theta", None)
     mrope = merged.pop("mrope_section", None)
     merged.pop("mrope_interleaved", None)
+    merged.pop("partial_rotary_factor", None)  # a decoder field of its own (the hybrid families' adapters read it)
     if "type" in merged:  # the 4.x name (DeepSeek-V3's released config: rope_scaling.type = yarn)
         merged.setdefault("rope_type", merged.pop("type"))
     kind = merged.get("rope_type", "default")

@@ -31,10 +31,14 @@ _INDEX_KEYS = {"image_token_id": "image_token_index", "video_token_id": "video_t
 
 
 def hf_model_type(model: nn.Module) -> str:
-    """HF model_type of a model: its own ``hf_model_type()`` or its foundation's family."""
+    """HF model_type of a model: its own ``hf_model_type()`` or its foundation's family (Qwen3.5:
+    ``qwen3_5_text`` / ``qwen3_5_moe_text``, transformers' text-only model types)."""
     if hasattr(model, "hf_model_type"):
         return model.hf_model_type()
-    return model.foundation.config.family
+    cfg = model.foundation.config
+    if cfg.family == "qwen3_5":
+        return "qwen3_5_moe_text" if cfg.num_experts else "qwen3_5_text"
+    return cfg.family
 
 
 def tokenizer_hf_fields(data_cfg: dict | None) -> tuple[dict, Path | None]:
@@ -91,6 +95,8 @@ def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dty
         for hf_name, ht in pairs:
             tensors[hf_name] = (ht.to(dtype) if dtype is not None and ht.is_floating_point() else ht).contiguous().clone()
     cfg = adapter.model_config_to_hf(model)
+    if hasattr(adapter, "tensors_to_hf"):  # tensors HF stores fused (after the config: it may need its sizes)
+        tensors = adapter.tensors_to_hf(tensors)
     cfg["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     cfg.pop("torch_dtype", None)
     token_ids, tok_dir = tokenizer_hf_fields(data_cfg)

@@ -8,6 +8,7 @@ renamed by the family adapter and assigned in place, so weights are never materi
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -16,6 +17,8 @@ from torch import nn
 
 from omniweave.models.lora import is_adapter_name
 from omniweave.models.registry import build_model, lookup
+
+log = logging.getLogger("omniweave.hf")
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -94,15 +97,29 @@ def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = torch.float32, devic
     with torch.device("meta"):
         model = build_model(model_cfg)
     tensors: dict[str, torch.Tensor] = {}
+    unused = []
     for hf_name, t in iter_safetensors(hf_dir, device):
         ours = adapter.model_name_to_ours(hf_name)
         if ours is not None:
             tensors[ours] = t
+        else:
+            unused.append(hf_name)
+    log_unused(adapter, unused)
     if hasattr(adapter, "model_tensors_to_ours"):  # e.g. per-expert MoE tensors stacked into 3-D ones
         tensors = adapter.model_tensors_to_ours(tensors)
     assign_state_dict(model, tensors, str(hf_dir), dtype)
     compute_tables(model, device)
     return model, model_cfg
+
+
+def log_unused(adapter, hf_names) -> None:
+    """One log line for the checkpoint's tensors no model part of ours takes (multi-token
+    prediction layers: transformers drops them too); rotary tables are not worth a line."""
+    unused = [n for n in hf_names if not n.endswith("inv_freq") and adapter.model_name_to_ours(n) is None]
+    if unused:
+        heads = sorted({n.split(".")[0] for n in unused})
+        log.warning("%s: %d checkpoint tensor(s) not loaded (%s; e.g. %s): omniweave neither trains nor exports them",
+                    adapter.model_type, len(unused), ", ".join(f"{h}.*" for h in heads), unused[0])
 
 
 @torch.no_grad()
@@ -147,8 +164,11 @@ def load_hf_into(model: nn.Module, hf_dir: str | Path) -> int:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     hf_dir = Path(hf_dir)
-    adapter = adapter_for(read_hf_config(hf_dir).get("model_type", "?"))
+    hf_cfg = read_hf_config(hf_dir)
+    adapter = adapter_for(hf_cfg.get("model_type", "?"))
+    adapter.model_config(hf_cfg)  # an adapter whose tensor layout depends on the sizes reads them (Qwen3-Next)
     where = _weight_files(hf_dir)
+    log_unused(adapter, where)
     skip = adapter.skip_on_export(model) if hasattr(adapter, "skip_on_export") else set()
     tensors = {n: p for n, p in model.named_parameters() if not is_adapter_name(n)}  # LoRA: a HF dir is the base
     persistent = model.state_dict(keep_vars=True)  # checkpointed buffers (DeepSeek-V3's e_score_correction_bias)

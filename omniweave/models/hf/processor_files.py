@@ -43,6 +43,7 @@ from omniweave.data.media.mel import CHUNK_SAMPLES, HOP_LENGTH, N_FFT, SAMPLE_RA
 
 PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                      "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor",
+                     "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor",
                      "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor"}  # fmt: skip
 AUDIO_PROCESSOR_CLASSES = {"qwen2_audio": "Qwen2AudioProcessor"}
 # Qwen3-VL's processor writes video timestamps and needs its own video processor (metadata)

@@ -229,7 +229,7 @@ def _hf_rendered_ids(hf_dir: Path, raw, proc, replacements: list[str]) -> torch.
     return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
 
 
-QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")  # videos written with timestamps (rope: mrope_qwen3vl)
+QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # videos written with timestamps (rope: mrope_qwen3vl)
 
 
 def _hf_replacements(hf_cfg: dict, proc, raw, sample, counts: list[int], hf_frames: dict | None = None) -> list[str]:
