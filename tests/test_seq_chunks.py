@@ -99,9 +99,19 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
+# A Gated DeltaNet's decay parameters (A_log, dt_bias, in_proj_a) sum gradients of both signs over
+# every token, so a chunked run's other summation order moves them by fp32 cancellation: measured
+# 8.0e-5 at 5 chunks, where the same comparison with the model in fp64 (its norms still fp32) is 4.9e-7
+DECAY = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
+DECAY_RTOL = 2e-4
+
+
 def _worst(grads: dict, ref: dict) -> float:
+    """The largest relative gradient error, the decay parameters' measured against DECAY_RTOL as
+    if against GRAD_RTOL."""
     assert grads.keys() == ref.keys()
-    return max(((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)).item() for n in ref)
+    err = lambda n: ((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)).item()  # noqa: E731
+    return max(err(n) * (GRAD_RTOL / DECAY_RTOL if n.endswith(DECAY) else 1.0) for n in ref)
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -158,6 +168,9 @@ CASES = {
                                 projector_fields={"deepstack_levels": 2}),
                            3 * 2 * 16 * 16),
     "mla_text": (dict(foundation="deepseek_v3_tiny", num_experts=0), None),
+    # Qwen3.5's hybrid layers (Gated DeltaNet at 0 and 2): a document crossing a boundary carries its
+    # conv window and recurrent state (parallel/chunk_state.py); kernel chunks of 8 rows cut inside chunks
+    "qwen3_5_hybrid": (dict(foundation="qwen3_5_tiny", linear_chunk_size=8), None),
 }
 
 
@@ -198,6 +211,23 @@ def test_chunked_under_activation_checkpointing():
     assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * ref_loss.item()
     grads = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in _grads(model).items()}
     assert _worst(grads, ref) <= GRAD_RTOL
+
+
+def test_chunked_hybrid_under_activation_checkpointing():
+    """The linear layers' carried states under train.ac=full: the leaves the first forward made
+    take the gradient, the recompute's are never used."""
+    from omniweave.parallel.fsdp import apply_ac
+
+    model, batch = _build("qwen3_5_hybrid")
+    ref_loss = model(batch).loss_sum
+    ref_loss.backward()
+    ref = _grads(model)
+    apply_ac(model, "full")
+    loss, _ = chunked_forward_backward(model, batch, CE, {}, 5, 1.0)
+    assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * ref_loss.item()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in _grads(model).items()}
+    assert _worst(grads, ref) <= GRAD_RTOL
+    assert all(layer.linear_attn.carry is None for layer in model.foundation.layers if layer.linear)
 
 
 def test_hooks_are_restored_after_the_row():

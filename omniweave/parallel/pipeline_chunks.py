@@ -72,7 +72,7 @@ class StageChunks:
         self.sums.clear()
         self.grads.clear()
         for i in stage.layer_ids:
-            stage.foundation.layers[i].self_attn.attn_fn = None
+            ChunkKV.unhook(stage.foundation.layers[i])
 
 
 def plan_rows(rows: list[dict], n_chunks: int, window: int | None) -> list[list[ChunkPlan]]:
@@ -113,8 +113,7 @@ def forward_chunk(stage, x, position_ids, cu_seqlens, labels, token_valid, chunk
     def layers(h, cos, sin):  # re-run by the checkpoint's recompute: the store is set to this chunk again
         store.begin(plan, grad=True, pipelined=True)
         for i in stage.layer_ids:
-            attention = foundation.layers[i].self_attn
-            attention.attn_fn = store.attn_fn(i, attention.cfg.attn_backend)
+            store.hook(i, foundation.layers[i])
         return foundation.run_layers(h, cos, sin, cu, ((i, foundation.layers[i]) for i in stage.layer_ids),
                                      deepstack=deepstack, token_valid=token_valid[0])
 

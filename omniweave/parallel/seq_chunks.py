@@ -3,8 +3,10 @@ so that the activation memory of its forward/backward is set by the chunk, not b
 
     loss_sum, stats = chunked_forward_backward(model, mb, loss_fn, n, scale)   # backward done inside
 
-The only thing that crosses from one chunk into another is attention: a chunk's queries see the
-keys of their own documents in the chunks before it. So (the ChunkPipe / TeraPipe recipe):
+The only thing that crosses from one chunk into another is token mixing: a chunk's queries see the
+keys of their own documents in the chunks before it (a linear-attention layer instead carries the
+state a document had at the chunk boundary: parallel/chunk_state.py). So (the ChunkPipe / TeraPipe
+recipe):
 
 1. forward sweep, no grad, chunks 0 .. n-1: every attention layer writes its chunk's post-RoPE
    keys and values into the row's :class:`ChunkKV` store and attends over the keys its documents
@@ -54,6 +56,7 @@ from torch import nn
 
 from omniweave.models.components.attention import attn, autocast_inputs
 from omniweave.models.registry import MODALITIES
+from omniweave.parallel.chunk_state import ChunkStates
 from omniweave.parallel.context.sharding import WHOLE_ROW_KEYS
 
 # keys of a micro-batch (loader.collate_pack) that chunk_batch cuts / passes through
@@ -76,6 +79,8 @@ class ChunkPlan:
     key_start: int
     cu_q: tuple[int, ...]
     cu_k: tuple[int, ...]
+    doc_start: int = 0  # the first row of the chunk's first document (< start: it began in an earlier chunk)
+    doc_end: int = 0  # the end of the chunk's last document (> end: it goes on in a later chunk)
 
 
 def chunk_bounds(length: int, n_chunks: int) -> list[tuple[int, int]]:
@@ -103,7 +108,7 @@ def plan_chunks(cu_seqlens, n_chunks: int, window: int | None = None) -> list[Ch
         for a, b in inside:
             cu_q.append(cu_q[-1] + min(b, e) - max(a, s))
             cu_k.append(cu_k[-1] + min(b, e) - max(a, key_start))
-        plans.append(ChunkPlan(s, e, key_start, tuple(cu_q), tuple(cu_k)))
+        plans.append(ChunkPlan(s, e, key_start, tuple(cu_q), tuple(cu_k), inside[0][0], inside[-1][1]))
     return plans
 
 
@@ -126,18 +131,35 @@ class ChunkKV:
         self.gv: dict[int, torch.Tensor] = {}
         self.plan: ChunkPlan | None = None
         self.grad = False
+        self.states = ChunkStates()  # the linear-attention layers' (parallel/chunk_state.py)
 
     def begin(self, plan: ChunkPlan, grad: bool, pipelined: bool = False) -> None:
         """``pipelined`` (with ``grad``): the chunk runs once, with grad, inside a pipeline stage
         (parallel/pipeline_chunks.py): its K/V are written to the store for the later chunks, and
         its own k, v take the gradient those sent them when its backward runs (after theirs)."""
         self.plan, self.grad, self.pipelined = plan, grad, pipelined
+        self.states.begin(plan, grad, pipelined)
         self.own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._cu: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attn_fn(self, layer: int, backend: str) -> "ChunkAttention":
         return ChunkAttention(self, layer, backend)
+
+    def hook(self, index: int, layer: nn.Module) -> None:
+        """Decoder layer ``index`` reads its earlier chunks through this store: attention's K/V
+        (``attn_fn``), a linear-attention layer's carried state (``carry``)."""
+        if layer.linear:
+            layer.linear_attn.carry = self.states.carry(index)
+        else:
+            layer.self_attn.attn_fn = self.attn_fn(index, layer.self_attn.cfg.attn_backend)
+
+    @staticmethod
+    def unhook(layer: nn.Module) -> None:
+        if layer.linear:
+            layer.linear_attn.carry = None
+        else:
+            layer.self_attn.attn_fn = None
 
     def attend(self, layer: int, q, k, v, window: int | None, backend: str) -> torch.Tensor:
         """out [chunk, H, D] of the chunk's queries over their documents' keys up to the chunk's end."""
@@ -351,18 +373,18 @@ def media_hooks(model: nn.Module, features: dict[str, RowFeatures]):
 def installed(model: nn.Module, store: ChunkKV, features: dict[str, RowFeatures]):
     """The store as every decoder layer's ``attn_fn`` and ``features`` as the model's media hooks,
     for the duration of one row; the previous hooks come back after."""
-    attns = [layer.self_attn for layer in model.foundation.layers]
-    if any(a.attn_fn is not None for a in attns):
+    layers = list(model.foundation.layers)
+    if any(l.linear_attn.cp_fn is not None if l.linear else l.self_attn.attn_fn is not None for l in layers):
         raise ValueError("parallel.seq_chunks: the decoder's attention is already swapped (context "
                          "parallelism, parallel.cp > 1); chunked rows need parallel.cp = 1")
     try:
-        for i, a in enumerate(attns):
-            a.attn_fn = store.attn_fn(i, a.cfg.attn_backend)
+        for i, layer in enumerate(layers):
+            store.hook(i, layer)
         with media_hooks(model, features):
             yield
     finally:
-        for a in attns:
-            a.attn_fn = None
+        for layer in layers:
+            store.unhook(layer)
 
 
 def chunked_forward_backward(model: nn.Module, batch: dict, objective, row: dict, n_chunks: int, scale: float,
@@ -386,7 +408,7 @@ def chunked_forward_backward(model: nn.Module, batch: dict, objective, row: dict
                          "the router statistics would count each chunk twice")
     length = batch["input_ids"].shape[0]
     cu = batch.get("cu_seqlens")
-    window = model.foundation.layers[0].self_attn.cfg.sliding_window if len(model.foundation.layers) else None
+    window = model.foundation.config.sliding_window
     plans = plan_chunks([0, length] if cu is None else cu, n_chunks, window)
     if plans and plans[-1].end != length:
         raise ValueError(f"cu_seqlens end at {plans[-1].end}, the row has {length} tokens")

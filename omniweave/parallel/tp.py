@@ -77,6 +77,9 @@ def check_decoder_tp(cfg, tp: int) -> str:
     if tp > 1 and getattr(cfg, "mla", False):
         raise ValueError(f"foundation tp={tp}: tensor parallelism of multi-head latent attention (family "
                          f"{cfg.family}) is not supported yet; use tp: 1")  # fmt: skip
+    if tp > 1 and "linear_attention" in (cfg.layer_types or ()):
+        raise ValueError(f"foundation tp={tp}: tensor parallelism of linear-attention layers (layer_types: Gated "
+                         f"DeltaNet) is not supported yet; use tp: 1 (context parallelism, parallel.cp, splits them)")
     layout = kv_head_layout(cfg.num_heads, cfg.num_kv_heads, tp)
     _divisible("vocab_size", cfg.vocab_size, tp)
     if len(cfg.moe_layers()) < cfg.num_layers:  # some dense MLPs to shard

@@ -66,7 +66,16 @@ CASES = [  # (recipe, layers, schedule, virtual, pp_layers)
     ("tiny_qwen3_vl", 3, "1f1b", 1, [2, 1]),
     ("demo", 4, "gpipe", 1, None, 4),  # parallel.seq_chunks: each row in 4 chunks (parallel/pipeline_chunks.py)
     ("tiny_qwen3_vl", 3, "gpipe", 1, [2, 1], 3),
+    # Qwen3.5's hybrid layers: stages of mixed layer types; with chunks, the linear layers' carried states
+    ("tiny_qwen3_5", 4, "1f1b", 1, [1, 3]),
+    ("tiny_qwen3_5", 4, "gpipe", 1, [3, 1], 3),
 ]
+# A Gated DeltaNet's decay parameters (A_log, dt_bias, and in_proj_a, the decay's input) sum gradients
+# of both signs over every token: on these rows the single process's own fp32 gradient of layer 2's
+# A_log / dt_bias is 1.2e-3 (max-abs relative) off the same model in fp64, 3 chunks' 1.3e-3, the two
+# fp32 runs 2.7e-4 apart; compared at 2e-3
+DECAY = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
+DECAY_RTOL = 2e-3
 
 
 def _model(recipe: str, layers: int):
@@ -110,9 +119,9 @@ def _body(rank: int, world: int, packed: str, cases: list) -> list[dict]:
         loss = pipe.step(pad_rows(rows, capacity), normaliser=sum(r["num_loss_tokens"] for r in rows), objective=CE)
         grads = {k: p.grad for k, p in pipe.named_parameters()}
         rel = {k: float((g - ref_grads[k]).abs().max() / ref_grads[k].abs().max().clamp_min(1e-12))
-               for k, g in grads.items()}
+               * (GRAD_RTOL / DECAY_RTOL if k.endswith(DECAY) else 1.0) for k, g in grads.items()}
         results.append({"case": (recipe, schedule, sizes, chunks), "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
-                        "grad_rel": max(rel.values()), "names": sorted(grads), "all_names": sorted(ref_grads),
+                        "grad_rel": max(rel.values()), "worst": max(rel, key=rel.get), "names": sorted(grads), "all_names": sorted(ref_grads),
                         "encoder_grad": max(float(g.abs().max()) for k, g in grads.items()
                                             if k.startswith("image_encoder.")) if rank == 0 else None})
     return results
@@ -155,7 +164,8 @@ def test_pipeline_schedules_match_single_process(ranks):
     """Every case of ``CASES`` on 2 ranks: loss and all gradients equal to 1 process."""
     results = [r[0] for r in ranks]
     for i, case in enumerate(results[0]):
-        print(case["case"], "loss rel", case["loss_rel"], "grad rel", max(r[i]["grad_rel"] for r in results))
+        print(case["case"], "loss rel", case["loss_rel"], "grad rel", max(r[i]["grad_rel"] for r in results),
+              [r[i]["worst"] for r in results])
         held = [name for rank_results in results for name in rank_results[i]["names"]]
         assert sorted(held) == case["all_names"], "the ranks must hold every parameter exactly once"
         assert case["encoder_grad"] > 0, "the media reach the encoder"

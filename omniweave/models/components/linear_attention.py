@@ -85,7 +85,14 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """The linear-attention mixer: ``forward(x [L, H], cu_seqlens, state=None) -> (y [L, H],
     LinearState)``. Head counts are read from the projections' outputs, so tensor parallelism can
-    shard the heads without the module knowing."""
+    shard the heads without the module knowing.
+
+    Two hooks ``parallel/`` sets from outside (the model never does), like ``Attention.attn_fn``:
+    ``carry`` (chunked rows, parallel/chunk_state.py: ``carry.initial(...)`` gives the state the
+    row's earlier chunks left, ``carry.final(y, state)`` hands this chunk's on) and ``cp_fn``
+    (context parallelism, parallel/context/linear.py: ``cp_fn(self, pre, g, beta, cu_seqlens) -> o``
+    runs :meth:`conv` and :meth:`rule` over the rank's pieces with the states the other ranks'
+    pieces pass down)."""
 
     def __init__(self, cfg: GatedDeltaNetConfig):
         super().__init__()
@@ -101,20 +108,41 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(cfg.num_value_heads).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(cfg.value_head_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False)
+        self.carry = None
+        self.cp_fn = None
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, state: LinearState | None = None) -> tuple[Tensor, LinearState]:
-        cfg, L = self.cfg, x.shape[0]
-        dk, dv = cfg.key_head_dim, cfg.value_head_dim
-        mixed, window = causal_conv1d_varlen(self.in_proj_qkv(x), self.conv1d.weight[:, 0], cu_seqlens,
-                                             None if state is None else state.window)
-        hk = (mixed.shape[-1] - self.in_proj_z.out_features) // (2 * dk)  # this rank's key heads
-        q, k, v = mixed.split([hk * dk, hk * dk, mixed.shape[-1] - 2 * hk * dk], dim=-1)
+    def forward(self, x: Tensor, cu_seqlens: Tensor, state: LinearState | None = None) -> tuple[Tensor, LinearState | None]:
+        L, dv = x.shape[0], self.cfg.value_head_dim
+        pre = self.in_proj_qkv(x)
         beta = self.in_proj_b(x).sigmoid()
         wide = torch.promote_types(x.dtype, torch.float32)  # the decay in fp32 at least (HF: .float())
         g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
-        o, recurrent = gated_delta_rule_chunked(
-            q.reshape(L, -1, dk), k.reshape(L, -1, dk), v.reshape(L, -1, dv), g, beta, cu_seqlens,
-            chunk_size=cfg.chunk_size, initial_state=None if state is None else state.recurrent, qk_l2norm=True)
+        if self.cp_fn is not None:
+            o, final = self.cp_fn(self, pre, g, beta, cu_seqlens), None
+        else:
+            if self.carry is not None:
+                state = self.carry.initial(pre, cu_seqlens, beta.shape[-1], self.cfg.key_head_dim, dv)
+            q, k, v, window = self.conv(pre, cu_seqlens, None if state is None else state.window)
+            o, recurrent = self.rule(q, k, v, g, beta, cu_seqlens, None if state is None else state.recurrent)
+            final = LinearState(window, recurrent)
         z = self.in_proj_z(x).reshape(L, -1, dv)
-        y = self.norm(o, z).reshape(L, -1)
-        return self.out_proj(y), LinearState(window, recurrent)
+        y = self.out_proj(self.norm(o, z).reshape(L, -1))
+        if self.carry is not None:
+            y = self.carry.final(y, final)
+        return y, final
+
+    def conv(self, pre: Tensor, cu_seqlens: Tensor, window: Tensor | None = None):
+        """(q, k [L, Hk, dk], v [L, HV, dv], each document's last K−1 inputs) of the projected
+        ``pre`` [L, conv_dim], each document's convolution starting from ``window`` (zeros)."""
+        dk, dv = self.cfg.key_head_dim, self.cfg.value_head_dim
+        mixed, last = causal_conv1d_varlen(pre, self.conv1d.weight[:, 0], cu_seqlens, window)
+        hk = (mixed.shape[-1] - self.in_proj_z.out_features) // (2 * dk)  # this rank's key heads
+        q, k, v = mixed.split([hk * dk, hk * dk, mixed.shape[-1] - 2 * hk * dk], dim=-1)
+        L = pre.shape[0]
+        return q.reshape(L, -1, dk), k.reshape(L, -1, dk), v.reshape(L, -1, dv), last
+
+    def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
+             initial: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(o [L, HV, dv], each document's final state) of the gated delta rule (q, k L2-normalised)."""
+        return gated_delta_rule_chunked(q, k, v, g, beta, cu_seqlens, chunk_size=self.cfg.chunk_size,
+                                        initial_state=initial, qk_l2norm=True)

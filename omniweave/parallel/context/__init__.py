@@ -18,7 +18,9 @@ What happens to a micro-batch (a packed row of text, image and video documents):
    encodes every item. (A foundation with a larger tp than the encoder's also splits the media
    over its tp replicas of the encoder: ``Meshes.vision_split`` is the group that shares them.)
 3. ``attention``: the decoder's attention kernel is swapped (``Attention.attn_fn``) for one that
-   exchanges keys/values across the group: ``ring``, ``allgather``, ``ulysses`` or ``hybrid``.
+   exchanges keys/values across the group: ``ring``, ``allgather``, ``ulysses`` or ``hybrid``;
+   a linear-attention layer's scan (``GatedDeltaNet.cp_fn``) for one that passes each piece's
+   convolution window and recurrent state down the ranks (``linear``).
 
 The model never learns about any of this: both hooks are attributes ``parallel/`` sets.
 """
@@ -52,12 +54,15 @@ def apply_cp(model: nn.Module, dims, meshes, head_groups: int = 1) -> None:
         return
     from omniweave.parallel.context.attention import CPContext
 
+    from omniweave.parallel.context.linear import apply_linear_cp
+
     layers = model.foundation.layers
-    backend = layers[0].self_attn.cfg.attn_backend if len(layers) else "auto"
     ctx = CPContext(group=meshes.cp.get_group(), mode=dims.cp_attention, ulysses_group=meshes.ulysses_group,
-                    ring_group=meshes.ring_group, head_groups=head_groups, backend=backend)
+                    ring_group=meshes.ring_group, head_groups=head_groups, backend=model.foundation.config.attn_backend)
     for layer in layers:
-        layer.self_attn.attn_fn = ctx  # a CPContext is an attn_fn: ctx(q, k, v, cu_seqlens, window)
+        if not layer.linear:
+            layer.self_attn.attn_fn = ctx  # a CPContext is an attn_fn: ctx(q, k, v, cu_seqlens, window)
+    apply_linear_cp(layers, ctx)  # linear-attention layers pass their states down the ranks (linear.py)
 
 
 def shard_micro_batch(mb: dict, cp: int, cp_rank: int, tp: int = 1, pad_id: int = 0) -> dict:
