@@ -8,7 +8,8 @@ How a batch of N prompts is rolled out (``TorchRollout``):
 1. The N prompts are packed into one row (documents side by side, no padding to the longest), so
    the vision encoder runs **once** over every image and video of the batch.
 2. The row is prefilled **once** through the decoder (varlen causal attention); each prompt's keys
-   and values stay in a :class:`GroupKVCache`, stored once for its G samples. Under context
+   and values stay in a :class:`GroupKVCache`, stored once for its G samples (a linear-attention
+   layer's state — conv window and recurrent state, a fixed size — is copied to each sample). Under context
    parallelism the row is zigzag-sharded as in training: the vision split shares the encoding,
    the prefill runs the CP attention, and each rank keeps only its share of the prompt keys — a
    prompt longer than one rank's memory still rolls out.
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 from omniweave.models.components.attention import attn, decode
 from omniweave.models.components.decoder import KVCache
+from omniweave.models.components.linear_attention import LinearState
 from omniweave.models.omni import cat_items
 from omniweave.models.registry import MODALITIES
 from omniweave.parallel.context.kernels import merge_partials
@@ -126,8 +128,26 @@ class GroupKVCache:
         self.prefix_v: list[torch.Tensor | None] = [None] * num_layers
         self.own_k: list[torch.Tensor | None] = [None] * num_layers
         self.own_v: list[torch.Tensor | None] = [None] * num_layers
+        self.linear: dict[int, LinearState] = {}  # per linear-attention layer: every sample's state
         self.active = torch.arange(n)  # samples (prompt * G + j) decoding this step, ascending
         self.t = -1  # index of the token being fed in the samples' own keys; -1 while prefilling
+
+    def mix_linear(self, layer: int, mixer, h, cu_seqlens) -> torch.Tensor:
+        """A linear-attention layer (Gated DeltaNet): the prefill's final state of each prompt (its
+        conv window and recurrent state, a fixed size) copied to its G samples; each decode step
+        moves the active samples' states one token on (O(1) per token)."""
+        if self.t < 0:
+            if self.cp_group is not None:
+                raise NotImplementedError("rollouts under context parallelism with linear-attention layers "
+                                          "(layer_types) are not supported yet: set parallel.cp=1 for the rollouts")
+            y, final = mixer(h, cu_seqlens)
+            self.linear[layer] = LinearState(final.window.repeat_interleave(self.group_size, 0),
+                                             final.recurrent.repeat_interleave(self.group_size, 0))
+            return y
+        state, active = self.linear[layer], self.active.to(h.device)
+        y, new = mixer(h, cu_seqlens, LinearState(state.window[active], state.recurrent[active]))
+        state.window[active], state.recurrent[active] = new.window.to(state.window.dtype), new.recurrent
+        return y
 
     def attend(self, layer: int, q, k, v, cu_seqlens, window: int | None, backend: str, attn_fn=None):
         if window is not None:

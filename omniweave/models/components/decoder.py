@@ -220,6 +220,8 @@ class KVCache:
     def __init__(self, num_layers: int):
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.linear: dict = {}  # a linear-attention layer's LinearState (conv window, recurrent state)
+        self.seen = 0  # tokens through the first layer so far
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k[layer] is not None:
@@ -236,9 +238,16 @@ class KVCache:
         out, _ = attn(q, k, v, cu_seqlens, cu_k, True, window, backend=backend, need_lse=False)
         return out
 
+    def mix_linear(self, layer: int, mixer, h, cu_seqlens) -> torch.Tensor:
+        """A linear-attention layer's output for the new tokens, from (and into) its state: O(1)
+        per token, whatever the length decoded so far."""
+        y, self.linear[layer] = mixer(h, cu_seqlens, self.linear.get(layer))
+        return y
+
     @property
     def length(self) -> int:
-        return 0 if self.k[0] is None else self.k[0].shape[0]
+        """Tokens the cache holds (the positions of new tokens start here)."""
+        return self.seen
 
 
 class Attention(nn.Module):
@@ -294,6 +303,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = norm_class(cfg)
         self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.index = layer
         self.linear = cfg.is_linear_layer(layer)  # a Gated DeltaNet layer (its HF name: linear_attn)
         if self.linear:
             from omniweave.models.components.linear_attention import GatedDeltaNet
@@ -309,9 +319,8 @@ class DecoderLayer(nn.Module):
         """The token mixer: attention, or the linear layer's (state from zero at every document)."""
         if not self.linear:
             return self.self_attn(h, cos, sin, cu_seqlens, kv_cache)
-        if kv_cache is not None:
-            raise NotImplementedError("generation with linear-attention layers (layer_types) needs their "
-                                      "recurrent cache, which is not built yet")
+        if kv_cache is not None:  # generation: the cache keeps the layer's state (KVCache.mix_linear)
+            return kv_cache.mix_linear(self.index, self.linear_attn, h, cu_seqlens)
         return self.linear_attn(h, cu_seqlens)[0]
 
     def forward(self, x, cos, sin, cu_seqlens, kv_cache=None, token_valid=None):
@@ -382,6 +391,8 @@ class Decoder(nn.Module):
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, L], dtype=torch.int32, device=x.device)
         cos, sin = self.rope(position_ids)
+        if kv_cache is not None and hasattr(kv_cache, "seen"):
+            kv_cache.seen += L
         x = self.run_layers(x, cos, sin, cu_seqlens, enumerate(self.layers), kv_cache, deepstack, token_valid)
         return self.norm(x)
 

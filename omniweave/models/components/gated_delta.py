@@ -94,6 +94,20 @@ def gated_delta_rule_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
     return o, torch.stack(finals)
 
 
+def gated_delta_rule_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                          scale: float | None = None, qk_l2norm: bool = False) -> tuple[Tensor, Tensor]:
+    """One token of each of N sequences (decoding): q, k [N, Hk, dk], v [N, HV, dv], g, beta
+    [N, HV], ``state`` [N, HV, dk, dv] -> (o [N, HV, dv], the new states), the recurrence's step
+    for all sequences at once (O(1) in the length decoded so far)."""
+    dtype, out_dtype = torch.promote_types(v.dtype, torch.float32), v.dtype
+    q, k = _prepare(q, k, v, scale, qk_l2norm, dtype)
+    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+    S = state.to(dtype) * g.exp()[..., None, None]
+    delta = beta[..., None] * (v - torch.einsum("nhkv,nhk->nhv", S, k))
+    S = S + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("nhkv,nhk->nhv", S, q).to(out_dtype), S
+
+
 def _chunk_layout(cu_seqlens: Tensor, chunk: int) -> tuple[Tensor, Tensor, list[int]]:
     """(index [M·C] of each chunk slot's token, −1 for the pad slots; valid [M·C]; each
     document's first chunk) for documents cut into chunks of their own."""

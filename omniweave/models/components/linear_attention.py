@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omniweave.models.components.gated_delta import causal_conv1d_varlen, gated_delta_rule_chunked
+from omniweave.models.components.gated_delta import causal_conv1d_varlen, gated_delta_rule_chunked, gated_delta_rule_step
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,9 @@ class GatedDeltaNet(nn.Module):
 
     def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
              initial: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """(o [L, HV, dv], each document's final state) of the gated delta rule (q, k L2-normalised)."""
+        """(o [L, HV, dv], each document's final state) of the gated delta rule (q, k L2-normalised);
+        one token per document from given states (decoding) takes the recurrence's single step."""
+        if initial is not None and q.shape[0] == len(cu_seqlens) - 1:
+            return gated_delta_rule_step(q, k, v, g, beta, initial, qk_l2norm=True)
         return gated_delta_rule_chunked(q, k, v, g, beta, cu_seqlens, chunk_size=self.cfg.chunk_size,
                                         initial_state=initial, qk_l2norm=True)
