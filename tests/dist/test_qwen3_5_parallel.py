@@ -6,7 +6,9 @@ documents (one of 5 tokens: at cp 2 its chunks are 2 rows, shorter than the conv
 Context parallelism: the full-attention layers in ring (with the vision split), Ulysses or all-gather
 mode, the linear layers passing their pieces' convolution windows and states down the ranks
 (parallel/context/linear.py), at cp 2 and cp 4, for the dense and the MoE model; and the MoE
-model's experts split over the two ranks (expert parallelism, ep 2) with cp 2. The decay is set
+model's experts split over the two ranks (expert parallelism, ep 2) with cp 2; and dp 2 (FSDP2
+shards every parameter and sums the gradients; both ranks get the same row, each normalised by
+the two rows' loss tokens as the trainer does). The decay is set
 slow (``A_log`` = log 0.05: a state keeps most of itself over a document), so a piece that started
 from the wrong state would show. Loss and every gradient within 1e-5 relative."""
 
@@ -27,7 +29,8 @@ RTOL = 1e-5  # loss relative; per parameter max |g - g_1| / max |g_1|
 LAYOUTS = {  # world -> [(recipe, overrides)]
     2: [("tiny_qwen3_5", ["parallel.cp=2", "parallel.cp_attention=ring", "parallel.vision_split=true"]),
         ("tiny_qwen3_5_moe", ["parallel.cp=2", "parallel.cp_attention=ulysses", "parallel.vision_split=false"]),
-        ("tiny_qwen3_5_moe", ["parallel.cp=2", "parallel.ep=2", "parallel.cp_attention=ring"])],  # experts split
+        ("tiny_qwen3_5_moe", ["parallel.cp=2", "parallel.ep=2", "parallel.cp_attention=ring"]),  # experts split
+        ("tiny_qwen3_5", [])],  # dp 2: FSDP2 shards every parameter, both ranks the same row
     4: [("tiny_qwen3_5", ["parallel.cp=4", "parallel.cp_attention=allgather", "parallel.vision_split=true"])],
 }
 
@@ -73,10 +76,10 @@ def _body(rank: int, world: int) -> list[dict]:
         model = build(cfg, torch.device("cpu"), dims, meshes)
         slow_decay(model)
         res = model(shard_micro_batch(row, dims.cp, meshes.cp_rank, dims.tp))
-        (res.loss_sum / row["num_loss_tokens"]).backward()
+        (res.loss_sum / (row["num_loss_tokens"] * dims.dp)).backward()  # the trainer's global token count
         loss = res.loss_sum.detach().double()
         dist.all_reduce(loss)
-        loss = float(loss) / dims.tp / row["num_loss_tokens"]
+        loss = float(loss) / dims.tp / dims.dp / row["num_loss_tokens"]  # (dp: the same row on each rank)
         worst, name_worst = 0.0, ""
         grads = dict(ref.named_parameters())
         for name, p in model.named_parameters():
