@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 from omniweave.models.registry import MODALITIES
 from omniweave.parallel.context.sharding import feature_rows_from_spans
 from omniweave.parallel.tp_loss import vocab_parallel_ce_sum, vocab_parallel_ce_tokens
+from omniweave.parallel.tp_linear import apply_linear_tp, linear_layer_plan
 from omniweave.parallel.tp_styles import FusedHeadsParallel, ReplicatedKVHeads
 
 # ----------------------------------------------------------------------------- layouts (pure)
@@ -77,9 +78,9 @@ def check_decoder_tp(cfg, tp: int) -> str:
     if tp > 1 and getattr(cfg, "mla", False):
         raise ValueError(f"foundation tp={tp}: tensor parallelism of multi-head latent attention (family "
                          f"{cfg.family}) is not supported yet; use tp: 1")  # fmt: skip
-    if tp > 1 and "linear_attention" in (cfg.layer_types or ()):
-        raise ValueError(f"foundation tp={tp}: tensor parallelism of linear-attention layers (layer_types: Gated "
-                         f"DeltaNet) is not supported yet; use tp: 1 (context parallelism, parallel.cp, splits them)")
+    if "linear_attention" in (cfg.layer_types or ()):  # Gated DeltaNet heads split like attention heads
+        _divisible("linear_num_key_heads", cfg.linear_num_key_heads, tp)
+        _divisible("linear_num_value_heads", cfg.linear_num_value_heads, tp)
     layout = kv_head_layout(cfg.num_heads, cfg.num_kv_heads, tp)
     _divisible("vocab_size", cfg.vocab_size, tp)
     if len(cfg.moe_layers()) < cfg.num_layers:  # some dense MLPs to shard
@@ -162,9 +163,14 @@ def decoder_plan(cfg, tp: int) -> dict:
     if cfg.qk_norm:  # per-head norms over local heads [L, h, Dh]: heads play the sharded dim
         layer["self_attn.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         layer["self_attn.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    linear = linear_layer_plan()
+    mixers = {f"layers.{i}.{name}": style for i in range(cfg.num_layers)
+              for name, style in (linear if cfg.is_linear_layer(i) else layer).items()}
+    mixers.update({f"layers.{i}.{name}": layer[name] for i in range(cfg.num_layers)
+                   for name in ("input_layernorm", "post_attention_layernorm")})
     return {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
-        **{f"layers.*.{name}": style for name, style in layer.items()},
+        **mixers,
         **mlps,
         "norm": SequenceParallel(sequence_dim=0),
         # used by logits() only (eval / tests: gathers [L, V]); the loss reads the weight itself
@@ -209,6 +215,7 @@ ENCODER_TP = {"vision": (check_vit_tp, vit_plan), "audio": (check_audio_tp, audi
 
 def parallelize_decoder(decoder: nn.Module, mesh) -> None:
     parallelize_module(decoder, mesh, decoder_plan(decoder.config, mesh.size()))
+    apply_linear_tp(decoder, mesh)  # the linear-attention layers' own parameters and head regrouping
     if decoder.config.tie_word_embeddings:  # both are Shard(0) of [V, D]: share the embedding's DTensor
         decoder.tie_weights()
 

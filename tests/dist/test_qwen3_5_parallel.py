@@ -6,7 +6,8 @@ documents (one of 5 tokens: at cp 2 its chunks are 2 rows, shorter than the conv
 Context parallelism: the full-attention layers in ring (with the vision split), Ulysses or all-gather
 mode, the linear layers passing their pieces' convolution windows and states down the ranks
 (parallel/context/linear.py), at cp 2 and cp 4, for the dense and the MoE model; and the MoE
-model's experts split over the two ranks (expert parallelism, ep 2) with cp 2; and dp 2 (FSDP2
+model's experts split over the two ranks (expert parallelism, ep 2) with cp 2; tensor parallelism
+(tp 2: each rank its key / value heads and convolution channels, parallel/tp_linear.py); and dp 2 (FSDP2
 shards every parameter and sums the gradients; both ranks get the same row, each normalised by
 the two rows' loss tokens as the trainer does). The decay is set
 slow (``A_log`` = log 0.05: a state keeps most of itself over a document), so a piece that started
@@ -30,8 +31,10 @@ LAYOUTS = {  # world -> [(recipe, overrides)]
     2: [("tiny_qwen3_5", ["parallel.cp=2", "parallel.cp_attention=ring", "parallel.vision_split=true"]),
         ("tiny_qwen3_5_moe", ["parallel.cp=2", "parallel.cp_attention=ulysses", "parallel.vision_split=false"]),
         ("tiny_qwen3_5_moe", ["parallel.cp=2", "parallel.ep=2", "parallel.cp_attention=ring"]),  # experts split
-        ("tiny_qwen3_5", [])],  # dp 2: FSDP2 shards every parameter, both ranks the same row
-    4: [("tiny_qwen3_5", ["parallel.cp=4", "parallel.cp_attention=allgather", "parallel.vision_split=true"])],
+        ("tiny_qwen3_5", []),  # dp 2: FSDP2 shards every parameter, both ranks the same row
+        ("tiny_qwen3_5", ["model.foundation.tp=2", "model.image_encoder.tp=2"])],  # heads split over tp 2
+    4: [("tiny_qwen3_5", ["parallel.cp=4", "parallel.cp_attention=allgather", "parallel.vision_split=true"]),
+        ("tiny_qwen3_5", ["parallel.cp=2", "model.foundation.tp=2", "model.image_encoder.tp=2"])],  # cp x tp
 }
 
 
@@ -88,7 +91,9 @@ def _body(rank: int, world: int) -> list[dict]:
             err = float((g - r).abs().max() / r.abs().max().clamp_min(1e-12))
             if err > worst:
                 worst, name_worst = err, name
-        out.append({"layout": (recipe, *overrides), "loss_rel": abs(loss - ref_loss) / ref_loss,
+        mixer = model.foundation.layers[0].linear_attn
+        placed = [str(getattr(t, "placements", None)) for t in (mixer.conv1d.weight, mixer.A_log, mixer.in_proj_qkv.weight)]
+        out.append({"layout": (recipe, *overrides), "loss_rel": abs(loss - ref_loss) / ref_loss, "placed": placed,
                     "grad_rel": worst, "worst": name_worst,
                     "linear_grad": float(grads["foundation.layers.0.linear_attn.in_proj_qkv.weight"].grad.abs().sum())})
     return out
@@ -101,4 +106,6 @@ def test_hybrid_layers_under_context_parallelism_match_single_process(world):
         for r in rank_results:
             print(r)
             assert r["linear_grad"] > 0, r
+            if "model.foundation.tp=2" in r["layout"]:  # the heads and channels really split
+                assert all("Shard(dim=0)" in p for p in r["placed"]), r
             assert r["loss_rel"] <= RTOL and r["grad_rel"] <= RTOL, r

@@ -87,7 +87,8 @@ class GatedDeltaNet(nn.Module):
     LinearState)``. Head counts are read from the projections' outputs, so tensor parallelism can
     shard the heads without the module knowing.
 
-    Two hooks ``parallel/`` sets from outside (the model never does), like ``Attention.attn_fn``:
+    Hooks ``parallel/`` sets from outside (the model never does), like ``Attention.attn_fn``:
+    ``tp_heads`` (tensor parallelism, parallel/tp_linear.py), and
     ``carry`` (chunked rows, parallel/chunk_state.py: ``carry.initial(...)`` gives the state the
     row's earlier chunks left, ``carry.final(y, state)`` hands this chunk's on) and ``cp_fn``
     (context parallelism, parallel/context/linear.py: ``cp_fn(self, pre, g, beta, cu_seqlens) -> o``
@@ -110,6 +111,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False)
         self.carry = None
         self.cp_fn = None
+        self.tp_heads = None  # parallel/tp_linear.py: after the convolution, this rank's channels -> its heads
 
     def forward(self, x: Tensor, cu_seqlens: Tensor, state: LinearState | None = None) -> tuple[Tensor, LinearState | None]:
         L, dv = x.shape[0], self.cfg.value_head_dim
@@ -136,7 +138,10 @@ class GatedDeltaNet(nn.Module):
         ``pre`` [L, conv_dim], each document's convolution starting from ``window`` (zeros)."""
         dk, dv = self.cfg.key_head_dim, self.cfg.value_head_dim
         mixed, last = causal_conv1d_varlen(pre, self.conv1d.weight[:, 0], cu_seqlens, window)
-        hk = (mixed.shape[-1] - self.in_proj_z.out_features) // (2 * dk)  # this rank's key heads
+        if self.tp_heads is not None:  # tensor parallelism: this rank's channels -> its heads
+            mixed = self.tp_heads(mixed)
+        ratio = self.cfg.num_value_heads // self.cfg.num_key_heads
+        hk = mixed.shape[-1] // (2 * dk + ratio * dv)  # this rank's key heads
         q, k, v = mixed.split([hk * dk, hk * dk, mixed.shape[-1] - 2 * hk * dk], dim=-1)
         L = pre.shape[0]
         return q.reshape(L, -1, dk), k.reshape(L, -1, dk), v.reshape(L, -1, dv), last
