@@ -104,12 +104,16 @@ def seed_sharded_init(seed: int, device: torch.device) -> None:
 
 def check_attn_backends(model_cfg: dict) -> None:
     """Every ``model.<component>.attn_backend`` names a backend this machine has (else a UserError
-    listing the ones it has); per-call fallbacks (dtype, head dim) are logged by the kernels."""
+    listing the ones it has); per-call fallbacks (dtype, head dim) are logged by the kernels. The
+    same for a hybrid decoder's ``linear_backend`` (``fla``: the package and a CUDA device)."""
     from omniweave.models.components.attention import check_backend
+    from omniweave.models.components.linear_attention import check_linear_backend
 
     for name, component in model_cfg.items():
         if isinstance(component, dict) and "attn_backend" in component:
             check_backend(str(component["attn_backend"]), f"model.{name}.attn_backend")
+        if isinstance(component, dict) and "linear_backend" in component:
+            check_linear_backend(str(component["linear_backend"]), f"model.{name}.linear_backend")
 
 
 def init_weights_from(model: nn.Module, path: str, model_cfg=None) -> None:

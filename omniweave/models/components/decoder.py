@@ -91,6 +91,7 @@ class DecoderConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     linear_chunk_size: int = 64  # the chunkwise gated delta rule's chunk (components/gated_delta.py)
+    linear_backend: str = "auto"  # auto | torch | fla: the linear layers' kernel (fla on CUDA when installed)
     extra_hf: dict = field(default_factory=dict)  # HF config keys kept for export
 
     def __post_init__(self):
@@ -166,7 +167,7 @@ def linear_attention_config(cfg: DecoderConfig):
 
     return GatedDeltaNetConfig(cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                                cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
-                               cfg.rms_norm_eps, cfg.linear_chunk_size)
+                               cfg.rms_norm_eps, cfg.linear_chunk_size, cfg.linear_backend)
 
 
 def norm_class(cfg: DecoderConfig):

@@ -28,6 +28,33 @@ from torch import Tensor, nn
 from omniweave.models.components.gated_delta import causal_conv1d_varlen, gated_delta_rule_chunked, gated_delta_rule_step
 
 
+LINEAR_BACKENDS = ("auto", "torch", "fla")
+
+
+def fla_missing() -> str | None:
+    """Why flash-linear-attention's varlen Triton kernels cannot run here, or None when they can."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention (the fla package) is not installed: pip install flash-linear-attention"
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    return None
+
+
+def check_linear_backend(name: str, field: str = "linear_backend") -> str:
+    """``name`` when this machine can run it, else a one-line error naming ``field``."""
+    from omniweave.models.components.attention import UnavailableBackend
+
+    if name not in LINEAR_BACKENDS:
+        raise UnavailableBackend(f"{field}: unknown linear-attention backend {name!r}; choose from {', '.join(LINEAR_BACKENDS)}")
+    why = fla_missing() if name == "fla" else None
+    if why is not None:
+        raise UnavailableBackend(f"{field}: linear-attention backend 'fla' is not available on this machine: {why}; "
+                         "use auto or torch")
+    return name
+
+
 @dataclass(frozen=True)
 class GatedDeltaNetConfig:
     hidden_size: int
@@ -38,6 +65,7 @@ class GatedDeltaNetConfig:
     conv_kernel: int = 4  # HF linear_conv_kernel_dim
     rms_norm_eps: float = 1e-6
     chunk_size: int = 64
+    backend: str = "auto"  # auto | torch | fla: the gated delta rule's kernel (see rule())
 
     def __post_init__(self):
         if self.num_value_heads % self.num_key_heads:
@@ -45,6 +73,8 @@ class GatedDeltaNetConfig:
                              f"linear_num_key_heads={self.num_key_heads}")
         if self.conv_kernel < 1:
             raise ValueError(f"linear_conv_kernel_dim={self.conv_kernel} must be >= 1")
+        if self.backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend {self.backend!r}: choose from {', '.join(LINEAR_BACKENDS)}")
 
     @property
     def key_dim(self) -> int:
@@ -152,5 +182,23 @@ class GatedDeltaNet(nn.Module):
         one token per document from given states (decoding) takes the recurrence's single step."""
         if initial is not None and q.shape[0] == len(cu_seqlens) - 1:
             return gated_delta_rule_step(q, k, v, g, beta, initial, qk_l2norm=True)
+        backend = self.cfg.backend
+        if backend == "fla" or (backend == "auto" and q.is_cuda and fla_missing() is None):
+            return fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial)
         return gated_delta_rule_chunked(q, k, v, g, beta, cu_seqlens, chunk_size=self.cfg.chunk_size,
                                         initial_state=initial, qk_l2norm=True)
+
+
+def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
+                         initial: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:meth:`GatedDeltaNet.rule` on flash-linear-attention's varlen chunked kernel (CUDA, Triton):
+    one batch row of the packed documents, ``cu_seqlens`` int64, the value heads a multiple of the
+    key heads (fla's GVA, as transformers calls it), q and k L2-normalised in the kernel, the
+    states [N, HV, dk, dv] in and out (fp32)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype),
+                                      initial_state=None if initial is None else initial.float(),
+                                      output_final_state=True, cu_seqlens=cu_seqlens.to(torch.long),
+                                      use_qk_l2norm_in_kernel=True)
+    return o[0], final
