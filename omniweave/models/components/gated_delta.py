@@ -155,24 +155,27 @@ def gated_delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     k_to_end = kc * (decay[..., -1:] - decay).exp()[..., None]
     chunk_decay = decay[..., -1].exp()[..., None, None]  # [H, M, 1, 1]
 
-    start = _initial(initial_state, len(firsts), H, dk, dv, v).movedim(0, 1)  # [H, N, dk, dv]
+    start = _initial(initial_state, len(firsts), H, dk, dv, v).unbind(0)  # N x [H, dk, dv]
     doc_starts = {c: d for d, c in enumerate(firsts)}
     outs, finals = [], [None] * len(firsts)
     S, doc = None, -1
-    for i in range(M):
+    # per-chunk views made once (unbind): indexing [:, i] inside the loop would make the backward write
+    # each chunk's gradient into a zero tensor the size of the whole row, quadratic in the row length
+    per_chunk = zip(*(t.unbind(1) for t in (new_values, k_decayed, q_decayed, attn, chunk_decay, k_to_end)))
+    for i, (values_i, k_decayed_i, q_i, attn_i, decay_i, k_end_i) in enumerate(per_chunk):
         if i in doc_starts:  # a document's first chunk: its own initial state
             if doc >= 0:
                 finals[doc] = S
             doc = doc_starts[i]
-            S = start[:, doc]
-        v_new = new_values[:, i] - k_decayed[:, i] @ S
-        outs.append(q_decayed[:, i] @ S + attn[:, i] @ v_new)
-        S = S * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
+            S = start[doc]
+        v_new = values_i - k_decayed_i @ S
+        outs.append(q_i @ S + attn_i @ v_new)
+        S = S * decay_i + k_end_i.transpose(-1, -2) @ v_new
     if doc >= 0:
         finals[doc] = S
     for d, f in enumerate(finals):  # an empty document keeps its initial state
         if f is None:
-            finals[d] = start[:, d]
+            finals[d] = start[d]
     o = torch.stack(outs, 1).movedim(0, 2).reshape(M * C, H, dv) if outs else v.new_zeros(0, H, dv)
     out = v.new_zeros(L, H, dv).index_copy(0, index[valid], o[valid])
     return out.to(out_dtype), torch.stack(finals)
@@ -184,27 +187,39 @@ def causal_conv1d_varlen(x: Tensor, weight: Tensor, cu_seqlens: Tensor, initial_
     ``activation``, each document's inputs before its start being its ``initial_window``
     [N, K−1, C] rows (zeros without one: transformers' left padding); each document's last K−1
     inputs [N, K−1, C] for the next piece). ``out_t = Σ_s weight[:, K−1−s] · x_{t−s}`` as
-    ``nn.Conv1d(C, C, K, groups=C, padding=K−1)`` keeping the first L outputs."""
+    ``nn.Conv1d(C, C, K, groups=C, padding=K−1)`` keeping the first L outputs.
+
+    One ``F.conv1d`` over the row with each document preceded by its window (gathered, so the
+    backward keeps only that padded input): outputs never mix documents, as each sees K−1 rows of
+    its own window before its first token."""
     L, C = x.shape
     K = weight.shape[-1]
-    starts = cu_seqlens[:-1].to(torch.long)
-    n = len(starts)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)
-    doc = torch.repeat_interleave(torch.arange(n, device=x.device), lengths, output_size=L)
-    pos = torch.arange(L, device=x.device) - starts[doc]
+    n = len(cu_seqlens) - 1
     window = x.new_zeros(n, K - 1, C) if initial_window is None else initial_window.to(x.dtype)
-    out = x * weight[:, K - 1]
-    for s in range(1, K):
-        inside = pos >= s
-        earlier = torch.where(inside[:, None], x[(torch.arange(L, device=x.device) - s).clamp(min=0)],
-                              window[doc, (K - 1 + pos - s).clamp(min=0, max=K - 2)])
-        out = out + earlier * weight[:, K - 1 - s]
-    return (F.silu(out) if activation else out), _last_inputs(x, window, cu_seqlens, K)
+    if K == 1:
+        out = x * weight[:, 0]
+        return (F.silu(out) if activation else out), window
+    rows, first, last = _padded_layout(cu_seqlens, K, L, x.device)
+    padded = torch.cat([x, window.reshape(-1, C)])[rows]  # [L + N·(K−1), C]
+    out = F.conv1d(padded.t()[None], weight[:, None, :], groups=C)[0].t()[first]
+    return (F.silu(out) if activation else out), padded[last].reshape(n, K - 1, C)
 
 
-def _last_inputs(x: Tensor, window: Tensor, cu_seqlens: Tensor, K: int) -> Tensor:
-    """[N, K−1, C] each document's last K−1 inputs (its window's for a document shorter than that)."""
-    rows = []
-    for d, (s, e) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
-        rows.append(torch.cat([window[d], x[s:e]], 0)[-(K - 1):] if K > 1 else window[d])
-    return torch.stack(rows)
+def _padded_layout(cu_seqlens: Tensor, K: int, L: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """For ``[window_0 | doc_0 | window_1 | doc_1 | …]`` built from ``cat([x, windows])``: the source
+    row of each padded row, the convolution output row of each of x's rows, and the padded rows of
+    each document's last K−1 inputs."""
+    starts = cu_seqlens[:-1].to(torch.long).to(device)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long).to(device)
+    n = len(starts)
+    doc = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=L)
+    pad_start = starts + torch.arange(n, device=device) * (K - 1)  # P_d: where document d's window begins
+    total = L + n * (K - 1)
+    rows = torch.empty(total, dtype=torch.long, device=device)
+    w = torch.arange(K - 1, device=device)
+    rows[(pad_start[:, None] + w).reshape(-1)] = L + torch.arange(n * (K - 1), device=device)
+    in_doc = torch.arange(L, device=device) + doc * (K - 1) + (K - 1)  # padded row of x's row i
+    rows[in_doc] = torch.arange(L, device=device)
+    first = in_doc - (K - 1)  # conv output r covers padded rows r .. r + K − 1
+    last = (pad_start + lengths)[:, None] + w  # the last K − 1 rows of [window_d | doc_d]
+    return rows, first, last.reshape(-1)
