@@ -35,20 +35,25 @@ in the benchmark's own process with the ordinary allocator.
     resets its state per document at the same cost per token; beside each layer's one-document
     point of the same length (from (a) when it ran that length, else run here).
 
-Further sections (planned: (c) context parallelism of the linear layers at cp 2 / 4 vs one rank)
-add a function returning rows, a table and a place in ``main``; every row carries its
-``section``, the JSON keeps them by section.
+(c) **context parallelism** of the linear layer (parallel/context/linear.py: each rank its zigzag
+    share of the row, the pieces' windows and states passed down the ranks) on a row of
+    ``--cp-length`` tokens in documents of ``--cp-doc-len``, at each of ``--cp`` gloo ranks
+    (``--threads`` each: on a 2-core box cp 4 oversubscribes the cores): the slowest rank's
+    median step, against one rank on the whole row, and what each rank sends per layer in the
+    forward (its pieces' last K−1 inputs and their [S_x | M] summaries, fp32; the backward as much).
+
+Every row carries its ``section``; the JSON keeps them by section (``--sections`` runs a subset).
 
     python bench/linear_attention.py [--lengths 2048 4096 8192 16384] [--packed-length 16384]
-                                     [--doc-lens 2048] [--repeats 3] [--threads 1] [--out bench/out] [--quick]
+                                     [--doc-lens 2048] [--cp 1 2 4] [--cp-length 16384] [--cp-doc-len 4096]
+                                     [--sections single packed cp] [--repeats 3] [--threads 1] [--out bench/out] [--quick]
 
 The default lengths stop at 16K so that a run takes minutes on a 2-core box (attention is ~L²: a
 64K step of this layer takes ~5 min on one core); longer rows: ``--lengths 8192 16384 32768 65536``.
-At 7f6b9be a default run takes ~9 min, most of it the linear layer's 16K points: the chunked
-kernel's backward is superlinear there (docs/benchmarks.md, "Linear attention"); ~4 min without that.
+A default run takes ~5 min (docs/benchmarks.md, "Linear attention").
 
 ``--quick`` (bench/quick.py): rows of 256 and 1024 tokens, a packed row of 1024 in documents of
-256, warm-up on 64 tokens, 1 repeat; not meaningful figures.
+256, cp 1 and 2 on 512 tokens in documents of 128, warm-up on 64 tokens, 1 repeat; not meaningful figures.
 """
 
 from __future__ import annotations
@@ -257,9 +262,70 @@ def packed_table(rows: list[dict]) -> str:
 # ---------------------------------------------------------------------------- results
 
 
+# ---------------------------------------------------------------------------- (c) context parallelism
+
+
+def _cp_rank(rank: int, world: int, length: int, doc_len: int, repeats: int, threads: int, warmup: int) -> dict:
+    """This CP rank's forward + backward of the linear layer on its zigzag share of the row
+    (parallel/context/linear.py passing the states), or the whole row at world 1."""
+    import torch.distributed as dist
+
+    from omniweave.parallel.context.attention import CPContext
+    from omniweave.parallel.context.linear import LinearCP
+    from omniweave.parallel.context.sharding import plan_cp_shard, shard_rows
+
+    torch.set_num_threads(threads)
+    layer = make_layer("linear")
+    params = list(layer.parameters())
+    if world > 1:
+        layer.cp_fn = LinearCP(CPContext(group=dist.group.WORLD))
+
+    def local(row):
+        if world == 1:
+            return row["x"], row["cu_seqlens"]
+        plan = plan_cp_shard(row["cu_seqlens"], world)
+        return shard_rows(row["x"].detach(), plan, rank).requires_grad_(), plan.local_cu_seqlens()
+
+    x, cu = local(make_row(warmup, 0))
+    run_steps(lambda x: layer(x, cu)[0], [*params, x], x, 1)
+    x, cu = local(make_row(length, doc_len))
+    wall, _ = run_steps(lambda x: layer(x, cu)[0], [*params, x], x, repeats)
+    return {"rank_rows": x.shape[0], "step_s": statistics.median(wall)}
+
+
+def cp_rows(args) -> list[dict]:
+    """(c): the linear layer on one row of ``--cp-length`` tokens (documents of ``--cp-doc-len``)
+    at each of ``--cp`` ranks (gloo processes, ``--threads`` each), the slowest rank's median step."""
+    from omniweave.parallel.spawn import run_ranks
+
+    rows, L, n = [], args.cp_length, args.cp_doc_len
+    docs = -(-L // n)
+    cfg = LINEAR
+    conv_dim = 2 * cfg["num_key_heads"] * cfg["key_head_dim"] + cfg["num_value_heads"] * cfg["value_head_dim"]
+    state = cfg["num_value_heads"] * cfg["key_head_dim"] * (cfg["key_head_dim"] + cfg["value_head_dim"])
+    for cp in args.cp:
+        ranks = run_ranks(_cp_rank, cp, L, n, args.repeats, args.threads, args.warmup_tokens, timeout=3600, quiet=True)
+        sent = 0 if cp == 1 else 2 * docs * (3 * conv_dim + state) * 4  # tails (K-1 = 3 rows) and [S_x | M], fp32
+        row = {"section": "cp", "cp": cp, "length": L, "doc_len": n, "rank_rows": ranks[0]["rank_rows"],
+               "step_s": max(r["step_s"] for r in ranks), "sent_bytes": sent}
+        rows.append(row)
+        print(f"  cp {cp}: {row['rank_rows']} rows per rank, step {row['step_s']:.3f} s, sends {sent / MIB:.2f} MiB")
+    return rows
+
+
+def cp_table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["cp"] == 1), None)
+    lines = ["| cp | rows per rank | step s (slowest rank) | vs one rank | sent per rank per step, forward |",
+             "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
+        lines.append(f"| {r['cp']} | {r['rank_rows']} | {r['step_s']:.3f} | {ratio} | {r['sent_bytes'] / MIB:.2f} MiB |")
+    return "\n".join(lines)
+
+
 def plot(sections: dict[str, list[dict]], path: Path) -> None:
     plt = pyplot()
-    fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (speed, memory, cp) = plt.subplots(1, 3, figsize=(16, 4.2))
     colours = {"linear": "C0", "attention": "C1"}
     for kind in LAYERS:
         pts = sorted((r for r in sections["single"] if r["layer"] == kind), key=lambda r: r["length"])
@@ -274,16 +340,29 @@ def plot(sections: dict[str, list[dict]], path: Path) -> None:
                            label=f"{kind}, packed: documents of {r['doc_len']}")
                 memory.plot(r["length"], r["peak_bytes"] / MIB, "s", color=colours[kind], mfc="none", ms=9)
     for ax in (speed, memory):
-        ax.set_xscale("log", base=2)
         ax.set_xlabel("row length (tokens)")
-    speed.set_yscale("log")
+        if sections["single"] or sections["packed"]:
+            ax.set_xscale("log", base=2)
+    if sections["single"] or sections["packed"]:
+        speed.set_yscale("log")
+    if sections["cp"]:
+        base = next((r["step_s"] for r in sections["cp"] if r["cp"] == 1), None)
+        ranks = [r["cp"] for r in sections["cp"]]
+        cp.plot(ranks, [base / r["step_s"] if base else 0 for r in sections["cp"]], "o-", color="C0",
+                label="Gated DeltaNet, states passed down the ranks")
+        cp.plot(ranks, ranks, ":", color="grey", label="ideal (cp x)")
+        cp.set_xticks(ranks)
+        cp.legend(fontsize=7)
+    cp.set_xlabel("context-parallel ranks")
+    cp.set_ylabel("one rank's step / the slowest CP rank's step")
+    cp.set_title(f"Context parallelism ({sections['cp'][0]['length'] if sections['cp'] else '-'} tokens)")
     speed.set_ylabel("tokens/s, forward + backward of one layer")
     speed.set_title("Step throughput (wall-clock median)")
     speed.legend(fontsize=7)
     memory.set_ylabel("peak memory growth of the step (MiB, RSS)")
     memory.set_title("Peak memory")
     memory.legend(fontsize=7)
-    save(fig, path, grid=[speed, memory])
+    save(fig, path, grid=[speed, memory, cp])
 
 
 def main() -> None:
@@ -298,6 +377,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench/out"), help="every result file goes here (and only here)")
     p.add_argument("--quick", action="store_true",
                    help=QUICK_HELP + ": rows of 256 and 1024 tokens, packed 1024 in documents of 256, 1 repeat")
+    p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="(c) context-parallel sizes (gloo ranks)")
+    p.add_argument("--cp-length", type=int, default=16384, help="(c) the row's length")
+    p.add_argument("--cp-doc-len", type=int, default=4096, help="(c) its documents' length")
+    p.add_argument("--sections", nargs="+", default=["single", "packed", "cp"], choices=["single", "packed", "cp"],
+                   help="which sections to run")
     p.add_argument("--point", nargs=3, help=argparse.SUPPRESS)  # internal: LAYER LENGTH DOC_LEN, peak as JSON on stdout
     args = p.parse_args()
     if args.point:
@@ -307,13 +391,16 @@ def main() -> None:
     if args.quick:
         note("rows of 256 and 1024 tokens, a packed row of 1024 in documents of 256, 1 repeat")
         args.lengths, args.packed_length, args.doc_lens, args.repeats, args.warmup_tokens = [256, 1024], 1024, [256], 1, 64
+        args.cp, args.cp_length, args.cp_doc_len = [1, 2], 512, 128
     t0 = time.perf_counter()
-    sections = {"single": single_rows(args)}
-    sections["packed"] = packed_rows(args, sections["single"])
-    # a later section goes here: (c) context parallelism of the linear layers at cp 2 / 4 vs one
-    # rank (sections["cp"] = ...), with its table below and its points in the plot
-    text = (f"(a) one document\n\n{single_table(sections['single'])}\n\n"
-            f"(b) a packed row of {args.packed_length} tokens\n\n{packed_table(sections['packed'])}")
+    sections = {"single": single_rows(args) if "single" in args.sections else []}
+    sections["packed"] = packed_rows(args, sections["single"]) if "packed" in args.sections else []
+    sections["cp"] = cp_rows(args) if "cp" in args.sections else []
+    text = "\n\n".join(part for part in (
+        sections["single"] and f"(a) one document\n\n{single_table(sections['single'])}",
+        sections["packed"] and f"(b) a packed row of {args.packed_length} tokens\n\n{packed_table(sections['packed'])}",
+        sections["cp"] and f"(c) context parallelism, a row of {args.cp_length} tokens in documents of "
+                           f"{args.cp_doc_len}\n\n{cp_table(sections['cp'])}") if part)
     print(text)
     setting = (f"CPU, fp32, {args.threads} thread(s), wall-clock median of {args.repeats}, hidden {HIDDEN}; "
                f"attention {ATTENTION}; linear {LINEAR}")

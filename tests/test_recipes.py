@@ -133,10 +133,9 @@ def test_qwen3_vl_recipes_build_on_meta_with_the_published_parameter_count(name)
     assert with_deepstack > CostModel.from_model_config(model_cfg).p > 0
 
 
-@pytest.mark.parametrize("name", ["tiny_qwen3_vl", "tiny_qwen3_vl_moe"])
-def test_tiny_qwen3_vl_recipe_trains_on_packed_data(name, tmp_path):
-    """Pack images + videos with the recipe (timestamped videos: several media spans per video),
-    load a pack through the loader's collate, forward + backward through every part."""
+def _model_and_video_pack(name: str, tmp_path):
+    """Recipe ``name``'s model (seed 0) and a collated pack holding a video, packed with the recipe
+    from a few fake samples (images, videos; Qwen3-VL's timestamped videos: several spans each)."""
     from omniweave.cli import main
     from omniweave.config import to_dict
     from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
@@ -151,7 +150,14 @@ def test_tiny_qwen3_vl_recipe_trains_on_packed_data(name, tmp_path):
     model = build_model(cfg.model)
     data_cfg = {k: v for k, v in to_dict(cfg.data).items() if k not in LOADER_ONLY_KEYS}
     packs = [collate_pack(p, data_cfg) for p in PackedDataset(tmp_path / "packed")]
-    batch = next(b for b in packs if b["media_spans"].shape[0] > b["grid_thw"].shape[0])  # holds a video
+    return model, next(b for b in packs if b["media_spans"].shape[0] > b["grid_thw"].shape[0])  # holds a video
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3_vl", "tiny_qwen3_vl_moe"])
+def test_tiny_qwen3_vl_recipe_trains_on_packed_data(name, tmp_path):
+    """Pack images + videos with the recipe (timestamped videos: several media spans per video),
+    load a pack through the loader's collate, forward + backward through every part."""
+    model, batch = _model_and_video_pack(name, tmp_path)
     assert batch["pixel_values"].shape[1] == 3 * 2 * 16 * 16
     out = model(batch)
     out.loss_sum.backward()
@@ -191,21 +197,7 @@ def test_hybrid_recipes_build_on_meta_with_the_named_sizes(name):
 def test_tiny_qwen3_5_recipes_train_on_packed_images_and_videos(name, tmp_path):
     """Pack with the recipe (timestamped videos), collate, forward + backward through the tower,
     the merger, a linear layer, a full-attention layer (and the MoE's shared expert)."""
-    from omniweave.cli import main
-    from omniweave.config import to_dict
-    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
-    from omniweave.data.packing.packed import PackedDataset
-    from tests.fakes_data import make_samples, write_raw
-
-    raw = write_raw(tmp_path / "raw", make_samples(n_text=2, n_image=3, n_video=2, rejects=False))
-    assert main(["data", "pack", "--input", str(raw), "--output", str(tmp_path / "packed"), "--recipe", name,
-                 "--workers", "1", "data.max_len=2048"]) == 0  # fmt: skip
-    cfg = load_recipe(name, [f"data.path={tmp_path / 'packed'}", "data.max_len=2048"])
-    torch.manual_seed(0)
-    model = build_model(cfg.model)
-    data_cfg = {k: v for k, v in to_dict(cfg.data).items() if k not in LOADER_ONLY_KEYS}
-    packs = [collate_pack(p, data_cfg) for p in PackedDataset(tmp_path / "packed")]
-    batch = next(b for b in packs if b["media_spans"].shape[0] > b["grid_thw"].shape[0])  # holds a video
+    model, batch = _model_and_video_pack(name, tmp_path)
     out = model(batch)
     out.loss_sum.backward()
     assert torch.isfinite(out.loss_sum) and int(out.num_tokens) > 0

@@ -158,6 +158,19 @@ def run_named_grad_spy(train_fn, cfg) -> tuple[dict, list[dict[str, torch.Tensor
         Engine._apply_update = original
 
 
+def worst_layout_grad(model, reference) -> tuple[float, str]:
+    """(max over parameters of max |Δgrad| / max |grad|, its name) of a parallel ``model`` (its
+    DTensor gradients gathered whole) against the single-process ``reference`` model."""
+    ref = dict(reference.named_parameters())
+    errors = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        r = ref[name].grad
+        errors[name] = float((g - r).abs().max() / r.abs().max().clamp_min(1e-12))
+    worst = max(errors, key=errors.get, default="")
+    return errors.get(worst, 0.0), worst
+
+
 def worst_grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     """max over ``got``'s parameters of max |Δgrad| / max |grad| against ``want`` (same names)."""
     missing = sorted(set(got) - set(want))

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from omniweave.parallel.spawn import run_ranks
+from tests.train_factory import worst_layout_grad
 
 pytestmark = [pytest.mark.dist]
 
@@ -83,14 +84,8 @@ def _body(rank: int, world: int) -> list[dict]:
         loss = res.loss_sum.detach().double()
         dist.all_reduce(loss)
         loss = float(loss) / dims.tp / dims.dp / row["num_loss_tokens"]  # (dp: the same row on each rank)
-        worst, name_worst = 0.0, ""
+        worst, name_worst = worst_layout_grad(model, ref)
         grads = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            r = grads[name].grad
-            err = float((g - r).abs().max() / r.abs().max().clamp_min(1e-12))
-            if err > worst:
-                worst, name_worst = err, name
         mixer = model.foundation.layers[0].linear_attn
         placed = [str(getattr(t, "placements", None)) for t in (mixer.conv1d.weight, mixer.A_log, mixer.in_proj_qkv.weight)]
         out.append({"layout": (recipe, *overrides), "loss_rel": abs(loss - ref_loss) / ref_loss, "placed": placed,

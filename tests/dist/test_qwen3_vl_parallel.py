@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from omniweave.parallel.spawn import run_ranks
+from tests.train_factory import worst_layout_grad
 
 pytestmark = [pytest.mark.dist]
 
@@ -60,14 +61,8 @@ def _body(rank: int, world: int) -> list[dict]:
         loss = res.loss_sum.detach().double()
         dist.all_reduce(loss)
         loss = float(loss) / dims.tp / row["num_loss_tokens"]
-        worst, name_worst = 0.0, ""
+        worst, name_worst = worst_layout_grad(model, ref)
         grads = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            r = grads[name].grad
-            err = float((g - r).abs().max() / r.abs().max().clamp_min(1e-12))
-            if err > worst:
-                worst, name_worst = err, name
         out.append({"layout": (recipe, cp, mode, vs, tp, tp_enc), "loss_rel": abs(loss - ref_loss) / ref_loss,
                     "grad_rel": worst, "worst": name_worst,
                     "deepstack_grad": float(grads["projector.deepstack_merger_list.1.linear_fc2.weight"].grad.abs().sum())})
