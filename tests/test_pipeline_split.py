@@ -215,3 +215,33 @@ def test_static_rows_errors_name_the_limits():
         static_rows([_row([1] * 16)], 16, length, cp=2)
     with pytest.raises(ValueError, match=r"rows of \[17\] tokens exceed the pipeline capacity of 16 \(data.max_len\)"):
         static_rows([_row([17])], 16, static_row_length(16), cp=1)
+
+
+def test_layers_of_different_costs_split_by_their_sum():
+    """A hybrid model's layers cost differently (cost_model.decoder_layer_costs): the split
+    minimises the largest stage's sum, stage 0 also carrying the encoders."""
+    from omniweave.parallel.pipeline_split import split_layers
+
+    assert split_layers(4, 2, layer_costs=[1, 1, 1, 3]) == [3, 1]
+    assert split_layers(4, 2, first_stage_cost=2.0, layer_costs=[1, 1, 1, 3]) == [2, 2]
+    assert split_layers(8, 4, layer_costs=[1.0] * 8) == [2, 2, 2, 2]  # alike: the even split
+    assert split_layers(6, 3, layer_costs=[0.5, 0.5, 0.5, 0.5, 3, 3]) == [4, 1, 1]
+    assert split_layers(6, 3, layer_costs=[0.5, 0.5, 2, 0.5, 0.5, 2]) == [2, 2, 2]  # sums 1, 2.5, 2.5
+    with pytest.raises(ValueError, match="layer_costs needs 4 non-negative entries"):
+        split_layers(4, 2, layer_costs=[1, 1, 1])
+
+
+def test_hybrid_layer_costs_separate_linear_and_attention_layers():
+    """qwen3_5_tiny (linear, full, linear, full): a full-attention layer's cost grows with the
+    documents' length, a linear layer's does not; MoE layers count k experts and the shared one."""
+    import yaml
+
+    from omniweave.parallel.cost_model import decoder_layer_costs, decoder_params
+
+    f = yaml.safe_load(open("omniweave/configs/models/foundation/qwen3_5_tiny.yaml"))
+    short, long = decoder_layer_costs(f, 16), decoder_layer_costs(f, 4096)
+    assert short[0] == long[0] == short[2] and short[1] == short[3] < long[1]
+    assert long[1] - short[1] == 6 * f["num_heads"] * f["head_dim"] * (4096 - 16)
+    # at zero length the layers' sum is 6 x the parameters decoder_params counts, less the embedding row / head
+    total = sum(decoder_layer_costs(f, 0))
+    assert total == 6 * (decoder_params(f) - f["hidden_size"] - f["vocab_size"] * f["hidden_size"])

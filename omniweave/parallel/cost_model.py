@@ -210,6 +210,34 @@ def decoder_params(dec) -> int:
     return mixers + layers * 2 * h + mlp + h + dec.vocab_size * h
 
 
+def decoder_layer_costs(dec, doc_len: float) -> list[float]:
+    """Each decoder layer's forward + backward work per token (FLOPs, trained), for a pipeline's
+    stage split where layers differ (a hybrid model's linear and full-attention layers): 6 per
+    parameter a token computes with (a MoE layer its router and k experts; a linear layer its scan
+    in parameter-equivalents, :func:`linear_scan_equivalent`), plus a full-attention layer's score
+    work over documents of ``doc_len`` tokens (6·heads·head_dim·doc_len per token, the ``a``
+    term of the FLOP model)."""
+    dec = component_config("foundation", dec)
+    h, heads, hd, inter = dec.hidden_size, dec.num_heads, dec.head_dim, dec.intermediate_size
+    one = dataclasses.replace(dec, num_layers=1, vocab_size=0, layer_types=None, mlp_only_layers=[],
+                              first_k_dense_replace=0, decoder_sparse_step=1)
+    attention = decoder_params(dataclasses.replace(one, num_experts=0)) - 3 * h * inter - 2 * h - h  # mixer alone
+    moe = set(dec.moe_layers())
+    costs = []
+    for i in range(dec.num_layers):
+        if i in moe:
+            mlp = 3 * h * dec.moe_intermediate_size * (dec.num_experts_per_tok + dec.n_shared_experts) + dec.num_experts * h
+            mlp += 3 * h * dec.shared_expert_intermediate_size + h if dec.shared_expert_intermediate_size else 0
+        else:
+            mlp = 3 * h * inter
+        if dec.is_linear_layer(i):
+            mixer, scores = linear_layer_params(dec) + linear_scan_equivalent(dec), 0.0
+        else:
+            mixer, scores = attention, 6.0 * heads * hd * doc_len
+        costs.append(6.0 * (mixer + mlp + 2 * h) + scores)
+    return costs
+
+
 def linear_layer_params(dec) -> int:
     """A Gated DeltaNet layer's parameters (components/linear_attention.py): in_proj_qkv / z / b / a,
     the depthwise convolution over q|k|v, dt_bias and A_log per value head, the gated norm, out_proj."""

@@ -21,14 +21,17 @@ from torch import nn
 
 
 def split_layers(num_layers: int, pp: int, virtual: int = 1, pp_layers=None,
-                 first_stage_cost: float | None = 0.0) -> list[int]:
+                 first_stage_cost: float | None = 0.0, layer_costs: list[float] | None = None) -> list[int]:
     """Decoder layers of each of the ``pp · virtual`` stages, in stage order.
 
     ``pp_layers``: explicit counts (``parallel.pp_layers``), one per stage, each >= 1, summing to
     ``num_layers``. Otherwise ``first_stage_cost`` decides: None asks for a uniform split (the
     layers must divide evenly); a number >= 0 is the encoders' work in decoder-layer units
     (``encoder_cost_in_layers``), which stage 0 carries besides its layers, and the split
-    minimises the largest stage cost (layers cost alike; ties go to the most even split)."""
+    minimises the largest stage cost (layers cost alike; ties go to the most even split).
+    ``layer_costs``: each layer's cost in those units where layers differ (a hybrid model's linear
+    and full-attention layers, ``cost_model.decoder_layer_costs``); the split then minimises the
+    largest stage's sum (ties: stage sizes nearest the even split)."""
     stages = pp * virtual
     if pp < 1 or virtual < 1:
         raise ValueError(f"parallel.pp={pp} and parallel.pp_virtual={virtual} must be >= 1")
@@ -54,12 +57,43 @@ def split_layers(num_layers: int, pp: int, virtual: int = 1, pp_layers=None,
     if stages == 1:
         return [num_layers]
 
+    if layer_costs is not None:
+        if len(layer_costs) != num_layers or min(layer_costs) < 0:
+            raise ValueError(f"layer_costs needs {num_layers} non-negative entries, got {len(layer_costs)}")
+        return _split_by_cost([float(c) for c in layer_costs], stages, first_stage_cost)
+
     def split(first: int) -> list[int]:  # stage 0 takes ``first``, the rest as evenly as possible
         q, r = divmod(num_layers - first, stages - 1)
         return [first] + [q + (s >= stages - 1 - r) for s in range(stages - 1)]  # extras to the last stages
 
     candidates = [split(first) for first in range(1, num_layers - stages + 2)]
     return min(candidates, key=lambda s: (max(s[0] + first_stage_cost, *s[1:]), max(s) - min(s)))
+
+
+def _split_by_cost(costs: list[float], stages: int, first_stage_cost: float) -> list[int]:
+    """Contiguous stage sizes minimising the largest stage cost (stage 0 also carries
+    ``first_stage_cost``): dynamic programming over (stages, layers), O(stages · n²); among the
+    optimal splits, from the last stage back, each stage's size nearest n / stages."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][j]: the least largest-stage cost of layers [0, j) in s stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    for j in range(1, n + 1):
+        best[1][j] = prefix[j] + first_stage_cost
+    for s in range(2, stages + 1):
+        for j in range(s, n + 1):
+            best[s][j] = min(max(best[s - 1][k], prefix[j] - prefix[k]) for k in range(s - 1, j))
+    sizes, j, even = [], n, n / stages
+    for s in range(stages, 1, -1):
+        target = best[s][j] * (1 + 1e-12)
+        ks = [k for k in range(s - 1, j) if max(best[s - 1][k], prefix[j] - prefix[k]) <= target]
+        k = min(ks, key=lambda k: abs((j - k) - even))
+        sizes.append(j - k)
+        j = k
+    return [j, *reversed(sizes)]
 
 
 def encoder_cost_in_layers(model_cfg: dict, patches_per_token: float) -> float:

@@ -4,7 +4,8 @@
     pipeline = build_pipeline(model, cfg, dims, meshes, device, rows)
 
 The stage split is ``parallel.pp_layers`` or the cost model's (the encoders' share from the packed
-data's vision tokens per row, stats.json); ``parallel.pp_schedule`` and ``parallel.pp_virtual``
+data's vision tokens per row, stats.json; a hybrid model's linear and full-attention layers at
+their own costs); ``parallel.pp_schedule`` and ``parallel.pp_virtual``
 pick the schedule; one micro-batch per row, or ``parallel.seq_chunks`` per row
 (parallel/pipeline_chunks.py). Every row reaches the stages at one static length
 (parallel/pipeline_rows.py), from the mode's row capacity: a training mode whose rows are not the
@@ -48,7 +49,8 @@ def build_pipeline(model: nn.Module, cfg, dims, meshes, device, rows: PipelineRo
     pp_layers = par.pp_layers
     cost = None if pp_layers is not None else encoder_cost_in_layers(model_cfg, _patches_per_token(cfg.data.path, model_cfg))
     sizes = split_layers(model.foundation.config.num_layers, dims.pp, par.pp_virtual,
-                         None if pp_layers is None else list(pp_layers), first_stage_cost=cost)
+                         None if pp_layers is None else list(pp_layers), first_stage_cost=cost,
+                         layer_costs=_layer_costs(model.foundation.config, cfg.data.path) if pp_layers is None else None)
     chunks = seq_chunks_of(cfg)
     length = static_row_length(rows.max_len, dims.cp, dims.tp, rows.max_docs)
     length = -(-length // chunks) * chunks  # parallel.seq_chunks (cp = tp = 1): equal chunks cross the stages
@@ -56,6 +58,20 @@ def build_pipeline(model: nn.Module, cfg, dims, meshes, device, rows: PipelineRo
     return Pipeline(model, sizes, meshes.pp.get_group(), device, par.pp_schedule,
                     n_microbatches=rows.per_step, prepare_rows=prepare,
                     row_fn=partial(sequence_parallel_batch, meshes.tp) if dims.tp > 1 else None, seq_chunks=chunks)
+
+
+def _layer_costs(dec, packed: str) -> list[float] | None:
+    """Each decoder layer's cost in average-layer units where layers differ in kind (a hybrid
+    model's linear and full-attention layers: cost_model.decoder_layer_costs over the packed
+    data's mean sample length); None where every layer is alike (the uniform rule)."""
+    from omniweave.parallel.cost_model import decoder_layer_costs
+
+    if dec.layer_types is None or len(set(dec.layer_types)) == 1:
+        return None
+    doc_len = float((_stats(packed).get("sample_length") or {}).get("mean") or 1.0)
+    costs = decoder_layer_costs(dec, doc_len)
+    mean = sum(costs) / len(costs)
+    return [c / mean for c in costs]
 
 
 def _stats(packed: str) -> dict:

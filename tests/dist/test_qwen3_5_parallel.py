@@ -107,19 +107,23 @@ def test_hybrid_layers_under_context_parallelism_match_single_process(world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,parallel", [(2, {}), (4, {"parallel__cp": 2, "parallel__ep": 2})],
-                         ids=["dp2", "dp2xcp2xep2"])
-def test_tiny_qwen3_5_moe_trains_like_one_rank(tmp_path_factory, nproc, parallel):
-    """`omniweave train --nproc N` on tiny_qwen3_5_moe (hybrid layers, experts with a gated shared
-    expert and the sequence-level load-balancing loss) over the demo's data packed with the recipe:
-    the 1-rank losses, grad norms and final weights (AdamW's noise as in test_train_dist.py)."""
+@pytest.mark.parametrize("recipe,nproc,parallel", [
+    ("tiny_qwen3_5_moe", 2, {}),
+    ("tiny_qwen3_5_moe", 4, {"parallel__cp": 2, "parallel__ep": 2}),
+    ("tiny_qwen3_5", 2, {"parallel__pp": 2}),  # the stage split from the layers' own costs (pipeline_setup)
+], ids=["moe-dp2", "moe-dp2xcp2xep2", "pp2"])
+def test_tiny_qwen3_5_trains_like_one_rank(tmp_path_factory, recipe, nproc, parallel):
+    """`omniweave train --nproc N` on the tiny Qwen3.5 recipes (hybrid layers; the MoE one with a
+    gated shared expert and the sequence-level load-balancing loss) over the demo's data packed
+    with the recipe: the 1-rank losses, grad norms and final weights (AdamW's noise as in
+    test_train_dist.py)."""
     from tests.train_factory import final_state, losses, make_demo_packed, max_abs_diff, read_metrics, train_subprocess
 
-    packed = make_demo_packed(tmp_path_factory.mktemp("qwen3_5_moe"), samples=48, recipe="tiny_qwen3_5_moe")
+    packed = make_demo_packed(tmp_path_factory.mktemp(recipe), samples=48, recipe=recipe)
     runs = []
     for n, kw in ((1, {}), (nproc, parallel)):
         out = tmp_path_factory.mktemp(f"n{n}") / "run"
-        res = train_subprocess(packed, out, nproc=n, steps=3, global_batch=4, recipe="tiny_qwen3_5_moe", **kw)
+        res = train_subprocess(packed, out, nproc=n, steps=3, global_batch=4, recipe=recipe, **kw)
         assert res.returncode == 0, res.stdout[-4000:]
         runs.append(out)
     ref, run = (read_metrics(r) for r in runs)
