@@ -23,7 +23,9 @@ def test_export_round_trip_gives_identical_logits(tmp_path, family, tied):
     assert type(back) is type(hf)
     ids = torch.randint(0, 1024, (1, 23))
     with torch.no_grad():
-        assert torch.equal(back(input_ids=ids).logits, hf(input_ids=ids).logits)
+        # same weights, so equal up to the order of fp32 sums (an MoE's index_add over experts is
+        # not ordered on a multi-threaded CPU: two calls of one MoE model differ in the last bits)
+        torch.testing.assert_close(back(input_ids=ids).logits, hf(input_ids=ids).logits, atol=1e-6, rtol=0)
         torch.testing.assert_close(ours.logits({"input_ids": ids[0]}), hf(input_ids=ids).logits[0], atol=1e-4, rtol=0)
     hf_cfg = json.loads((tmp_path / "out/config.json").read_text())
     assert hf_cfg["model_type"] == family and hf_cfg["tie_word_embeddings"] == tied

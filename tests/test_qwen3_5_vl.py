@@ -79,10 +79,11 @@ def test_export_round_trip_loads_in_transformers(pair, tmp_path):
     back = hf_class(family).from_pretrained(out, attn_implementation="eager").eval()
     sample = make_sample(MEDIA_CASES["mixed"], seed=4)
     with torch.no_grad():
-        assert torch.equal(back(**hf_inputs(sample)).logits, hf(**hf_inputs(sample)).logits)
+        # equal up to the MoE's unordered fp32 index_add across threads
+        torch.testing.assert_close(back(**hf_inputs(sample)).logits, hf(**hf_inputs(sample)).logits, atol=1e-6, rtol=0)
     again, _ = load_hf(out)
     with torch.no_grad():
-        assert torch.equal(again.logits(ours_batch(sample)), ours.logits(ours_batch(sample)))
+        torch.testing.assert_close(again.logits(ours_batch(sample)), ours.logits(ours_batch(sample)), atol=1e-6, rtol=0)
 
 
 def test_hf_verify_passes_with_an_image_and_a_video(pair, capsys):
@@ -109,7 +110,8 @@ def test_multi_token_prediction_tensors_are_skipped_with_a_log_line(pair, tmp_pa
     assert f"{family}: 2 checkpoint tensor(s) not loaded (mtp.*" in caplog.text
     batch = ours_batch(make_sample(MEDIA_CASES["images"], seed=5))
     with torch.no_grad():
-        assert torch.equal(loaded.logits(batch), ours.logits(batch))
+        # the same weights: equal up to the order of the MoE's fp32 index_add (not ordered across threads)
+        torch.testing.assert_close(loaded.logits(batch), ours.logits(batch), atol=1e-6, rtol=0)
 
 
 def test_cli_export_with_the_recipe_names_the_qwen3_vl_processors_and_verifies(pair, tmp_path, capsys):
