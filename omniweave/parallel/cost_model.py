@@ -192,50 +192,41 @@ def decoder_params(dec) -> int:
     DecoderConfig) computes with, the LM head counted even when tied (its matmul runs either way);
     a MoE layer counts its router and the k experts a token uses (plus shared experts), not all of them."""
     dec = component_config("foundation", dec)
-    h, heads, kv, inter, hd = dec.hidden_size, dec.num_heads, dec.num_kv_heads, dec.intermediate_size, dec.head_dim
+    return sum(layer_params(dec)) + dec.hidden_size + dec.vocab_size * dec.hidden_size
+
+
+def layer_params(dec) -> list[int]:
+    """Per decoder layer (a DecoderConfig), the parameters a token computes with: its token mixer
+    (attention with q/k norms, or a linear layer with its scan in parameter-equivalents), its
+    MLP (dense, or a MoE block's router, k experts and shared experts) and its two norms."""
+    h, heads, kv, hd = dec.hidden_size, dec.num_heads, dec.num_kv_heads, dec.head_dim
     if dec.family == "deepseek_v3":
         attention = _mla_params(dec)
     else:  # an output gate doubles q_proj (Qwen3.5)
         attention = (heads * (1 + dec.attn_output_gate) + 2 * kv) * hd * (h + dec.qkv_bias) + heads * hd * h
     attention += 2 * hd if dec.qk_norm else 0
-    layers, moe = dec.num_layers, len(dec.moe_layers())
-    linear = sum(dec.is_linear_layer(i) for i in range(layers))
-    dense_mlp = 3 * h * inter
     active = dec.num_experts_per_tok + dec.n_shared_experts
     moe_mlp = 3 * h * (dec.moe_intermediate_size or 0) * active + dec.num_experts * h
     if dec.shared_expert_intermediate_size:  # the gated shared expert and its [1, D] gate
         moe_mlp += 3 * h * dec.shared_expert_intermediate_size + h
-    mlp = (layers - moe) * dense_mlp + moe * moe_mlp
-    mixers = (layers - linear) * attention + linear * (linear_layer_params(dec) + linear_scan_equivalent(dec))
-    return mixers + layers * 2 * h + mlp + h + dec.vocab_size * h
+    moe = set(dec.moe_layers())
+    out = []
+    for i in range(dec.num_layers):
+        linear = dec.is_linear_layer(i)
+        mixer = linear_layer_params(dec) + linear_scan_equivalent(dec) if linear else attention
+        out.append(mixer + (moe_mlp if i in moe else 3 * h * dec.intermediate_size) + 2 * h)
+    return out
 
 
 def decoder_layer_costs(dec, doc_len: float) -> list[float]:
     """Each decoder layer's forward + backward work per token (FLOPs, trained), for a pipeline's
     stage split where layers differ (a hybrid model's linear and full-attention layers): 6 per
-    parameter a token computes with (a MoE layer its router and k experts; a linear layer its scan
-    in parameter-equivalents, :func:`linear_scan_equivalent`), plus a full-attention layer's score
+    parameter a token computes with (:func:`layer_params`), plus a full-attention layer's score
     work over documents of ``doc_len`` tokens (6·heads·head_dim·doc_len per token, the ``a``
     term of the FLOP model)."""
     dec = component_config("foundation", dec)
-    h, heads, hd, inter = dec.hidden_size, dec.num_heads, dec.head_dim, dec.intermediate_size
-    one = dataclasses.replace(dec, num_layers=1, vocab_size=0, layer_types=None, mlp_only_layers=[],
-                              first_k_dense_replace=0, decoder_sparse_step=1)
-    attention = decoder_params(dataclasses.replace(one, num_experts=0)) - 3 * h * inter - 2 * h - h  # mixer alone
-    moe = set(dec.moe_layers())
-    costs = []
-    for i in range(dec.num_layers):
-        if i in moe:
-            mlp = 3 * h * dec.moe_intermediate_size * (dec.num_experts_per_tok + dec.n_shared_experts) + dec.num_experts * h
-            mlp += 3 * h * dec.shared_expert_intermediate_size + h if dec.shared_expert_intermediate_size else 0
-        else:
-            mlp = 3 * h * inter
-        if dec.is_linear_layer(i):
-            mixer, scores = linear_layer_params(dec) + linear_scan_equivalent(dec), 0.0
-        else:
-            mixer, scores = attention, 6.0 * heads * hd * doc_len
-        costs.append(6.0 * (mixer + mlp + 2 * h) + scores)
-    return costs
+    scores = 6.0 * dec.num_heads * dec.head_dim * doc_len
+    return [6.0 * n + (0.0 if dec.is_linear_layer(i) else scores) for i, n in enumerate(layer_params(dec))]
 
 
 def linear_layer_params(dec) -> int:

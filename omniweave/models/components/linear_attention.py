@@ -19,6 +19,7 @@ chunked rows, context parallelism, decoding) at every document.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from omniweave.models.components.gated_delta import causal_conv1d_varlen, gated_
 LINEAR_BACKENDS = ("auto", "torch", "fla")
 
 
+@functools.lru_cache(maxsize=None)
 def fla_missing() -> str | None:
     """Why flash-linear-attention's varlen Triton kernels cannot run here, or None when they can."""
     import importlib.util

@@ -267,16 +267,7 @@ class Qwen3_5MoeAdapter(PerExpertTensors, Qwen3_5Adapter):
     architecture = "Qwen3_5MoeForConditionalGeneration"
     text_model_type = "qwen3_5_moe_text"
     vision_model_type = "qwen3_5_moe_vision"
-    text = HybridMoeTextAdapter(text_only=False)
-
-    def model_config_to_ours(self, hf: dict[str, Any]) -> dict[str, Any]:
-        text = dict(hf.get("text_config") or {})
-        return super().model_config_to_ours({**hf, "text_config": {"intermediate_size": text.get("moe_intermediate_size"), **text}})
-
-    def _config_to_hf(self, foundation, image_encoder, projector) -> dict[str, Any]:
-        out = super()._config_to_hf(foundation, image_encoder, projector)
-        out["text_config"].pop("intermediate_size", None)
-        return out
+    text = HybridMoeTextAdapter(text_only=False)  # (it fills in and drops the placeholder intermediate_size)
 
 
 register("hf", "qwen3_5_text")(HybridTextAdapter)
