@@ -158,6 +158,43 @@ def run_named_grad_spy(train_fn, cfg) -> tuple[dict, list[dict[str, torch.Tensor
         Engine._apply_update = original
 
 
+def layout_against_one_process(cfg, row: dict, world: int, prepare=lambda model: None) -> dict:
+    """One forward + backward of ``row`` through the model as the trainer builds it for recipe
+    ``cfg`` on ``world`` ranks, and through the single-process model of the same seed (``prepare``
+    applied to both): {model, reference, loss_rel, grad_rel, worst}. Every dp rank gets the same
+    row, each normalised by the dp rows' loss tokens as the trainer does."""
+    import copy
+
+    import torch.distributed as dist
+
+    from omniweave.config import to_dict
+    from omniweave.models.registry import build_model
+    from omniweave.parallel.context import shard_micro_batch
+    from omniweave.parallel.dims import ParallelDims
+    from omniweave.train.parallel_model import build
+
+    torch.manual_seed(int(cfg.train.seed))  # what build() does on one process
+    base = build_model(to_dict(cfg.model))
+    base.init_weights()
+    prepare(base)
+    ref = copy.deepcopy(base)
+    ref_loss = ref(row).loss_sum / row["num_loss_tokens"]
+    ref_loss.backward()
+    ref_loss = float(ref_loss.detach())
+    dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
+    meshes = dims.build_meshes("cpu")
+    model = build(cfg, torch.device("cpu"), dims, meshes)
+    prepare(model)
+    res = model(shard_micro_batch(row, dims.cp, meshes.cp_rank, dims.tp))
+    (res.loss_sum / (row["num_loss_tokens"] * dims.dp)).backward()
+    loss = res.loss_sum.detach().double()
+    dist.all_reduce(loss)
+    loss = float(loss) / dims.tp / dims.dp / row["num_loss_tokens"]
+    worst, name = worst_layout_grad(model, ref)
+    return {"model": model, "reference": ref, "loss_rel": abs(loss - ref_loss) / ref_loss, "grad_rel": worst,
+            "worst": name}
+
+
 def worst_layout_grad(model, reference) -> tuple[float, str]:
     """(max over parameters of max |Δgrad| / max |grad|, its name) of a parallel ``model`` (its
     DTensor gradients gathered whole) against the single-process ``reference`` model."""

@@ -15,15 +15,13 @@ from the wrong state would show. Loss and every gradient within 1e-5 relative.""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from omniweave.parallel.spawn import run_ranks
-from tests.train_factory import worst_layout_grad
+from tests.train_factory import layout_against_one_process
 
 pytestmark = [pytest.mark.dist]
 
@@ -58,38 +56,16 @@ def slow_decay(model) -> None:
 
 
 def _body(rank: int, world: int) -> list[dict]:
-    from omniweave.config import load_recipe, to_dict
-    from omniweave.models.registry import build_model
-    from omniweave.parallel.context import shard_micro_batch
-    from omniweave.parallel.dims import ParallelDims
-    from omniweave.train.parallel_model import build
+    from omniweave.config import load_recipe
 
     row, out = _row(), []
     for recipe, overrides in LAYOUTS[world]:
-        cfg = load_recipe(recipe, overrides)
-        torch.manual_seed(int(cfg.train.seed))  # what build() does on one process
-        base = build_model(to_dict(cfg.model))
-        base.init_weights()
-        slow_decay(base)
-        ref = copy.deepcopy(base)
-        ref_loss = ref(row).loss_sum / row["num_loss_tokens"]
-        ref_loss.backward()
-        ref_loss = float(ref_loss.detach())
-        dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
-        meshes = dims.build_meshes("cpu")
-        model = build(cfg, torch.device("cpu"), dims, meshes)
-        slow_decay(model)
-        res = model(shard_micro_batch(row, dims.cp, meshes.cp_rank, dims.tp))
-        (res.loss_sum / (row["num_loss_tokens"] * dims.dp)).backward()  # the trainer's global token count
-        loss = res.loss_sum.detach().double()
-        dist.all_reduce(loss)
-        loss = float(loss) / dims.tp / dims.dp / row["num_loss_tokens"]  # (dp: the same row on each rank)
-        worst, name_worst = worst_layout_grad(model, ref)
-        grads = dict(ref.named_parameters())
-        mixer = model.foundation.layers[0].linear_attn
+        r = layout_against_one_process(load_recipe(recipe, overrides), row, world, prepare=slow_decay)
+        grads = dict(r["reference"].named_parameters())
+        mixer = r["model"].foundation.layers[0].linear_attn
         placed = [str(getattr(t, "placements", None)) for t in (mixer.conv1d.weight, mixer.A_log, mixer.in_proj_qkv.weight)]
-        out.append({"layout": (recipe, *overrides), "loss_rel": abs(loss - ref_loss) / ref_loss, "placed": placed,
-                    "grad_rel": worst, "worst": name_worst,
+        out.append({"layout": (recipe, *overrides), "loss_rel": r["loss_rel"], "placed": placed,
+                    "grad_rel": r["grad_rel"], "worst": r["worst"],
                     "linear_grad": float(grads["foundation.layers.0.linear_attn.in_proj_qkv.weight"].grad.abs().sum())})
     return out
 

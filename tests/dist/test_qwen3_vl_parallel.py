@@ -6,14 +6,11 @@ features and are placed by each rank's feature rows; loss and every gradient mus
 
 from __future__ import annotations
 
-import copy
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from omniweave.parallel.spawn import run_ranks
-from tests.train_factory import worst_layout_grad
+from tests.train_factory import layout_against_one_process
 
 pytestmark = [pytest.mark.dist]
 
@@ -35,36 +32,17 @@ def _row() -> dict:
 
 
 def _body(rank: int, world: int) -> list[dict]:
-    from omniweave.config import load_recipe, to_dict
-    from omniweave.models.registry import build_model
-    from omniweave.parallel.context import shard_micro_batch
-    from omniweave.parallel.dims import ParallelDims
-    from omniweave.train.parallel_model import build
+    from omniweave.config import load_recipe
 
     row, out = _row(), []
     for recipe, cp, mode, vs, tp, tp_enc in LAYOUTS:
         cfg = load_recipe(recipe, [f"parallel.cp={cp}", f"parallel.cp_attention={mode}",
                                    f"parallel.vision_split={str(vs).lower()}", f"model.foundation.tp={tp}",
                                    f"model.image_encoder.tp={tp_enc}"])  # fmt: skip
-        torch.manual_seed(int(cfg.train.seed))  # what build() does on one process
-        base = build_model(to_dict(cfg.model))
-        base.init_weights()
-        ref = copy.deepcopy(base)
-        ref_loss = ref(row).loss_sum / row["num_loss_tokens"]
-        ref_loss.backward()
-        ref_loss = float(ref_loss.detach())
-        dims = ParallelDims.from_config(cfg.parallel, world, model=cfg.model)
-        meshes = dims.build_meshes("cpu")
-        model = build(cfg, torch.device("cpu"), dims, meshes)
-        res = model(shard_micro_batch(row, dims.cp, meshes.cp_rank, dims.tp))
-        (res.loss_sum / row["num_loss_tokens"]).backward()
-        loss = res.loss_sum.detach().double()
-        dist.all_reduce(loss)
-        loss = float(loss) / dims.tp / row["num_loss_tokens"]
-        worst, name_worst = worst_layout_grad(model, ref)
-        grads = dict(ref.named_parameters())
-        out.append({"layout": (recipe, cp, mode, vs, tp, tp_enc), "loss_rel": abs(loss - ref_loss) / ref_loss,
-                    "grad_rel": worst, "worst": name_worst,
+        r = layout_against_one_process(cfg, row, world)
+        grads = dict(r["reference"].named_parameters())
+        out.append({"layout": (recipe, cp, mode, vs, tp, tp_enc), "loss_rel": r["loss_rel"],
+                    "grad_rel": r["grad_rel"], "worst": r["worst"],
                     "deepstack_grad": float(grads["projector.deepstack_merger_list.1.linear_fc2.weight"].grad.abs().sum())})
     return out
 
