@@ -104,6 +104,8 @@ COMPONENT_MODULES = [
     "omniweave.models.components.qwen3_vit",
     "omniweave.models.hf.qwen3_vl",
     "omniweave.models.hf.qwen3_5",
+    "omniweave.models.components.intern_vit",
+    "omniweave.models.hf.internvl",
     "omniweave.models.components.audio_encoder",
     "omniweave.models.components.audio_projector",
     "omniweave.models.hf.qwen2_audio",
