@@ -50,7 +50,7 @@ def _vision_schema():
     from omniweave.data.media.vision import VisionConfig
 
     def optional(f):
-        kind = List[float] if "mean" in f.name or "std" in f.name else {"int": int, "float": float, "str": str}[str(f.type)]
+        kind = List[float] if "mean" in f.name or "std" in f.name else {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
         return f.name, Optional[kind], field(default=None)
 
     return make_dataclass("VisionSchema", [("preprocessor_config", Optional[str], field(default=None)),

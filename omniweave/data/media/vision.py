@@ -7,6 +7,8 @@ Two paths that must always agree:
 
 and the same for videos, where the plan also fixes which source frames are used (decided from
 the stream header alone: frame count, frame rate, size), so decoding reads exactly those frames.
+With ``tiling: internvl`` images are cut into InternVL's dynamic tiles instead (media/tiling.py);
+videos are then rejected (``unsupported_media``).
 
 Images follow ``transformers.Qwen2VLImageProcessorPil`` exactly (RGB with alpha composited on
 white, PIL bicubic resize of uint8 pixels, rescale in float64 then float32, normalise, patchify).
@@ -81,10 +83,21 @@ class VisionConfig:
     image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
     image_std: tuple[float, ...] = OPENAI_CLIP_STD
     frame_sampling: str = "qwen_vl_utils"  # video rule: qwen_vl_utils | transformers | qwen3_vl (module doc)
+    tiling: str = "none"  # images: none (smart resize) | internvl (dynamic tiles: media/tiling.py)
+    tile_size: int = 448  # tiling only: side of one tile, a multiple of patch_size x merge_size
+    min_tiles: int = 1
+    max_tiles: int = 12
+    use_thumbnail: bool = True  # tiling only: one more tile, the whole image, when the grid has several
 
     def __post_init__(self):
         if self.frame_sampling not in FRAME_SAMPLING:
             raise ValueError(f"frame_sampling must be one of {sorted(FRAME_SAMPLING)}, got {self.frame_sampling!r}")
+        if self.tiling not in TILING:
+            raise ValueError(f"vision tiling must be one of {list(TILING)}, got {self.tiling!r}")
+        if self.tiling != "none":
+            from omniweave.data.media.tiling import check_tiling_config
+
+            check_tiling_config(self)
 
     @property
     def factor(self) -> int:  # resized sides are multiples of this
@@ -106,8 +119,14 @@ class VisionConfig:
                 cfg[key] = tuple(float(x) for x in cfg[key])
         return cls(**cfg)
 
-    def spec(self) -> dict:
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+    def spec(self) -> dict:  # untiled: no tile keys, so packs built before tiling existed still match
+        skip = TILE_KEYS if self.tiling == "none" else ()
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in fields(self) if f.name not in skip}
+
+
+TILING = ("none", "internvl")
+TILE_KEYS = ("tiling", "tile_size", "min_tiles", "max_tiles", "use_thumbnail")
 
 
 def vision_settings_from_hf(path: str | Path) -> dict:
@@ -288,11 +307,21 @@ def video_resize(info: VideoInfo, n: int, cfg: VisionConfig) -> tuple[int, int]:
 
 
 def plan_image(info: ImageInfo, cfg: VisionConfig) -> MediaPlan:
+    if cfg.tiling == "internvl":
+        from omniweave.data.media.tiling import plan_tiled_image
+
+        return plan_tiled_image(info, cfg)
     h, w = smart_resize(info.height, info.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     return MediaPlan("image", (1, h // cfg.patch_size, w // cfg.patch_size), (h, w))
 
 
+def _check_video_tiling(cfg: VisionConfig) -> None:
+    if cfg.tiling != "none":
+        raise MediaError("unsupported_media", f"videos with tiling {cfg.tiling} are not supported yet")
+
+
 def plan_video(info: VideoInfo, cfg: VisionConfig) -> MediaPlan:
+    _check_video_tiling(cfg)
     tp = cfg.temporal_patch_size
     if info.num_frames < 1:
         raise MediaError("video_no_frames", "the stream has no frames")
@@ -473,7 +502,12 @@ def resize_normalize(rgb: np.ndarray, resized_hw: tuple[int, int], cfg: VisionCo
 
 
 def process_image(data: bytes, cfg: VisionConfig) -> tuple[np.ndarray, MediaPlan]:
-    """Full decode: pixel_values float32 [h*w, 3*tp*p*p] and the plan (grid) it matches."""
+    """Full decode: pixel_values float32 [h*w, 3*tp*p*p] and the plan (grid) it matches; with
+    ``tiling: internvl``, [tiles*(tile/p)^2, 3*p*p] (``tiling.process_tiled_image``)."""
+    if cfg.tiling == "internvl":
+        from omniweave.data.media.tiling import process_tiled_image
+
+        return process_tiled_image(data, cfg)
     rgb = decode_image(data)
     plan = plan_image(ImageInfo(height=rgb.shape[0], width=rgb.shape[1]), cfg)
     frame = resize_normalize(rgb, plan.resized_hw, cfg)
@@ -483,6 +517,7 @@ def process_image(data: bytes, cfg: VisionConfig) -> tuple[np.ndarray, MediaPlan
 
 def process_video(data: bytes, cfg: VisionConfig, plan: MediaPlan | None = None) -> tuple[np.ndarray, MediaPlan]:
     """Full decode of the planned frames: pixel_values float32 [t*h*w, 3*tp*p*p] and the plan."""
+    _check_video_tiling(cfg)
     plan = plan or plan_video(probe_video(data), cfg)
     unique = tuple(sorted(set(plan.frame_indices)))
     resized = resize_normalize_frames(np.stack(decode_video_frames(data, unique)), plan.resized_hw, cfg)
