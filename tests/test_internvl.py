@@ -142,3 +142,111 @@ def test_unsupported_config_is_a_clear_error():
     cfg["vision_feature_layer"] = -2
     with pytest.raises(ValueError, match="vision_feature_layer"):
         adapter_for("internvl").model_config(cfg)
+
+
+def _verify_dir(tmp_path, max_patches: int = 6):
+    """A tiny InternVL directory on the demo tokenizer (<IMG_CONTEXT> = 701) with a GotOcr2 image
+    processor config of 56 px tiles."""
+    import json
+
+    from transformers import InternVLForConditionalGeneration
+
+    cfg = _config("qwen3", "300m_style")
+    cfg.text_config.vocab_size = 720
+    cfg.image_token_id = 701
+    torch.manual_seed(1)
+    path = tmp_path / "internvl"
+    InternVLForConditionalGeneration(cfg).save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "GotOcr2ImageProcessor", "crop_to_patches": True, "min_patches": 1,
+        "max_patches": max_patches, "size": {"height": 56, "width": 56}, "resample": 3,
+        "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}))  # fmt: skip
+    return path
+
+
+def _png(path, h: int, w: int, seed: int) -> str:
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+    return str(path)
+
+
+def test_hf_verify_compares_tiles_ids_and_logits(tmp_path, capsys):
+    from omniweave.cli import main
+
+    path = _verify_dir(tmp_path)
+    wide, tall = _png(tmp_path / "wide.png", 40, 250, 0), _png(tmp_path / "tall.png", 300, 70, 1)
+    assert main(["hf", "verify", str(path), "--image", wide, "--image", tall]) == 0
+    out = capsys.readouterr().out
+    assert "tiles         max|Δ| = 0.000e+00  per image: ours [7, 5], HF [7, 5]" in out
+    assert "pixel_values  max|Δ| = 0.000e+00" in out and "OK: all differences" in out
+    assert main(["hf", "verify", str(path)]) == 0  # a random image
+
+
+def test_hf_verify_refuses_video_and_reports_a_token_id_mismatch(tmp_path, capsys):
+    import json
+
+    from omniweave.cli import main
+
+    path = _verify_dir(tmp_path)
+    assert main(["hf", "verify", str(path), "--video", "clip.mp4"]) == 2
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["image_token_id"] = 700
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert main(["hf", "verify", str(path)]) == 2
+    assert "image_token_id=700" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- recipes
+
+def test_internvl3_5_8b_recipe_builds_on_meta_with_the_published_size():
+    """InternVL3.5-8B: InternViT-300M (0.30B) + projector (34M) + Qwen3-8B (8.19B) = 8.53B, the
+    model card's 8.5B; exports as internvl."""
+    from omniweave.config import load_recipe
+    from omniweave.models.hf.export import hf_model_type
+    from omniweave.models.registry import build_model
+
+    cfg = load_recipe("internvl3_5_8b")
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert abs(count(model.image_encoder) - 0.304e9) / 0.304e9 < 0.01
+    assert abs(count(model) - 8.53e9) / 8.53e9 < 0.01, count(model)
+    assert hf_model_type(model) == "internvl"
+    assert model.projector.num_tokens(torch.tensor([[3, 32, 32]])).item() == 3 * 256  # 256 tokens per 448 px tile
+
+
+def test_tiny_internvl_recipe_trains_on_packed_tiles(tmp_path):
+    """Pack images with the recipe (tiled as InternVL does), the video a counted
+    reject; collate a pack; forward + backward through every part; the DP balancer's cost model
+    knows the tower and projector."""
+    from omniweave.cli import main
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
+    from omniweave.data.packing.packed import PackedDataset
+    from omniweave.models.registry import build_model
+    from omniweave.parallel.cost_model import CostModel
+    from tests.fakes_data import make_samples, write_raw
+
+    raw = write_raw(tmp_path / "raw", make_samples(n_text=2, n_image=4, n_video=1, rejects=False))
+    assert main(["data", "pack", "--input", str(raw), "--output", str(tmp_path / "packed"), "--recipe",
+                 "tiny_internvl", "--workers", "1"]) == 0  # fmt: skip
+    import json
+
+    stats = json.loads((tmp_path / "packed" / "stats.json").read_text())
+    assert stats["dropped"] == {"unsupported_media": 1}  # the video: counted, with its reason
+    cfg = load_recipe("tiny_internvl", [f"data.path={tmp_path / 'packed'}"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    data_cfg = {k: v for k, v in to_dict(cfg.data).items() if k not in LOADER_ONLY_KEYS}
+    batch = next(b for b in (collate_pack(p, data_cfg) for p in PackedDataset(tmp_path / "packed"))
+                 if b["grid_thw"].shape[0] > 0)  # fmt: skip
+    assert batch["pixel_values"].shape[1] == 3 * 14 * 14 and (batch["grid_thw"][:, 1:] == 8).all()
+    out = model(batch)
+    out.loss_sum.backward()
+    assert torch.isfinite(out.loss_sum) and int(out.num_tokens) > 0
+    for part in ("image_encoder.cls_token", "image_encoder.position_embeddings", "image_encoder.blocks.1.lambda_2",
+                 "projector.linear_1.weight", "foundation.layers.0.self_attn.q_proj.weight"):  # fmt: skip
+        assert model.get_parameter(part).grad.abs().sum() > 0, part
+    assert CostModel.from_model_config(to_dict(cfg.model)).p > 0

@@ -133,7 +133,7 @@ class CostModel:
         e = p = 0.0
         if vit is not None:
             d, depth = vit.hidden_size, vit.depth
-            window = vit.window_size
+            window = getattr(vit, "window_size", None)  # Qwen2.5-VL's windows; InternViT / Qwen3-VL have none
             full = len(vit.fullatt_block_indexes or []) if window else depth
             win_patches = (int(window) // vit.patch_size) ** 2 if window else 0
             attn = 4 + 8 * vit_trains
@@ -259,9 +259,9 @@ def _mla_params(dec) -> int:
 
 
 def vit_params(vit) -> int:
-    """Parameters of a Qwen2-VL / Qwen2.5-VL vision tower config (each patch runs all of them)."""
+    """Parameters of a vision tower config (Qwen-VL, InternViT: each patch runs all of them)."""
     d, inter = vit.hidden_size, vit.intermediate_size
-    patch_in = vit.in_channels * vit.temporal_patch_size * vit.patch_size**2
+    patch_in = vit.in_channels * getattr(vit, "temporal_patch_size", 1) * vit.patch_size**2
     mlp = 3 * d * inter + 2 * inter + d if vit.mlp == "swiglu" else 2 * d * inter + inter + d
     return patch_in * d + vit.depth * (4 * d * d + 4 * d + mlp + 2 * d)
 
@@ -279,6 +279,7 @@ def audio_params_per_frame(audio) -> int:
 
 def projector_params_per_patch(proj, vit_dim: int, dec_dim: int, vit) -> float:
     """Projector parameters a patch runs through: a patch merger's per merged token / merge²."""
+    from omniweave.models.components.intern_vit import PixelShuffleMLPConfig
     from omniweave.models.components.projector import MLPAdapterConfig, PatchMergerConfig
     from omniweave.models.components.qwen3_vit import Qwen3MergerConfig
 
@@ -291,10 +292,13 @@ def projector_params_per_patch(proj, vit_dim: int, dec_dim: int, vit) -> float:
         merged = vit_dim * merge**2
         one = merged * merged + merged + merged * dec_dim + dec_dim
         return (1 + proj.deepstack_levels) * one / merge**2
+    if isinstance(proj, PixelShuffleMLPConfig):  # LayerNorm, Linear(merged -> D), Linear(D -> D) per merged token
+        merged = vit_dim * proj.merge_size**2
+        return (2 * merged + merged * dec_dim + dec_dim + dec_dim * dec_dim + dec_dim) / proj.merge_size**2
     if isinstance(proj, MLPAdapterConfig):
         hidden = proj.hidden_dim or dec_dim
         return vit_dim * hidden + hidden + hidden * dec_dim + dec_dim
-    raise ValueError(f"projector {type(proj).__name__}: the cost model knows patch_merger, qwen3_merger and mlp_adapter")
+    raise ValueError(f"projector {type(proj).__name__}: the cost model knows patch_merger, qwen3_merger, pixel_shuffle_mlp and mlp_adapter")
 
 
 def nnls(a: np.ndarray, y: np.ndarray, max_iter: int | None = None) -> np.ndarray:

@@ -4,7 +4,8 @@ A byte-level BPE (like Qwen2 / Llama-3) trained with ``tokenizers`` on a fixed b
 single-threaded, so the output is byte-identical on every run. It holds the ChatML / Qwen2-VL
 special tokens and the Llama-3 ones, so every built-in chat template works with it, and the
 Qwen2-Audio / Qwen2.5-Omni audio tokens, then Qwen2.5-Omni's vision tokens (``<|vision_bos|>``,
-``<|vision_eos|>``, ``<|IMAGE|>``, ``<|VIDEO|>``). Those were added after the others: they are
+``<|vision_eos|>``, ``<|IMAGE|>``, ``<|VIDEO|>``), then InternVL's ``<img>``, ``</img>``,
+``<IMG_CONTEXT>``, ``<video>`` and LLaVA-OneVision's ``<image>``. Those were added after the others: they are
 appended after training (ids past the learned vocabulary), so every id the tokenizer had before stays.
 
     python omniweave/assets/tokenizers/make_demo_tokenizer.py [OUT_DIR]
@@ -46,7 +47,15 @@ OMNI_SPECIAL = [
     "<|IMAGE|>",
     "<|VIDEO|>",
 ]
-SPECIAL_TOKENS = QWEN_SPECIAL + LLAMA3_SPECIAL + AUDIO_SPECIAL + OMNI_SPECIAL
+# InternVL's image tokens (<img><IMG_CONTEXT>…</img>) and video placeholder, LLaVA-OneVision's <image>
+INTERNVL_LLAVA_SPECIAL = [
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+    "<video>",
+    "<image>",
+]
+SPECIAL_TOKENS = QWEN_SPECIAL + LLAMA3_SPECIAL + AUDIO_SPECIAL + OMNI_SPECIAL + INTERNVL_LLAVA_SPECIAL
 VOCAB_SIZE = 1024
 
 # Qwen2's pre-tokenizer split pattern (digits one by one, letters grouped, newlines grouped).
@@ -100,6 +109,7 @@ def build(out_dir: Path) -> Path:
     tok.train_from_iterator(corpus(), trainer=trainer)
     tok.add_special_tokens(AUDIO_SPECIAL)
     tok.add_special_tokens(OMNI_SPECIAL)
+    tok.add_special_tokens(INTERNVL_LLAVA_SPECIAL)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     config = {

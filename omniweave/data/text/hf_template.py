@@ -198,12 +198,12 @@ def hf_message(m: Message) -> dict:
                                       for p in pieces]}
 
 
-def verify_template(name: str, tokenizer: str) -> str:
+def verify_template(name: str, tokenizer: str, fallback: str = "chatml") -> str:
     """``hf verify --template``: ``auto`` is the directory's own template (``hf``) when its tokenizer
-    has one, else chatml; any other name as given."""
+    has one, else ``fallback`` (the family's built-in: chatml, internvl); any other name as given."""
     if name != "auto":
         return name
     try:
-        return "hf" if read_chat_template(resolve_tokenizer_dir(tokenizer)) else "chatml"
+        return "hf" if read_chat_template(resolve_tokenizer_dir(tokenizer)) else fallback
     except FileNotFoundError:
-        return "chatml"
+        return fallback

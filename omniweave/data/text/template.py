@@ -181,6 +181,12 @@ BUILTIN_TEMPLATES = {
     # Qwen3-Instruct-2507 and Qwen3-VL (Instruct): ChatML without a default system prompt or <think> rules
     "qwen3_nothink": dataclasses.replace(_CHATML, name="qwen3_nothink", default_system=None),
     "qwen3_vl": dataclasses.replace(_CHATML, name="qwen3_vl", default_system=None),
+    # InternVL3 / 3.5 (-hf checkpoints): ChatML without a default system prompt; its chat template writes
+    # an image as "<IMG_CONTEXT>\n" and InternVLProcessor makes that "<img>" + <IMG_CONTEXT> per token +
+    # "</img>"; a video is "<video>\n" (its frames: not supported yet, counted rejects)
+    "internvl": dataclasses.replace(_CHATML, name="internvl", default_system=None,
+                                    image="<img><IMG_CONTEXT></img>\n", image_pad="<IMG_CONTEXT>",
+                                    video="<video>\n", video_pad="<video>"),
     # DeepSeek-V3 (its released template, as TRL keeps it): the system prompt bare after BOS, earlier
     # reasoning dropped from every assistant turn, generation opening a <think> block
     "deepseek3": ChatTemplate(

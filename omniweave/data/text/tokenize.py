@@ -123,6 +123,8 @@ class SampleProcessor:
             raise ValueError(f"data.special_tokens_in_text={self.special_tokens_in_text!r}; "
                              f"choose one of {SPECIAL_TOKEN_POLICIES}")
         specials = self.tokenizer.special_tokens if self.special_tokens_in_text == "reject" else ()
+        # a media tag the tokenizer also has as a token (InternVL's <video>, LLaVA's <image>) is our placeholder
+        specials = [t for t in specials if t not in PLACEHOLDERS.values()]
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         if self.rope not in ROPE_KINDS:
             raise ValueError(f"data.rope={self.rope!r}; choose one of {ROPE_KINDS}")

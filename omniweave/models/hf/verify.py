@@ -106,7 +106,11 @@ def random_media(seed: int) -> tuple[bytes, bytes]:
     return buf.getvalue(), vbuf.getvalue()
 
 
-def _sample(args, hf_dir: Path, hf_cfg: dict):
+def _sample(args, hf_dir: Path, hf_cfg: dict, vision: dict | None = None, rope: str | None = None,
+            default_template: str = "chatml", with_video: bool = True):
+    """(SampleProcessor, RawSample, TokenizedSample) of the one conversation checked: the given
+    media or a random image (and video); ``vision`` / ``rope`` override the Qwen-VL settings this
+    reads off the directory (verify_internvl.py passes InternVL's)."""
     from omniweave.data.media.vision import video_settings_from_hf
     from omniweave.data.sample import Conversation, Message, RawSample
     from omniweave.data.text.tokenize import SampleProcessor
@@ -115,7 +119,7 @@ def _sample(args, hf_dir: Path, hf_cfg: dict):
     videos = [Path(p).read_bytes() for p in args.video]
     if not images and not videos:
         image, video = random_media(args.seed)
-        images, videos = [image], [video]
+        images, videos = [image], ([video] if with_video else [])
     media = {f"img{i}.bin": b for i, b in enumerate(images)} | {f"vid{i}.bin": b for i, b in enumerate(videos)}
     conv = Conversation(
         id="verify",
@@ -124,9 +128,16 @@ def _sample(args, hf_dir: Path, hf_cfg: dict):
         images=[k for k in media if k.startswith("img")],
         videos=[k for k in media if k.startswith("vid")],
     )
+    tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else "demo"
+    template = verify_template(args.template, tokenizer, default_template)
+    raw = RawSample(key="verify", conversation=conv, media=media)
+    if vision is not None:
+        proc = SampleProcessor({"tokenizer": tokenizer, "template": template, "max_len": 1 << 20, "rope": rope,
+                                "vision": vision})  # fmt: skip
+        return proc, raw, proc.tokenize(raw)
     qwen25 = hf_cfg["model_type"] == "qwen2_5_vl"
     rope = "mrope_qwen25" if qwen25 else "mrope_qwen3vl" if hf_cfg["model_type"] in QWEN3_VL else "mrope"
-    vision: dict = {}
+    vision = {}
     if (hf_dir / "preprocessor_config.json").exists():
         vision["preprocessor_config"] = str(hf_dir)
     else:  # patch sizes from the model itself (e.g. Qwen3-VL's 16)
@@ -142,11 +153,8 @@ def _sample(args, hf_dir: Path, hf_cfg: dict):
             raise UserError(str(e)) from None
     if qwen25:
         vision["tokens_per_second"] = float(hf_cfg.get("vision_config", {}).get("tokens_per_second", 2))
-    tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").exists() else "demo"
-    template = verify_template(args.template, tokenizer)
     proc = SampleProcessor({"tokenizer": tokenizer, "template": template, "max_len": 1 << 20,
                             "rope": rope, "vision": vision})  # fmt: skip
-    raw = RawSample(key="verify", conversation=conv, media=media)
     return proc, raw, proc.tokenize(raw)
 
 
@@ -321,6 +329,10 @@ def verify(args) -> int:
         from omniweave.models.hf.verify_omni import verify_omni
 
         return verify_omni(args, hf_dir, hf_cfg, _report)
+    if hf_cfg.get("model_type") == "internvl" and not args.audio:
+        from omniweave.models.hf.verify_internvl import verify_internvl
+
+        return verify_internvl(args, hf_dir, hf_cfg, _report)
     if "audio_config" in hf_cfg and "vision_config" not in hf_cfg:
         from omniweave.models.hf.verify_audio import verify_audio
 
