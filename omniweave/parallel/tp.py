@@ -101,6 +101,9 @@ MOE_UNDER_TP = PrepareModuleInputOutput(
 def check_vit_tp(cfg, tp: int) -> None:
     _divisible("vision num_heads", cfg.num_heads, tp)
     _divisible("vision intermediate_size", cfg.intermediate_size, tp)
+    if tp > 1 and getattr(cfg, "qk_norm", False):  # InternViT-6B: one RMSNorm over all heads' channels
+        raise ValueError("image_encoder tp > 1 with qk_norm (a norm over all heads at once) is not supported; "
+                         "set model.image_encoder.tp=1")
 
 
 def sequence_parallel_row(batch: dict, tp_rank: int, tp: int) -> dict:
