@@ -39,7 +39,11 @@ RELEASED = {
     "llama3": ("llama3.jinja", {"bos_token": "<|begin_of_text|>"}),
     "deepseek3": ("deepseekv3.jinja", {"bos_token": "<｜begin▁of▁sentence｜>"}),
     "qwen2_audio": (None, {}),  # the Hub's template, as transformers' Qwen2AudioProcessor.default_chat_template keeps it
+    "internvl": ("internvl_hf.jinja", {}),  # + InternVLProcessor's framing of each image (PROCESSOR_STEP)
 }
+# what a family's processor does to the rendered text before tokenizing, where it adds tokens around the
+# template's own (InternVLProcessor.replace_image_token, one pad per image here)
+PROCESSOR_STEP = {"internvl": lambda text: text.replace("<IMG_CONTEXT>", "<img><IMG_CONTEXT></img>")}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 CASES = {
@@ -76,6 +80,7 @@ SUPPORTED = {  # the cases each released template can render (no tools in Qwen2-
     "llama3": ["single", "system_multi", "whitespace"],
     "deepseek3": ["single", "system_multi", "think"],
     "qwen2_audio": ["single", "system_multi", "audio", "whitespace"],
+    "internvl": ["single", "system_multi", "media", "whitespace"],
 }
 PARAMS = [(t, c, g) for t, cases in SUPPORTED.items() for c in cases for g in (False, True)]
 
@@ -130,7 +135,7 @@ def ours(proc: SampleProcessor, row: dict, generation: bool):
 @pytest.mark.parametrize("name,case,generation", PARAMS)
 def test_builtin_renders_the_released_template(name, case, generation):
     row = case_row(case, generation)
-    want = released(name, reference_messages(row), row.get("tools"), generation)
+    want = PROCESSOR_STEP.get(name, str)(released(name, reference_messages(row), row.get("tools"), generation))
     proc = SampleProcessor({"tokenizer": "demo", "template": name})
     ids, _, rendered, _ = ours(proc, row, generation)
     assert rendered.text == want
@@ -139,13 +144,13 @@ def test_builtin_renders_the_released_template(name, case, generation):
 
 def prefix_oracle(name: str, row: dict) -> list[tuple[int, int]] | None:
     """Loss spans of the released template by rendering prefixes; None where it is not prefix-stable."""
-    msgs, tools = reference_messages(row), row.get("tools")
-    full = released(name, msgs, tools)
+    msgs, tools, step = reference_messages(row), row.get("tools"), PROCESSOR_STEP.get(name, str)
+    full = step(released(name, msgs, tools))
     spans = []
     for k, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        start, end = released(name, msgs[:k], tools, True), released(name, msgs[: k + 1], tools)
+        start, end = step(released(name, msgs[:k], tools, True)), step(released(name, msgs[: k + 1], tools))
         if not (end.startswith(start) and full.startswith(end)):
             return None
         spans.append((len(start), len(end)))

@@ -285,3 +285,37 @@ def test_tiny_internvl_trains_with_lora_on_tower_and_decoder(tmp_path):
     adapters = [k for k in state if "lora" in k]
     assert any(k.startswith("image_encoder.blocks.0.attn.qkv") for k in adapters), adapters[:5]
     assert any(k.startswith("foundation.layers.0") for k in adapters)
+
+
+def test_recipe_export_is_a_whole_internvl_directory_that_hf_verify_passes(tmp_path, capsys):
+    """tiny_internvl exported with its data section: config, weights, the demo tokenizer naming
+    InternVLProcessor's tokens, the chat template as the -hf checkpoints write it (<IMG_CONTEXT>\\n),
+    GotOcr2 / InternVL processor configs of the recipe's tiles; transformers' tokenizer and image
+    processor load it, and hf verify (HF rendering the exported template + InternVLProcessor's
+    expansion, its image processor) equals our pipeline."""
+    import json
+
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from omniweave.cli import main
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.models.registry import build_model
+
+    cfg = load_recipe("tiny_internvl")
+    torch.manual_seed(0)
+    model = build_model(to_dict(cfg.model))
+    model.init_weights()
+    out = export_hf(model, to_dict(cfg.model), tmp_path / "hf", data_cfg=to_dict(cfg.data))
+    assert json.loads((out / "processor_config.json").read_text())["processor_class"] == "InternVLProcessor"
+    tok = AutoTokenizer.from_pretrained(out)
+    assert (tok.start_image_token, tok.context_image_token_id) == ("<img>", 701)
+    image_processor = AutoImageProcessor.from_pretrained(out)
+    assert (image_processor.size.height, image_processor.max_patches, image_processor.crop_to_patches) == (112, 6, True)
+    wide = _png(tmp_path / "wide.png", 60, 300, 3)
+    assert main(["hf", "verify", str(out), "--image", wide]) == 0
+    printed = capsys.readouterr().out
+    assert "HF renders the directory's chat template" in printed and "OK: all differences" in printed
+    from omniweave.data.text.tokenize import SampleProcessor
+
+    with pytest.raises(FileNotFoundError, match="use the built-in template: internvl"):  # data.template=hf on it
+        SampleProcessor({"tokenizer": str(out), "template": "hf"})

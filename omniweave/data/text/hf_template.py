@@ -100,6 +100,10 @@ class HFChatTemplate:
                                     "chat_template.json, or tokenizer_config.json's chat_template); name a "
                                     "built-in template instead")
         source, origin = found
+        if "<IMG_CONTEXT>" in source:  # the processor, not the template, frames InternVL's image tokens
+            raise FileNotFoundError(f"data.template=hf: {path}'s chat template is InternVL's, whose processor adds "
+                                    "tokens around each image; use the built-in template: internvl (it renders this "
+                                    "template's text plus InternVLProcessor's <img> … </img>)")  # fmt: skip
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         special = {k: _token_name(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}

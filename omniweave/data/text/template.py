@@ -73,6 +73,9 @@ class ChatTemplate:
     generation_prompt: str | None = None  # what add_generation_prompt appends; None: the assistant header
     think_style: str | None = None  # "qwen3" | "drop": how <think> blocks render (apply_think_style)
     trim_content: bool | None = None  # True: each turn's text stripped of surrounding whitespace (Llama 3)
+    # what the family's HF chat template writes for an image when its processor frames the pads itself
+    # (InternVL: "<IMG_CONTEXT>\n", InternVLProcessor adds <img> … </img>); None: ``image`` as it is
+    processor_image: str | None = None
 
     def __post_init__(self):
         for role in ROLES:
@@ -109,7 +112,7 @@ class ChatTemplate:
         return self.assistant.split("{content}")[0] if self.generation_prompt is None else self.generation_prompt
 
 
-_LATER_FIELDS = ("generation_prompt", "think_style", "trim_content")
+_LATER_FIELDS = ("generation_prompt", "think_style", "trim_content", "processor_image")
 THINK_STYLES = ("qwen3", "drop")
 
 
@@ -186,6 +189,7 @@ BUILTIN_TEMPLATES = {
     # "</img>"; a video is "<video>\n" (its frames: not supported yet, counted rejects)
     "internvl": dataclasses.replace(_CHATML, name="internvl", default_system=None,
                                     image="<img><IMG_CONTEXT></img>\n", image_pad="<IMG_CONTEXT>",
+                                    processor_image="<IMG_CONTEXT>\n",
                                     video="<video>\n", video_pad="<video>"),
     # DeepSeek-V3 (its released template, as TRL keeps it): the system prompt bare after BOS, earlier
     # reasoning dropped from every assistant turn, generation opening a <think> block

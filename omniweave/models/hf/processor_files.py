@@ -44,7 +44,7 @@ from omniweave.data.media.mel import CHUNK_SAMPLES, HOP_LENGTH, N_FFT, SAMPLE_RA
 PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                      "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor",
                      "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor",
-                     "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor"}  # fmt: skip
+                     "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor", "internvl": "InternVLProcessor"}  # fmt: skip
 AUDIO_PROCESSOR_CLASSES = {"qwen2_audio": "Qwen2AudioProcessor"}
 # Qwen3-VL's processor writes video timestamps and needs its own video processor (metadata)
 VIDEO_PROCESSOR_TYPES = {"Qwen3VLProcessor": "Qwen3VLVideoProcessor"}
@@ -191,6 +191,46 @@ def write_tokenizer_files(tok_dir: Path, out_dir: Path, template_name: str, name
     return written + ["chat_template.jinja"]
 
 
+def internvl_processor_files(vision: VisionConfig, hf_cfg: dict) -> dict[str, dict]:
+    """InternVL's processor (``InternVLProcessor``): ``GotOcr2ImageProcessor`` cropping to the
+    recipe's tiles (``data.vision.tiling: internvl``: tile size, tile limits, mean / std; the
+    thumbnail is always on there), the video processor resizing each frame to one tile, and the
+    image tokens per tile."""
+    if vision.tiling != "internvl" or not vision.use_thumbnail:
+        raise ValueError("an internvl export needs data.vision.tiling: internvl with use_thumbnail: true "
+                         "(what InternVLProcessor does)")  # fmt: skip
+    side = {"height": vision.tile_size, "width": vision.tile_size}
+    norm = {"do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+            "do_normalize": True, "image_mean": list(vision.image_mean), "image_std": list(vision.image_std),
+            "processor_class": "InternVLProcessor", "size": side}  # fmt: skip
+    tokens = (vision.tile_size // vision.patch_size // vision.merge_size) ** 2
+    return {"preprocessor_config.json": {"image_processor_type": "GotOcr2ImageProcessor", "crop_to_patches": True,
+                                         "min_patches": vision.min_tiles, "max_patches": vision.max_tiles, **norm},
+            "video_preprocessor_config.json": {"video_processor_type": "InternVLVideoProcessor", **norm},
+            "processor_config.json": {"processor_class": "InternVLProcessor",
+                                      "image_seq_length": hf_cfg.get("image_seq_length", tokens)}}  # fmt: skip
+
+
+# the names InternVLProcessor reads off the tokenizer (tokenizer.start_image_token …; transformers 5
+# makes tokenizer_config.json's extra_special_tokens attributes)
+INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                   "video_token": "<video>"}  # fmt: skip
+
+
+def name_internvl_tokens(out_dir: Path) -> None:
+    """tokenizer_config.json's ``extra_special_tokens`` for InternVLProcessor (the tokenizer must hold them)."""
+    from omniweave.data.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(out_dir))  # <video> is only text the processor replaces (not a token of InternVL's tokenizers)
+    missing = [t for k, t in INTERNVL_TOKENS.items() if k != "video_token" and not tok.has_token(t)]
+    if missing:
+        raise ValueError(f"an internvl export needs the tokens {missing} in its tokenizer")
+    file = out_dir / "tokenizer_config.json"
+    cfg = json.loads(file.read_text())
+    cfg["extra_special_tokens"] = {**(cfg.get("extra_special_tokens") or {}), **INTERNVL_TOKENS}
+    file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
 def write_processor_files(out_dir: Path, data_cfg: dict, hf_cfg: dict, tok_dir: Path | None) -> list[str]:
     """Write the tokenizer, chat template and (VL model types) processor configs; returns the
     names written. ``hf_cfg`` is the exported config.json (its model_type picks the processor)."""
@@ -204,6 +244,13 @@ def write_processor_files(out_dir: Path, data_cfg: dict, hf_cfg: dict, tok_dir: 
     if processor_class is None:  # a text-only model: the tokenizer is its processor
         return written
     vision = VisionConfig.from_mapping(data_cfg.get("vision"))
+    if processor_class == "InternVLProcessor":
+        files = internvl_processor_files(vision, hf_cfg)
+        if tok_dir is not None:
+            name_internvl_tokens(out_dir)
+        for name, content in files.items():
+            (out_dir / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+        return written + list(files)
     check_vision_matches_model(vision, hf_cfg)
     files = {"preprocessor_config.json": image_processor_config(vision, processor_class),
              "video_preprocessor_config.json": video_processor_config(vision, processor_class),

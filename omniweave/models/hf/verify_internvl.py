@@ -3,8 +3,8 @@ through transformers and through omniweave's data pipeline + model.
 
 Ours: ``SampleProcessor`` with ``data.vision.tiling: internvl`` (tile size, tile limits and
 normalisation from the directory's ``preprocessor_config.json``, else the model's ``image_size``
-and the processor's defaults), the template ``--template`` (``auto``: the directory's own, else
-the built-in ``internvl``), 1-D positions. Theirs: ``GotOcr2ImageProcessorPil`` with
+and the processor's defaults), the template ``--template`` (``auto``: the built-in ``internvl``,
+which renders the released Jinja's text plus InternVLProcessor's framing), 1-D positions. Theirs: ``GotOcr2ImageProcessorPil`` with
 ``crop_to_patches`` (what ``InternVLProcessor`` runs) for the tiles, and — when the directory has a
 chat template — transformers' tokenizer rendering it, each ``<IMG_CONTEXT>`` replaced by
 ``<img>`` + ``<IMG_CONTEXT>`` × 256·tiles + ``</img>`` as ``InternVLProcessor`` does. Compared:
@@ -73,6 +73,8 @@ def verify_internvl(args, hf_dir: Path, hf_cfg: dict, report) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     args.video = []
+    if args.template in ("auto", "hf"):  # InternVL's own Jinja leaves the image framing to its processor
+        args.template = "internvl"
     proc, raw, sample = V._sample(args, hf_dir, hf_cfg, vision=vision_settings(hf_dir, hf_cfg), rope="rope1d",
                                   default_template="internvl", with_video=False)  # fmt: skip
     if hf_cfg.get("image_token_id") != proc.image_pad_id:
