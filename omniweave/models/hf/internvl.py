@@ -18,7 +18,9 @@ adapter maps it, with 1-D RoPE positions (``data.rope: 1d``).
 Inside a block: ``attention.{q,k,v}_proj`` are fused into ``attn.qkv`` (load) and split back
 (export); ``attention.projection_layer`` -> ``attn.proj``, ``attention.{q,k}_norm`` ->
 ``attn.{q,k}_norm``, ``layernorm_before/after`` -> ``norm1/2``, ``mlp.fc1/2`` and ``lambda_1/2``
-keep their names. ``image_token_id`` / ``image_seq_length`` ride in ``foundation.extra_hf["vl"]``.
+keep their names. A MoE decoder's experts (InternVL3.5-30B-A3B: Qwen3-MoE) are one tensor per
+expert on disk, stacked on load and split on export (hf/experts.py). ``image_token_id`` /
+``image_seq_length`` ride in ``foundation.extra_hf["vl"]``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from omniweave.models.hf.adapter import MultimodalAdapter, renamed
+from omniweave.models.hf.experts import PerExpertTensors
 from omniweave.models.hf.loading import adapter_for
 from omniweave.models.registry import register
 
@@ -60,7 +63,7 @@ def _saved(hf_name: str) -> str:
 
 
 @register("hf", "internvl")
-class InternVLAdapter(MultimodalAdapter):
+class InternVLAdapter(PerExpertTensors, MultimodalAdapter):
     config_sections = ("image_encoder", "projector")
     model_type = "internvl"
     architecture = "InternVLForConditionalGeneration"
@@ -178,21 +181,20 @@ class InternVLAdapter(MultimodalAdapter):
             if set(qkv) != {"q", "k", "v"}:
                 raise KeyError(f"{self.model_type}: {name} needs q, k and v projections, the checkpoint has {sorted(qkv)}")
             out[name] = torch.cat([qkv["q"], qkv["k"], qkv["v"]])
-        return out
+        return super().model_tensors_to_ours(out)  # a MoE decoder's per-expert tensors stacked (InternVL3.5-A3B)
 
     def model_tensors_to_hf(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         m = _OUR_QKV.match(name)
         if m:
             return [(_saved(f"{VISION}encoder.layer.{m[1]}.attention.{p}_proj.{m[2]}"), part.contiguous())
                     for p, part in zip("qkv", t.chunk(3))]  # fmt: skip
-        hf_name = self.model_name_to_hf(name)
-        return [] if hf_name is None else [(hf_name, t)]
+        return super().model_tensors_to_hf(name, t)  # experts one tensor each, the rest renamed
 
     def assemble(self, name: str, has: Callable[[str], bool], read: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
         """A fused ``attn.qkv`` read from its three HF tensors (``load_hf_into``); None otherwise."""
         m = _OUR_QKV.match(name)
         if not m:
-            return None
+            return super().assemble(name, has, read)  # a MoE decoder's experts, else None
         names = [f"{VISION}encoder.layer.{m[1]}.attention.{p}_proj.{m[2]}" for p in "qkv"]
         names = [n if has(n) else _saved(n) for n in names]
         missing = [n for n in names if not has(n)]
