@@ -208,25 +208,29 @@ def pack_prompts(prompts: list[Prompt]) -> dict:
     """The prompts as one packed row (their documents side by side; each modality's items in
     prompt order)."""
     ids, pos, offset = [], [], 0
-    media = {m: ([], [], []) for m in MODALITIES}  # spans, inputs, grids
+    media = {m: ([], [], [], []) for m in MODALITIES}  # spans, inputs, grids, sizes
     for p in prompts:
         b = p.batch
         n = b["input_ids"].shape[0]
         ids.append(b["input_ids"])
         pos.append(b["position_ids"] if b.get("position_ids") is not None else torch.arange(n)[None])
-        for m, (spans, inputs, grids) in media.items():
+        for m, (spans, inputs, grids, sizes) in media.items():
             if b.get(m.grid) is not None and b[m.grid].shape[0]:
                 spans.append(b[m.spans].reshape(-1, 2) + torch.tensor([offset, 0]))
                 inputs.append(b[m.inputs])
                 grids.append(b[m.grid])
+                if m.sizes and b.get(m.sizes) is not None:
+                    sizes.append(b[m.sizes])
         offset += n
     lens = [p.batch["input_ids"].shape[0] for p in prompts]
     row = {"input_ids": torch.cat(ids), "labels": torch.full((offset,), -100, dtype=torch.long),
            "position_ids": torch.cat([x if x.dim() == 2 else x[None] for x in pos], dim=-1),
            "cu_seqlens": torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)}
-    for m, (spans, inputs, grids) in media.items():
+    for m, (spans, inputs, grids, sizes) in media.items():
         if grids:
             row.update({m.inputs: cat_items(inputs), m.grid: torch.cat(grids), m.spans: torch.cat(spans)})
+        if sizes:
+            row[m.sizes] = torch.cat(sizes)
     return row
 
 

@@ -146,12 +146,26 @@ class OmniModel(LMHeadMixin, nn.Module):
 
     # ------------------------------------------------------------------ media
 
-    def encode_media(self, inputs: torch.Tensor, grid: torch.Tensor, modality: str = "vision") -> torch.Tensor:
-        """All items of one modality in a row -> projected features [N, D] in span order."""
+    def encode_media(self, inputs: torch.Tensor, grid: torch.Tensor, modality: str = "vision",
+                     sizes: torch.Tensor | None = None) -> torch.Tensor:
+        """All items of one modality in a row -> projected features [N, D] in span order. A
+        projector with ``arrange`` lays out each whole item's features after the split hook
+        (LLaVA-OneVision: unpadding, newline rows; ``sizes`` the items' own sizes)."""
         m = self.modality(modality)
         encode = partial(self._encode, m)
         split = self.media_splits.get(m.name)
-        return encode(inputs, grid) if split is None else split(encode, inputs, grid)
+        features = encode(inputs, grid) if split is None else split(encode, inputs, grid)
+        arrange = getattr(getattr(self, m.projector), "arrange", None)
+        return features if arrange is None else arrange(features, grid, sizes)
+
+    def item_tokens(self, m: Modality, grid: torch.Tensor, sizes: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 [M]: the features each item of modality ``m`` gets (its projector's ``num_tokens``)."""
+        projector = getattr(self, m.projector)
+        if getattr(projector, "uses_sizes", False):
+            if sizes is None:
+                raise ValueError(f"{m.projector} lays features out by each item's size: the batch needs {m.sizes}")
+            return projector.num_tokens(grid, sizes)
+        return projector.num_tokens(grid)
 
     def _encode(self, m: Modality, inputs: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         return getattr(self, m.projector)(getattr(self, m.encoder)(inputs, grid), grid)
@@ -181,11 +195,11 @@ class OmniModel(LMHeadMixin, nn.Module):
                 if self.run_encoder_always:  # keep FSDP collectives matched; contributes exactly 0
                     embeds = embeds + 0.0 * self._dummy_features(m, embeds.device).sum().to(embeds.dtype)
                 continue
-            rows, spans = batch.get(m.rows), None
+            rows, spans, sizes = batch.get(m.rows), None, batch.get(m.sizes) if m.sizes else None
             if rows is None:
-                spans = self.check_media_spans(batch.get(m.spans), grid, ids.shape[0], m.name)
+                spans = self.check_media_spans(batch.get(m.spans), grid, ids.shape[0], m.name, sizes)
                 rows = feature_rows_from_spans(spans, ids.shape[0])
-            features = self.encode_media(batch[m.inputs], grid, m.name)  # [N, D·(1+K)]
+            features = self.encode_media(batch[m.inputs], grid, m.name, sizes)  # [N, D·(1+K)]
             levels = self._levels(m)
             if levels:
                 features, stacked = split_levels(features, levels)
@@ -196,7 +210,7 @@ class OmniModel(LMHeadMixin, nn.Module):
         return {"inputs_embeds": embeds, **out}
 
     def check_media_spans(self, spans: torch.Tensor | None, grid: torch.Tensor, length: int,
-                          modality: str = "vision") -> torch.Tensor:
+                          modality: str = "vision", sizes: torch.Tensor | None = None) -> torch.Tensor:
         """The spans [S, 2] (int64) of one modality after checking them against its items: the
         spans take the items' features in order, each item's features filling one span or several
         consecutive ones (S >= M: a Qwen3-VL video has one span per temporal patch, timestamps
@@ -206,7 +220,7 @@ class OmniModel(LMHeadMixin, nn.Module):
         if spans is None:
             raise ValueError(f"batch has {m.grid} but no {m.spans} to place the features")
         spans = spans.to(torch.long).reshape(-1, 2)
-        expected = getattr(self, m.projector).num_tokens(grid).to(spans.device)
+        expected = self.item_tokens(m, grid, sizes).to(spans.device)
         item_ends, span_ends = set(expected.cumsum(0).tolist()), set(spans[:, 1].cumsum(0).tolist())
         if spans.shape[0] < grid.shape[0] or int(spans[:, 1].sum()) != int(expected.sum()) or not item_ends <= span_ends:
             raise ValueError(

@@ -36,9 +36,14 @@ class Modality:
     ``grid``    per-item sizes (``grid_thw [M, 3]``, ``audio_lengths [A]``); its first dim counts items
     ``spans``   (start, length) of each run of the items' placeholder tokens, in feature order
     ``rows``    per-token feature index (-1: none), replacing ``spans`` on shards of a row (CP, TP, RL)
+    ``sizes``   optional per-item ``[M, 2]`` (height, width of the item as given) for a projector that
+                lays its items' features out by their own size (``projector.uses_sizes``: LLaVA-OneVision's
+                unpadding); rides with ``grid`` wherever the items go
 
-    The encoder is called ``encoder(inputs, grid)``, the projector ``projector(hidden, grid)`` and
-    ``projector.num_tokens(grid)``; ``encoder.dummy_input(device) -> (inputs, grid)`` is its smallest
+    The encoder is called ``encoder(inputs, grid)``, the projector ``projector(hidden, grid)`` (per
+    token, so any slice of an item's frames / tiles projects alone) and ``projector.num_tokens(grid)``
+    (``num_tokens(grid, sizes)`` with ``uses_sizes``), then, if it has one, ``projector.arrange(features,
+    grid, sizes)`` on whole items (after any split of the items across ranks); ``encoder.dummy_input(device) -> (inputs, grid)`` is its smallest
     item. Adding a modality is an entry here, its components and YAML, and the data that fills
     its keys; ``OmniModel`` and ``parallel/`` loop over this table."""
 
@@ -50,11 +55,12 @@ class Modality:
     spans: str
     rows: str
     kinds: tuple[str, ...] = ()  # the media kinds of the data (``span.kind``) whose items it encodes
+    sizes: str | None = None
 
 
 MODALITIES = (
     Modality("vision", "image_encoder", "projector", "pixel_values", "grid_thw", "media_spans", "feature_rows",
-             ("image", "video")),
+             ("image", "video"), "image_sizes"),
     Modality("audio", "audio_encoder", "audio_projector", "audio_features", "audio_lengths", "audio_spans",
              "audio_feature_rows", ("audio",)),
 )

@@ -323,7 +323,8 @@ def media_rows(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
             continue
         rows = batch.get(m.rows)
         if rows is None:
-            rows = feature_rows_from_spans(model.check_media_spans(batch.get(m.spans), grid, length, m.name), length)
+            spans = model.check_media_spans(batch.get(m.spans), grid, length, m.name, batch.get(m.sizes) if m.sizes else None)
+            rows = feature_rows_from_spans(spans, length)
         out[m.name] = rows.to(device=batch["input_ids"].device, dtype=torch.long)
     return out
 

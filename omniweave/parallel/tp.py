@@ -237,7 +237,8 @@ def sequence_parallel_batch(mesh, model, batch: dict) -> dict:
     batch = sequence_parallel_row(batch, mesh.get_local_rank(), mesh.size())
     for m in getattr(model, "modalities", ()):  # the model's own span checks (its forward sees only this rank's rows)
         if m.rows in batch and batch.get(m.spans) is not None:
-            model.check_media_spans(batch[m.spans], batch[m.grid], batch["input_ids"].shape[0], m.name)
+            model.check_media_spans(batch[m.spans], batch[m.grid], batch["input_ids"].shape[0], m.name,
+                                    batch.get(m.sizes) if m.sizes else None)
     return batch
 
 

@@ -100,6 +100,8 @@ def _row(units, prompts: list[Prompt], rollouts: list[Rollout], advantages, grou
     for m, items in media.items():
         if items.grids:
             out.update({m.rows: torch.cat(items.rows), m.inputs: cat_items(items.inputs), m.grid: torch.cat(items.grids)})
+        if items.sizes:
+            out[m.sizes] = torch.cat(items.sizes)
     return out
 
 
@@ -107,7 +109,7 @@ class _Items:
     """One modality's items in a row: each prompt's once, and every document's feature rows."""
 
     def __init__(self):
-        self.inputs, self.grids, self.rows, self.base, self.count = [], [], [], {}, 0
+        self.inputs, self.grids, self.sizes, self.rows, self.base, self.count = [], [], [], [], {}, 0
 
     def prompt_rows(self, i: int, b: dict, m) -> torch.Tensor:
         """Feature rows of prompt ``i`` (its items added to the row on first sight)."""
@@ -115,6 +117,8 @@ class _Items:
             self.base[i] = self.count
             self.inputs.append(b[m.inputs])
             self.grids.append(b[m.grid])
+            if m.sizes and b.get(m.sizes) is not None:
+                self.sizes.append(b[m.sizes])
             self.count += int(b[m.spans][:, 1].sum())
         rows = torch.full((b["input_ids"].shape[0],), -1, dtype=torch.long)
         if i in self.base:

@@ -80,6 +80,8 @@ def media_batch(proc, items: list[tuple[MediaSpan, bytes]], failed: list | None 
         pixel_values    float32 [P, C*t*p*p]   patches of the images / videos, in order
         grid_thw        int64 [M, 3]           one row per image / video
         media_spans     int64 [S, 2]           (start, length) of each run of vision pads (S >= M)
+        image_sizes     int64 [M, 2]           only with data.vision.tiling: anyres (LLaVA-OneVision):
+                                               each image's own (height, width), (0, 0) for a video
 
     and, only when the row has audio (one row per audio-encoder item: a Qwen2-Audio clip over 30 s
     is several items, a Qwen2.5-Omni clip one):
@@ -105,6 +107,9 @@ def media_batch(proc, items: list[tuple[MediaSpan, bytes]], failed: list | None 
         "grid_thw": torch.tensor([span.grid_thw for _, span, _ in vision], dtype=torch.int64).reshape(-1, 3),
         "media_spans": torch.tensor([r for _, span, _ in vision for r in span.ranges()], dtype=torch.int64).reshape(-1, 2),
     }
+    if vc.tiling == "anyres":  # LLaVA-OneVision lays each image's features out by its own size; (0, 0): a video
+        sizes = [span.resized_hw if span.kind == "image" else (0, 0) for _, span, _ in vision]
+        out["image_sizes"] = torch.tensor(sizes, dtype=torch.int64).reshape(-1, 2)
     if audio:
         out.update(_audio_tensors(proc, audio, failed))
     return out

@@ -39,7 +39,8 @@ from omniweave.models.registry import MODALITIES
 _REWRITTEN_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_data", "token_valid",
                    *(k for m in MODALITIES for k in (m.spans, m.rows)))
 # a row's keys that are not per token, passed through unchanged (by CP shards and by chunks: seq_chunks.py)
-WHOLE_ROW_KEYS = ("num_loss_tokens", "num_pairs", "num_seqs", "num_kto", "pack_id", *(k for m in MODALITIES for k in (m.inputs, m.grid)))
+WHOLE_ROW_KEYS = ("num_loss_tokens", "num_pairs", "num_seqs", "num_kto", "pack_id",
+                  *(k for m in MODALITIES for k in (m.inputs, m.grid, m.sizes) if k))
 
 
 @dataclass(frozen=True)
