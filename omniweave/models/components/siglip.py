@@ -117,7 +117,7 @@ class SiglipViT(nn.Module):
     def __init__(self, cfg: SiglipViTConfig):
         super().__init__()
         self.cfg = cfg
-        self.hf_model_type = "siglip_vision_model"
+        self.hf_model_type = "llava_onevision"  # the family it exports as (hf/llava_onevision.py)
         self.out_dim = cfg.hidden_size
         self.merge_size = 1  # the projector maps each patch row on its own
         self.patch_embed = nn.Conv2d(cfg.in_channels, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size)
