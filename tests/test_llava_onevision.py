@@ -63,8 +63,7 @@ def make_sample(images: list[tuple[int, int]], frames: int = 0, single_tile: boo
     from omniweave.models.components.llava_projector import LlavaOnevisionProjector, LlavaOnevisionProjectorConfig
 
     proj = LlavaOnevisionProjector(LlavaOnevisionProjectorConfig(in_dim=4, out_dim=4, image_size=TILE, patch_size=PATCH,
-                                                                 image_grid_pinpoints=PINPOINTS,
-                                                                 vision_aspect_ratio="anyres_max_2"))  # fmt: skip
+                                                                 anyres_grid=3, anyres_max=2))  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     ids, spans, grids, sizes, tiles = [], [], [], [], []
     for h, w in images:

@@ -23,13 +23,13 @@ needs ``arrange`` to run after the features are gathered, which ``OmniModel.enco
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omniweave.data.media.anyres import DEFAULT_PINPOINTS, AnyresConfig, model_feature_grid
+from omniweave.data.media.anyres import AnyresConfig, model_feature_grid
 from omniweave.models.components.mlp import activation
 from omniweave.models.components.vit import _init
 from omniweave.models.registry import register
@@ -42,12 +42,16 @@ class LlavaOnevisionProjectorConfig:
     act: str = "gelu"  # HF: projector_hidden_act
     image_size: int = 384  # a tile's side in pixels (the tower's image_size)
     patch_size: int = 14
-    image_grid_pinpoints: list[list[int]] = field(default_factory=lambda: [list(p) for p in DEFAULT_PINPOINTS])
-    vision_aspect_ratio: str = "anyres_max_9"
+    anyres_grid: int = 6  # pinpoints: every (i, j) x image_size, 1 <= i, j <= anyres_grid, height-major
+    anyres_max: int = 9  # HF vision_aspect_ratio "anyres_max_9": grids past 9 tiles' worth of features shrink
+
+    def pinpoints(self) -> tuple[tuple[int, int], ...]:
+        side = range(self.image_size, self.image_size * self.anyres_grid + 1, self.image_size)
+        return tuple((h, w) for h in side for w in side)
 
     def anyres(self) -> AnyresConfig:
-        return AnyresConfig(tile=self.image_size, patch=self.patch_size, vision_aspect_ratio=self.vision_aspect_ratio,
-                            pinpoints=tuple(tuple(int(x) for x in p) for p in self.image_grid_pinpoints))  # fmt: skip
+        return AnyresConfig(tile=self.image_size, patch=self.patch_size, pinpoints=self.pinpoints(),
+                            vision_aspect_ratio=f"anyres_max_{self.anyres_max}")  # fmt: skip
 
 
 class LlavaOnevisionProjector(nn.Module):

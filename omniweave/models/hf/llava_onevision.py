@@ -59,15 +59,14 @@ class LlavaOnevisionAdapter(LlavaLayoutAdapter):
                    "in_channels": v.get("num_channels", 3), "patch_size": patch, "image_size": image_size,
                    "norm_eps": v.get("layer_norm_eps", 1e-6), "mlp": v.get("hidden_act", "gelu_pytorch_tanh"),
                    "feature_layer": layer}  # fmt: skip
-        pinpoints = hf.get("image_grid_pinpoints") or [[h, w] for h in range(384, 2305, 384) for w in range(384, 2305, 384)]
         projector = {"name": "llava_onevision_mlp", "in_dim": encoder["hidden_size"], "out_dim": foundation["hidden_size"],
                      "act": hf.get("projector_hidden_act", "gelu"), "image_size": image_size, "patch_size": patch,
-                     "image_grid_pinpoints": [list(p) for p in pinpoints],
-                     "vision_aspect_ratio": hf.get("vision_aspect_ratio", "anyres_max_9")}  # fmt: skip
+                     "anyres_grid": _square_grid(hf.get("image_grid_pinpoints"), image_size),
+                     "anyres_max": _anyres_max(hf.get("vision_aspect_ratio", "anyres_max_9"))}  # fmt: skip
         return {"foundation": foundation, "image_encoder": encoder, "projector": projector}
 
     def _config_to_hf(self, foundation, enc, proj) -> dict[str, Any]:
-        if not hasattr(enc, "feature_layer") or not hasattr(proj, "image_grid_pinpoints"):
+        if not hasattr(enc, "feature_layer") or not hasattr(proj, "anyres_grid"):
             raise ValueError("a llava_onevision export needs a siglip_vit encoder and a llava_onevision_mlp projector")
         if enc.feature_layer not in (-1, enc.depth) or enc.post_layernorm:
             raise ValueError("a llava_onevision export needs a siglip_vit read at its last block (feature_layer -1, "
@@ -83,8 +82,8 @@ class LlavaOnevisionAdapter(LlavaLayoutAdapter):
             "image_token_index": vl.get("image_token_index", 151646), "video_token_index": vl.get("video_token_index", 151647),
             "projector_hidden_act": proj.act, "multimodal_projector_bias": True,
             "vision_feature_layer": -1, "vision_feature_select_strategy": "full",
-            "vision_aspect_ratio": proj.vision_aspect_ratio,
-            "image_grid_pinpoints": [list(p) for p in proj.image_grid_pinpoints],
+            "vision_aspect_ratio": f"anyres_max_{proj.anyres_max}",
+            "image_grid_pinpoints": [list(p) for p in proj.pinpoints()],
             "tie_word_embeddings": foundation.tie_word_embeddings,
         }  # fmt: skip
 
@@ -134,6 +133,26 @@ class LlavaOnevisionAdapter(LlavaLayoutAdapter):
         tensors[self._saved(VISION + "post_layernorm.weight")] = torch.ones(width, dtype=weight.dtype)
         tensors[self._saved(VISION + "post_layernorm.bias")] = torch.zeros(width, dtype=weight.dtype)
         return tensors
+
+
+def _square_grid(pinpoints, tile: int) -> int:
+    """n of a pinpoint list that is every (i, j) x tile for 1 <= i, j <= n, height-major (the released
+    configs' 384..2304); other lists are an error."""
+    if not pinpoints:
+        return 6
+    n = round(len(pinpoints) ** 0.5)
+    side = range(tile, tile * n + 1, tile)
+    if [list(p) for p in pinpoints] != [[h, w] for h in side for w in side]:
+        raise ValueError(f"llava_onevision: image_grid_pinpoints {pinpoints} are not every (i, j) x {tile}, "
+                         "1 <= i, j <= n: only such square sets are supported")  # fmt: skip
+    return n
+
+
+def _anyres_max(aspect: str) -> int:
+    head, _, n = str(aspect).rpartition("_")
+    if head != "anyres_max" or not n.isdigit():
+        raise ValueError(f"llava_onevision: vision_aspect_ratio {aspect!r}: only anyres_max_N is supported")
+    return int(n)
 
 
 __all__ = ["LlavaOnevisionAdapter"]
