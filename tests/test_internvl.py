@@ -186,13 +186,12 @@ def test_hf_verify_compares_tiles_ids_and_logits(tmp_path, capsys):
     assert main(["hf", "verify", str(path)]) == 0  # a random image
 
 
-def test_hf_verify_refuses_video_and_reports_a_token_id_mismatch(tmp_path, capsys):
+def test_hf_verify_reports_a_token_id_mismatch(tmp_path, capsys):
     import json
 
     from omniweave.cli import main
 
     path = _verify_dir(tmp_path)
-    assert main(["hf", "verify", str(path), "--video", "clip.mp4"]) == 2
     cfg = json.loads((path / "config.json").read_text())
     cfg["image_token_id"] = 700
     (path / "config.json").write_text(json.dumps(cfg))
@@ -220,8 +219,8 @@ def test_internvl3_5_8b_recipe_builds_on_meta_with_the_published_size():
 
 
 def test_tiny_internvl_recipe_trains_on_packed_tiles(tmp_path):
-    """Pack images with the recipe (tiled as InternVL does), the video a counted
-    reject; collate a pack; forward + backward through every part; the DP balancer's cost model
+    """Pack images with the recipe (tiled as InternVL does) and a video (a tile per frame);
+    collate a pack; forward + backward through every part; the DP balancer's cost model
     knows the tower and projector."""
     from omniweave.cli import main
     from omniweave.config import load_recipe, to_dict
@@ -237,7 +236,7 @@ def test_tiny_internvl_recipe_trains_on_packed_tiles(tmp_path):
     import json
 
     stats = json.loads((tmp_path / "packed" / "stats.json").read_text())
-    assert stats["dropped"] == {"unsupported_media": 1}  # the video: counted, with its reason
+    assert stats["dropped"] == {}  # the video too (its frames: test_tiny_internvl_packs_and_trains_videos_a_span_per_frame)
     cfg = load_recipe("tiny_internvl", [f"data.path={tmp_path / 'packed'}"])
     torch.manual_seed(0)
     model = build_model(cfg.model)
@@ -321,3 +320,123 @@ def test_recipe_export_is_a_whole_internvl_directory_that_hf_verify_passes(tmp_p
 
     with pytest.raises(FileNotFoundError, match="use the built-in template: internvl"):  # data.template=hf on it
         SampleProcessor({"tokenizer": str(out), "template": "hf"})
+
+
+# ---------------------------------------------------------------------------- videos: a tile per frame
+
+
+def test_tiny_internvl_packs_and_trains_videos_a_span_per_frame(tmp_path):
+    """``data pack --recipe tiny_internvl`` on samples with videos: each video is one item of
+    ``frames`` tiles (grid (4, 8, 8) for 8 frames at 4 fps sampled at 2 fps), written
+    ``Frame{i}: <img>`` + 16 <IMG_CONTEXT> + ``</img>`` per frame, one media span per frame; a
+    collated row with a video goes forward and backward through every part."""
+    import json
+
+    from omniweave.cli import main
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
+    from omniweave.data.packing.packed import PackedDataset
+    from omniweave.data.text.tokenizer import load_tokenizer
+    from omniweave.models.registry import build_model
+    from tests.fakes_data import make_samples, write_raw
+
+    raw = write_raw(tmp_path / "raw", make_samples(n_text=2, n_image=2, n_video=3, rejects=False))
+    assert main(["data", "pack", "--input", str(raw), "--output", str(tmp_path / "packed"), "--recipe",
+                 "tiny_internvl", "--workers", "1"]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "packed" / "stats.json").read_text())["dropped"] == {}
+    cfg = load_recipe("tiny_internvl", [f"data.path={tmp_path / 'packed'}"])
+    data_cfg = {k: v for k, v in to_dict(cfg.data).items() if k not in LOADER_ONLY_KEYS}
+    batches = [collate_pack(p, data_cfg) for p in PackedDataset(tmp_path / "packed")]
+    batch = next(b for b in batches if (b["grid_thw"][:, 0] == 4).any() and b["grid_thw"].shape[0] > 1)
+    tok, ids = load_tokenizer("demo"), batch["input_ids"]
+    spans = batch["media_spans"].tolist()
+    assert len(spans) > batch["grid_thw"].shape[0]  # several spans per video item
+    videos = 0
+    for start, n in spans:
+        assert (ids[start:start + n] == 701).all() and n % 16 == 0  # 112 px tiles: 16 tokens each
+        before = tok.decode(ids[start - 5:start])
+        if "Frame" in before:  # a frame: one tile, its own span
+            videos += before.endswith("Frame1: <img>")
+            assert n == 16 and tok.decode(ids[start + n:start + n + 1]) == "</img>"
+    assert videos == int((batch["grid_thw"][:, 0] == 4).sum())
+    assert batch["pixel_values"].shape == (int(batch["grid_thw"].prod(1).sum()), 3 * 14 * 14)
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    out = model(batch)
+    out.loss_sum.backward()
+    assert torch.isfinite(out.loss_sum) and int(out.num_tokens) > 0
+    for part in ("image_encoder.cls_token", "image_encoder.blocks.1.lambda_2", "projector.linear_1.weight"):
+        assert model.get_parameter(part).grad.abs().sum() > 0, part
+
+
+def test_hf_verify_compares_video_frames_pixels_ids_and_logits(tmp_path, capsys):
+    """hf verify with an image and a video: InternVLVideoProcessor (the directory's config, fps 1)
+    samples the frames itself; frames, pixels and ids equal, logits within 1e-4. A video config
+    whose frames are not the image tiles is refused (exit 2)."""
+    import json
+
+    from omniweave.cli import main
+    from tests.data_factory import video_bytes
+
+    path = _verify_dir(tmp_path)
+    video = {"video_processor_type": "InternVLVideoProcessor", "size": {"height": 56, "width": 56}, "fps": 1.0,
+             "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}  # fmt: skip
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video))
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(video_bytes(30, fps=10.0, height=77, width=131, seed=3))
+    wide = _png(tmp_path / "wide.png", 40, 250, 0)
+    assert main(["hf", "verify", str(path), "--image", wide, "--video", str(clip)]) == 0
+    out = capsys.readouterr().out
+    assert "frames        max|Δ| = 0.000e+00  per video: ours [[5, 15, 25]], HF [[5, 15, 25]]" in out
+    assert "video_pixels  max|Δ| = 0.000e+00  frames [3, 3, 56, 56]" in out
+    assert "input_ids     max|Δ| = 0.000e+00" in out and "OK: all differences" in out
+    assert main(["hf", "verify", str(path)]) == 0  # a random image and a random clip: 1.5 s at 1 fps, one frame
+    out = capsys.readouterr().out
+    assert "per video: ours [[3]], HF [[3]]" in out and "given our one frame" in out  # transformers cannot sample 1
+    (path / "video_preprocessor_config.json").write_text(json.dumps({**video, "size": {"height": 84, "width": 84}}))
+    assert main(["hf", "verify", str(path), "--video", str(clip)]) == 2
+    assert "resizes every frame to one tile" in capsys.readouterr().err
+
+
+def test_exported_internvl_processor_gives_our_ids_and_video_pixels(tmp_path):
+    """transformers' whole InternVLProcessor (AutoProcessor of a tiny_internvl export: the exported
+    chat template, replace_video_token, InternVLVideoProcessor sampling at the recipe's fps) on a
+    conversation with an image and a video == our SampleProcessor: input ids equal; the video's
+    frames bit-equal (the image tiles come from the torchvision GotOcr2ImageProcessor there, which
+    the Pil one we follow differs from by a uint8 level: compared in tests/test_tiling.py instead)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+    from transformers.video_utils import load_video
+
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.data.sample import Conversation, Message, RawSample
+    from omniweave.data.text.tokenize import SampleProcessor
+    from omniweave.models.hf.verify_internvl import _tiles
+    from omniweave.models.registry import build_model
+    from tests.data_factory import png_bytes, to_hf_messages, video_bytes
+
+    cfg = load_recipe("tiny_internvl")
+    torch.manual_seed(0)
+    out = export_hf(build_model(to_dict(cfg.model)), to_dict(cfg.model), tmp_path / "hf", data_cfg=to_dict(cfg.data))
+    hf = AutoProcessor.from_pretrained(out)
+    data = {k: v for k, v in to_dict(cfg.data).items() if k in ("tokenizer", "template", "rope", "vision")}
+    ours = SampleProcessor(data)
+    msgs = [Message("user", "<image><video>What happens?"), Message("assistant", "Noise.")]
+    raw = RawSample(key="x", conversation=Conversation("x", msgs, images=["a.png"], videos=["v.mp4"]),
+                    media={"a.png": png_bytes(60, 300, seed=3), "v.mp4": video_bytes(21, fps=7.0, height=90, width=64)})
+    sample = ours.tokenize(raw)
+    (tmp_path / "v.mp4").write_bytes(raw.media["v.mp4"])
+    frames, meta = load_video(str(tmp_path / "v.mp4"), backend="pyav",
+                              sample_indices_fn=lambda metadata, **_: np.arange(metadata.total_num_frames))  # fmt: skip
+    text = hf.apply_chat_template(to_hf_messages(msgs), tokenize=False)
+    got = hf(text=[text], images=[Image.open(io.BytesIO(raw.media["a.png"]))], videos=[frames], return_tensors="pt",
+             videos_kwargs={"video_metadata": [meta], "do_sample_frames": True, "fps": ours.vision.fps})  # fmt: skip
+    assert got["input_ids"][0].tolist() == sample.input_ids.tolist()
+    image, video = sample.media
+    assert video.kind == "video" and tuple(video.grid_thw) == (6, 8, 8) and len(video.ranges()) == 6
+    ours_frames = _tiles(torch.from_numpy(ours.process_media(video, raw.media["v.mp4"])), 6, 14)
+    assert got["pixel_values"].shape[0] == image.grid_thw[0] + 6
+    assert (got["pixel_values"][image.grid_thw[0]:] - ours_frames).abs().max().item() == 0.0

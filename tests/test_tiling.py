@@ -1,7 +1,8 @@
 """InternVL dynamic tiling (media/tiling.py) against transformers' GotOcr2ImageProcessorPil with
 crop_to_patches=True, as InternVLProcessor uses it: the grid rule, tile counts from headers, pixel
 values bit-equal, header plan == full decode, the patch layout a Conv2d patch embedding reads, and
-clear rejects."""
+clear rejects. Videos (one tile per frame) against InternVLVideoProcessor and InternVLProcessor:
+the frames sampled, their pixels, the frames' text."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from PIL import Image
 from omniweave.data.media import tiling as T
 from omniweave.data.media import vision as M
 from omniweave.data.sample import Conversation, Message, RawSample
-from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
+from omniweave.data.text.tokenize import SampleProcessor
 
 P = 14
 
@@ -159,9 +160,10 @@ def test_sample_processor_counts_tiles_and_decodes_them_to_the_planned_grid():
     assert tuple(span.grid_thw) == (3, 4, 4) and span.length == 12
     assert proc.process_media(span, data).shape == (48, 3 * P * P)
     video = Conversation(id="v", messages=[Message("user", "<video>?"), Message("assistant", "x")], videos=["v.mp4"])
-    with pytest.raises(SampleRejected) as err:
-        proc.tokenize(RawSample(key="v", conversation=video, media={"v.mp4": video_bytes(4)}))
-    assert err.value.reason == "unsupported_media"
+    raw = RawSample(key="v", conversation=video, media={"v.mp4": video_bytes(4)})  # 4 frames at 4 fps: 2 at 2 fps
+    (span,) = proc.tokenize(raw).media  # the min_frames default (4) keeps all 4
+    assert tuple(span.grid_thw) == (4, 4, 4) and span.pieces == [(s, 4) for s, _ in span.pieces]
+    assert proc.process_media(span, raw.media["v.mp4"]).shape == (64, 3 * P * P)
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -198,10 +200,146 @@ def test_an_image_with_an_empty_side_is_a_media_error():
         assert err.value.reason == "empty_media"
 
 
-def test_videos_under_internvl_tiling_are_unsupported_media():
+# ---------------------------------------------------------------------------- videos: one tile per frame
+
+
+def hf_video_processor(tile: int):
+    from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
+
+    return InternVLVideoProcessor(size={"height": tile, "width": tile}, **IMAGENET)
+
+
+IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+
+
+def video_cases(n: int, seed: int) -> list[tuple[int, float, float]]:
+    """(frames, stream fps, sampling fps): short and long clips, common and odd frame rates."""
+    rng = np.random.default_rng(seed)
+    rates = [1.0, 2.5, 7.0, 10.0, 23.976023976023978, 24.0, 25.0, 29.97002997002997, 30.0, 60.0]
+    fixed = [(1, 30.0, 2.0), (2, 1.0, 1.0), (30, 10.0, 2.0), (8, 4.0, 2.0), (300, 29.97002997002997, 1.0),
+             (17, 7.0, 3.0), (1000, 60.0, 0.5), (61, 30.0, 30.0), (10, 25.0, 60.0), (3, 24.0, 2.0)]
+    out = list(fixed)
+    while len(out) < n:
+        out.append((int(np.exp(rng.uniform(0, np.log(2000)))), float(rng.choice(rates)), float(rng.choice([0.5, 1.0, 2.0, 3.0, 4.5]))))
+    return out
+
+
+def test_frame_indices_equal_internvl_video_processor_sample_frames():
+    """Our header plan's frames == InternVLVideoProcessor.sample_frames(fps=...) wherever its count
+    is within our limits (min_frames 1: every case where it samples at all); elsewhere == its
+    sample_frames(num_frames=our clamped count)."""
+    from transformers.video_utils import VideoMetadata
+
+    hf = hf_video_processor(448)
+    within = 0
+    for frames, rate, fps in video_cases(60, seed=0):
+        meta = VideoMetadata(total_num_frames=frames, fps=rate)
+        info = M.VideoInfo(num_frames=frames, fps=rate, height=90, width=160)
+        for lo, hi in [(1, 10_000), (4, 32)]:
+            plan = M.plan_video(info, internvl(fps=fps, min_frames=lo, max_frames=hi))
+            wanted = int(frames / rate * fps)
+            if lo <= wanted <= min(hi, frames):
+                within += 1
+                assert list(plan.frame_indices) == hf.sample_frames(meta, fps=fps).tolist(), (frames, rate, fps, lo, hi)
+            n = len(plan.frame_indices)
+            assert n == max(1, min(max(wanted, lo), hi, frames))
+            assert list(plan.frame_indices) == hf.sample_frames(meta, num_frames=n).tolist(), (frames, rate, fps, lo, hi)
+            assert plan.grid_thw == (n, 32, 32) and plan.resized_hw == (448, 448) and plan.num_tokens(2) == n * 256
+    assert within >= 60  # of 120 (64): the fps rule itself, not only the clamp, is compared
+
+
+def test_min_equal_max_frames_is_transformers_num_frames():
+    from transformers.video_utils import VideoMetadata
+
+    hf = hf_video_processor(448)
+    for frames, rate, _ in video_cases(30, seed=1):
+        for k in (1, 3, 8, 16):
+            if k <= frames:
+                plan = M.plan_video(M.VideoInfo(frames, rate, 64, 64), internvl(min_frames=k, max_frames=k))
+                assert list(plan.frame_indices) == hf.sample_frames(VideoMetadata(total_num_frames=frames, fps=rate),
+                                                                    num_frames=k).tolist()  # fmt: skip
+
+
+VIDEO_CLIPS = [  # (frames, fps, height, width, container, tile, sampling fps)
+    (9, 4.0, 64, 96, "mp4", 56, 2.0),
+    (30, 10.0, 77, 131, "mp4", 84, 2.0),  # not round, landscape
+    (48, 24.0, 150, 90, "mp4", 56, 3.0),  # portrait
+    (5, 2.0, 50, 50, "mp4", 84, 1.0),  # frames upscaled to the tile
+    (61, 30.0, 60, 100, "mp4", 56, 4.0),
+]
+
+
+@pytest.mark.parametrize("clip", VIDEO_CLIPS, ids=lambda c: "x".join(map(str, c)))
+def test_video_pixels_equal_internvl_video_processor(tmp_path, clip):
+    """The file decoded by transformers' PyAV reader and sampled by InternVLVideoProcessor itself
+    (do_sample_frames, fps) vs our header plan + decode: same frames, pixel values bit-equal (the
+    same torchvision uint8 bicubic antialiased resize and float32 normalisation)."""
+    from transformers.video_utils import load_video
+
+    frames, rate, h, w, container, tile, fps = clip
+    data = video_bytes(frames, fps=rate, height=h, width=w, container=container, seed=frames)
+    cfg = internvl(tile, fps=fps, min_frames=1, image_mean=tuple(IMAGENET["image_mean"]),
+                   image_std=tuple(IMAGENET["image_std"]))  # fmt: skip
+    path = tmp_path / f"clip.{container}"
+    path.write_bytes(data)
+    decoded, meta = load_video(str(path), backend="pyav",
+                               sample_indices_fn=lambda metadata, **_: np.arange(metadata.total_num_frames))  # fmt: skip
+    want = hf_video_processor(tile)(videos=[decoded], video_metadata=[meta], do_sample_frames=True, fps=fps,
+                                    return_metadata=True, return_tensors="pt")  # fmt: skip
+    plan = M.plan_video(M.probe_video(data), cfg)
+    assert list(plan.frame_indices) == want["video_metadata"][0].frames_indices.tolist()
+    pixel_values, got_plan = M.process_video(data, cfg)
+    assert got_plan == plan and plan.grid_thw == (len(plan.frame_indices), tile // P, tile // P)
+    assert pixel_values.dtype == np.float32 and pixel_values.shape == (plan.grid_thw[0] * (tile // P) ** 2, 3 * P * P)
+    expected = want["pixel_values_videos"][0].numpy()  # [frames, 3, tile, tile]
+    assert np.abs(to_tiles(pixel_values, plan) - expected).max() == 0.0
+
+
+@pytest.mark.parametrize("num_frames", [1, 2, 5])
+def test_frames_text_equals_internvl_processor_replace_video_token(num_frames):
+    """The released chat template's text with "<video>" replaced by InternVLProcessor's own
+    replace_video_token for the same frames == our ids (decoded, and as the whole text tokenized
+    at once); one run of pads per frame, the pads the image pad (<IMG_CONTEXT>)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from data_factory import to_hf_messages
+    from transformers.models.internvl.processing_internvl import InternVLProcessor
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    proc = SampleProcessor({"tokenizer": "demo", "template": "internvl", "rope": "rope1d",
+                            "vision": {"tiling": "internvl", "tile_size": 56, "temporal_patch_size": 1,
+                                       "min_frames": num_frames, "max_frames": num_frames}})  # fmt: skip
+    for content in ("<video>What moves?", "<image><video>\nAnd here?", "<video><video>Two."):
+        parts = content.count("<video>")
+        msgs = [Message("user", content), Message("assistant", "Noise.")]
+        conv = Conversation(id="v", messages=msgs, images=["a.png"] * ("<image>" in content),
+                            videos=[f"v{i}.mp4" for i in range(parts)])  # fmt: skip
+        media = {"a.png": png_bytes(40, 90, seed=1)} | {f"v{i}.mp4": video_bytes(6 + i, seed=i) for i in range(parts)}
+        sample = proc.tokenize(RawSample(key="v", conversation=conv, media=media))
+        jinja = (Path(__file__).parent / "assets" / "chat_templates" / "internvl_hf.jinja").read_text()
+        (text,), _ = render_jinja_template([to_hf_messages(msgs)], chat_template=jinja)
+        hf = SimpleNamespace(start_image_token="<img>", end_image_token="</img>", image_token="<IMG_CONTEXT>",
+                             image_seq_length=4)  # fmt: skip
+        frames = InternVLProcessor.replace_video_token(hf, {"pixel_values_videos": [np.zeros((num_frames, 3, 56, 56))]}, 0)
+        assert frames.count("Frame") == num_frames and frames.startswith("Frame1: <img><IMG_CONTEXT>")
+        image = "".join("<img>" + "<IMG_CONTEXT>" * m.length + "</img>" for m in sample.media if m.kind == "image")
+        want = text.replace("<IMG_CONTEXT>\n", image + "\n").replace("<video>", frames)  # InternVLProcessor's framing
+        assert proc.tokenizer.decode(sample.input_ids) == want
+        assert sample.input_ids.tolist() == proc.tokenizer.encode(want)
+        for span in (m for m in sample.media if m.kind == "video"):
+            assert tuple(span.grid_thw) == (num_frames, 4, 4) and len(span.ranges()) == num_frames
+            assert all(n == 4 and set(sample.input_ids[s:s + n]) == {proc.image_pad_id} for s, n in span.ranges())
+            assert proc.tokenizer.decode(sample.input_ids[span.ranges()[0][0] - 5:span.ranges()[0][0]]).endswith("Frame1: <img>")
+
+
+def test_video_plan_from_the_header_equals_the_decode_and_an_empty_stream_is_a_media_error():
+    cfg = internvl(56)
+    data = video_bytes(13, fps=5.0, height=40, width=70, seed=2)
+    plan = M.plan_video(M.probe_video(data), cfg)
+    assert plan.frame_indices == (1, 3, 6, 9, 11) and plan.grid_thw == (5, 4, 4)  # int(13 / 5 s * 2) = 5, from 1.3 by 2.6
+    _, decoded = M.process_video(data, cfg)
+    assert decoded == plan
     with pytest.raises(M.MediaError) as err:
-        M.plan_video(M.VideoInfo(num_frames=8, fps=4.0, height=64, width=96), internvl())
-    assert err.value.reason == "unsupported_media" and "not supported yet" in str(err.value)
-    with pytest.raises(M.MediaError) as err:
-        M.process_video(video_bytes(4), internvl())
-    assert err.value.reason == "unsupported_media"
+        M.plan_video(M.VideoInfo(num_frames=0, fps=4.0, height=64, width=96), cfg)
+    assert err.value.reason == "video_no_frames"

@@ -18,6 +18,22 @@ and the pixel values are float32 ``[tiles · (tile/p)², 3·p·p]``: tiles in tr
 tile's patches in raster order (row-major over its patch grid), each row laid out (C, p, p) as a
 ``Conv2d(3, D, p, stride=p)`` patch embedding flattens its weight. ``use_thumbnail=False`` drops the
 thumbnail (InternVL's own ``dynamic_preprocess`` option; transformers always adds it).
+
+Videos follow ``InternVLVideoProcessor`` (with ``do_sample_frames``) and ``InternVLProcessor``: every
+sampled frame is one tile, the whole frame resized to ``tile`` x ``tile`` (no cropping, no thumbnail):
+
+- how many frames: ``int(N / fps_src · fps)`` (its ``sample_frames`` with ``fps``), clamped to
+  [``min_frames``, ``max_frames``] and to the stream's ``N`` frames (and at least 1). transformers has
+  no clamp (it raises past ``N`` and divides by zero at 0), so the two agree wherever its count is
+  within the limits; ``min_frames = max_frames = K`` is its ``num_frames=K`` (with ``K <= N``);
+- which: ``arange(N / n / 2, N, N / n)`` in float32, truncated (``initial_shift=True``: each frame
+  from the middle of its segment), as torch computes it there;
+- pixels: torchvision's uint8 bicubic antialiased resize and the fused float32 normalisation
+  (``vision.resize_normalize_frames``, the Qwen video processors' path too), patches raster per frame.
+
+The plan is ``MediaPlan("video", grid_thw=(frames, tile/p, tile/p), resized_hw=(tile, tile),
+frame_indices=...)``; tokenize.py writes each frame as ``Frame{i}: <img>`` + pads + ``</img>``,
+the frames joined by newlines (``InternVLProcessor.replace_video_token``).
 """
 
 from __future__ import annotations
@@ -26,7 +42,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from omniweave.data.media.vision import ImageInfo, MediaError, MediaPlan, VisionConfig, decode_image, resize_normalize
+from omniweave.data.media.vision import (ImageInfo, MediaError, MediaPlan, VideoInfo, VisionConfig, decode_image,
+                                        decode_video_frames, probe_video, resize_normalize, resize_normalize_frames)
 
 
 def check_tiling_config(cfg: VisionConfig) -> None:
@@ -97,3 +114,43 @@ def process_tiled_image(data: bytes, cfg: VisionConfig) -> tuple[np.ndarray, Med
     if plan.grid_thw[0] > rows * cols:  # the thumbnail: the original image, not the canvas, resized
         tiles = np.concatenate([tiles, resize_normalize(rgb, (tile, tile), cfg)[None]])
     return tile_patches(tiles, cfg.patch_size), plan
+
+
+# ---------------------------------------------------------------------------- videos: one tile per frame
+
+
+def tiled_video_frame_count(num_frames: int, fps: float, cfg: VisionConfig) -> int:
+    """Frames to sample: ``InternVLVideoProcessor.sample_frames``' ``int(N / fps_src · fps)``, clamped
+    to [min_frames, max_frames], to the stream's frames and to at least one (see the module doc)."""
+    wanted = int(num_frames / fps * cfg.fps)
+    return max(1, min(max(wanted, cfg.min_frames), cfg.max_frames, num_frames))
+
+
+def tiled_video_frame_indices(num_frames: int, n: int) -> tuple[int, ...]:
+    """``InternVLVideoProcessor.sample_frames`` with ``initial_shift=True``: ``n`` frames, each from the
+    middle of its ``N / n`` segment (torch's float32 ``arange``, truncated, as transformers computes it)."""
+    import torch
+
+    return tuple(torch.arange(num_frames / n / 2, num_frames, num_frames / n).int().tolist())
+
+
+def plan_tiled_video(info: VideoInfo, cfg: VisionConfig) -> MediaPlan:
+    """Header-only plan of a video: ``grid_thw = (frames, tile/p, tile/p)``, every frame one tile."""
+    if info.num_frames < 1:
+        raise MediaError("video_no_frames", "the stream has no frames")
+    n = tiled_video_frame_count(info.num_frames, info.fps, cfg)
+    indices = tiled_video_frame_indices(info.num_frames, n)
+    side = cfg.tile_size // cfg.patch_size
+    seconds_per_frame = info.num_frames / (len(indices) * info.fps)  # one frame per temporal grid step
+    return MediaPlan("video", (len(indices), side, side), (cfg.tile_size, cfg.tile_size), indices, seconds_per_frame,
+                     info.fps)  # fmt: skip
+
+
+def process_tiled_video(data: bytes, cfg: VisionConfig, plan: MediaPlan | None = None) -> tuple[np.ndarray, MediaPlan]:
+    """The planned frames decoded, each resized to one tile: float32 [frames·(tile/p)², 3·p·p] and the plan."""
+    plan = plan or plan_tiled_video(probe_video(data), cfg)
+    unique = tuple(sorted(set(plan.frame_indices)))
+    frames = resize_normalize_frames(np.stack(decode_video_frames(data, unique)), plan.resized_hw, cfg)
+    at = {j: k for k, j in enumerate(unique)}
+    frames = frames[[at[i] for i in plan.frame_indices]]  # [frames, 3, tile, tile]
+    return tile_patches(np.ascontiguousarray(frames), cfg.patch_size), plan

@@ -7,8 +7,8 @@ Two paths that must always agree:
 
 and the same for videos, where the plan also fixes which source frames are used (decided from
 the stream header alone: frame count, frame rate, size), so decoding reads exactly those frames.
-With ``tiling: internvl`` images are cut into InternVL's dynamic tiles instead (media/tiling.py);
-videos are then rejected (``unsupported_media``).
+With ``tiling: internvl`` images are cut into InternVL's dynamic tiles instead, and each sampled
+video frame is one tile (media/tiling.py: ``InternVLVideoProcessor``'s rule).
 
 Images follow ``transformers.Qwen2VLImageProcessorPil`` exactly (RGB with alpha composited on
 white, PIL bicubic resize of uint8 pixels, rescale in float64 then float32, normalise, patchify).
@@ -315,13 +315,11 @@ def plan_image(info: ImageInfo, cfg: VisionConfig) -> MediaPlan:
     return MediaPlan("image", (1, h // cfg.patch_size, w // cfg.patch_size), (h, w))
 
 
-def _check_video_tiling(cfg: VisionConfig) -> None:
-    if cfg.tiling != "none":
-        raise MediaError("unsupported_media", f"videos with tiling {cfg.tiling} are not supported yet")
-
-
 def plan_video(info: VideoInfo, cfg: VisionConfig) -> MediaPlan:
-    _check_video_tiling(cfg)
+    if cfg.tiling == "internvl":  # every frame one tile
+        from omniweave.data.media.tiling import plan_tiled_video
+
+        return plan_tiled_video(info, cfg)
     tp = cfg.temporal_patch_size
     if info.num_frames < 1:
         raise MediaError("video_no_frames", "the stream has no frames")
@@ -516,8 +514,12 @@ def process_image(data: bytes, cfg: VisionConfig) -> tuple[np.ndarray, MediaPlan
 
 
 def process_video(data: bytes, cfg: VisionConfig, plan: MediaPlan | None = None) -> tuple[np.ndarray, MediaPlan]:
-    """Full decode of the planned frames: pixel_values float32 [t*h*w, 3*tp*p*p] and the plan."""
-    _check_video_tiling(cfg)
+    """Full decode of the planned frames: pixel_values float32 [t*h*w, 3*tp*p*p] and the plan; with
+    ``tiling: internvl``, [frames*(tile/p)^2, 3*p*p] (``tiling.process_tiled_video``)."""
+    if cfg.tiling == "internvl":
+        from omniweave.data.media.tiling import process_tiled_video
+
+        return process_tiled_video(data, cfg, plan)
     plan = plan or plan_video(probe_video(data), cfg)
     unique = tuple(sorted(set(plan.frame_indices)))
     resized = resize_normalize_frames(np.stack(decode_video_frames(data, unique)), plan.resized_hw, cfg)

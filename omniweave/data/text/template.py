@@ -186,7 +186,8 @@ BUILTIN_TEMPLATES = {
     "qwen3_vl": dataclasses.replace(_CHATML, name="qwen3_vl", default_system=None),
     # InternVL3 / 3.5 (-hf checkpoints): ChatML without a default system prompt; its chat template writes
     # an image as "<IMG_CONTEXT>\n" and InternVLProcessor makes that "<img>" + <IMG_CONTEXT> per token +
-    # "</img>"; a video is "<video>\n" (its frames: not supported yet, counted rejects)
+    # "</img>"; a video is "<video>\n", whose marker "<video>" InternVLProcessor replaces by its frames
+    # ("Frame1: <img>" + <IMG_CONTEXT> per token + "</img>", joined by "\n"): tokenize.py writes them there
     "internvl": dataclasses.replace(_CHATML, name="internvl", default_system=None,
                                     image="<img><IMG_CONTEXT></img>\n", image_pad="<IMG_CONTEXT>",
                                     processor_image="<IMG_CONTEXT>\n",

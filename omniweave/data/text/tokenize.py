@@ -324,10 +324,13 @@ class SampleProcessor:
         repeated once per feature (audio: one run per encoder item, back to back); with ``rope:
         mrope_qwen3vl`` a video is, per temporal patch, ``<{t:.1f} seconds>`` + vision_start + pads +
         vision_end (transformers' Qwen3VLProcessor, which keeps the template's own vision_start /
-        vision_end around the whole video)."""
+        vision_end around the whole video); under ``tiling: internvl`` a video is its frames
+        (``_tiled_video_tokens``)."""
         if isinstance(plan, AudioPlan):
             starts = np.cumsum([0, *plan.item_tokens])[:-1].tolist()
             return np.full(sum(plan.item_tokens), pad_id, dtype=np.int64), list(zip(starts, plan.item_tokens))
+        if plan.kind == "video" and self.vision.tiling == "internvl":
+            return self._tiled_video_tokens(plan)
         n = plan.num_tokens(self.vision.merge_size)
         if self.rope != "mrope_qwen3vl" or plan.kind != "video":
             return np.full(n, pad_id, dtype=np.int64), [(0, n)]
@@ -337,6 +340,23 @@ class SampleProcessor:
             seq += self.tokenizer.encode(f"<{sec:.1f} seconds>") + [self.vision_start_id]
             runs.append((len(seq), per_patch))
             seq += [pad_id] * per_patch + [self.vision_end_id]
+        return np.asarray(seq, dtype=np.int64), runs
+
+    def _tiled_video_tokens(self, plan: M.MediaPlan) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """InternVL's frames, what ``InternVLProcessor.replace_video_token`` puts where the template
+        wrote the video's marker (``<video>``): ``"\\n".join(f"Frame{i+1}: <img>" + pads + "</img>")``,
+        one run of pads per frame. The pads are the image pad (``<IMG_CONTEXT>``: the model reads
+        frames as tiles), so the marker stays the only token that tells a video's place. The text is
+        tokenized on its own: equal to tokenizing the whole conversation where the video follows a
+        newline or a special token (the pre-tokenizer splits there), as transformers' chat template
+        writes a video first in its turn or after another media item."""
+        per_frame = plan.num_tokens(self.vision.merge_size) // plan.grid_thw[0]
+        start, end = self.tokenizer.token_id("<img>"), self.tokenizer.token_id("</img>")
+        seq, runs = [], []
+        for i in range(plan.grid_thw[0]):
+            seq += self.tokenizer.encode(("\n" if i else "") + f"Frame{i + 1}: ") + [start]
+            runs.append((len(seq), per_frame))
+            seq += [self.image_pad_id] * per_frame + [end]
         return np.asarray(seq, dtype=np.int64), runs
 
     def _video_with_audio_tokens(self, plan: "VideoWithAudio", video_pad_id: int):
