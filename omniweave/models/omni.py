@@ -27,9 +27,11 @@ added to the embeddings. The result is unchanged, the encoder's gradients exist 
 all-gathers / reduce-scatters of the encoder's shards stay matched even when only some ranks have
 that modality. Turn it off only for single-process inference.
 
-Two hook points let ``parallel/`` change how the row is computed without the model knowing:
+Three hook points let ``parallel/`` change how the row is computed without the model knowing:
 ``media_splits[modality]`` (``split(encode, inputs, grid) -> features [N, D]``: e.g. each
-context-parallel rank encodes a share of the items and the features are all-gathered), and the
+context-parallel rank encodes a share of the items and the features are all-gathered),
+``media_handoffs[modality]`` (``handoff(features) -> features``, after a projector's layout of
+whole items: tensor parallelism's hand-off to the sequence-parallel decoder), and the
 optional batch key ``rows`` of a modality (``feature_rows [L]``, int64: for each row, the index of
 the feature it takes, -1 elsewhere), which replaces the spans when the row is a shard of a longer one.
 
@@ -107,6 +109,7 @@ class OmniModel(LMHeadMixin, nn.Module):
         self.run_encoder_always = run_encoder_always
         self.loss_chunk = loss_chunk
         self.media_splits: dict = {}  # modality name -> split hook, set by parallel/ (see the module doc)
+        self.media_handoffs: dict = {}  # modality name -> features hook after the projector's layout (TP's hand-off)
 
     def _levels(self, m: Modality) -> int:
         return getattr(getattr(self, m.projector), "deepstack_levels", 0)
@@ -149,14 +152,17 @@ class OmniModel(LMHeadMixin, nn.Module):
     def encode_media(self, inputs: torch.Tensor, grid: torch.Tensor, modality: str = "vision",
                      sizes: torch.Tensor | None = None) -> torch.Tensor:
         """All items of one modality in a row -> projected features [N, D] in span order. A
-        projector with ``arrange`` lays out each whole item's features after the split hook
+        projector that ``arranges`` lays out each whole item's features after the split hook
         (LLaVA-OneVision: unpadding, newline rows; ``sizes`` the items' own sizes)."""
         m = self.modality(modality)
         encode = partial(self._encode, m)
         split = self.media_splits.get(m.name)
         features = encode(inputs, grid) if split is None else split(encode, inputs, grid)
-        arrange = getattr(getattr(self, m.projector), "arrange", None)
-        return features if arrange is None else arrange(features, grid, sizes)
+        projector = getattr(self, m.projector)
+        if getattr(projector, "arranges", False):  # through forward: FSDP gathers the projector's weights around it
+            features = projector(features, grid, sizes=sizes, arrange=True)
+        handoff = self.media_handoffs.get(m.name)
+        return features if handoff is None else handoff(features)
 
     def item_tokens(self, m: Modality, grid: torch.Tensor, sizes: torch.Tensor | None = None) -> torch.Tensor:
         """int64 [M]: the features each item of modality ``m`` gets (its projector's ``num_tokens``)."""

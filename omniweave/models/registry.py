@@ -42,8 +42,9 @@ class Modality:
 
     The encoder is called ``encoder(inputs, grid)``, the projector ``projector(hidden, grid)`` (per
     token, so any slice of an item's frames / tiles projects alone) and ``projector.num_tokens(grid)``
-    (``num_tokens(grid, sizes)`` with ``uses_sizes``), then, if it has one, ``projector.arrange(features,
-    grid, sizes)`` on whole items (after any split of the items across ranks); ``encoder.dummy_input(device) -> (inputs, grid)`` is its smallest
+    (``num_tokens(grid, sizes)`` with ``uses_sizes``), then, for a projector that ``arranges``,
+    ``projector(features, grid, sizes=sizes, arrange=True)`` on whole items (after any split of the
+    items across ranks); ``encoder.dummy_input(device) -> (inputs, grid)`` is its smallest
     item. Adding a modality is an entry here, its components and YAML, and the data that fills
     its keys; ``OmniModel`` and ``parallel/`` loop over this table."""
 

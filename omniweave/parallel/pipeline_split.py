@@ -140,6 +140,7 @@ def slice_model(model: nn.Module, layers, first: bool, last: bool, share: bool =
     memo.update({id(group): group for group in dist.distributed_c10d._world.pg_map} if dist.is_initialized() else {})
     if not first and hasattr(model, "media_splits"):
         memo[id(model.media_splits)] = {}
+        memo[id(model.media_handoffs)] = {}
     if share:
         memo.update({id(m): m for m in (*first_parts, *last_parts, *foundation.layers) if m is not None and keep[id(m)]})
     part = copy.deepcopy(model, memo=memo)

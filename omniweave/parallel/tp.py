@@ -28,7 +28,7 @@ the same full gradients, so their parameters and gradients are identical across 
 Hand-off encoder -> decoder (``OmniModel``): the projected features ``[N, D]`` are replicated
 plain tensors, but each rank's embeddings are only its rows ``[r·L/tp, (r+1)·L/tp)``. A forward
 pre-hook gives the batch ``feature_rows`` for those rows (``sequence_parallel_row``) so each
-rank places the features of its own rows, and each modality's ``media_splits`` hook wraps the features as
+rank places the features of its own rows, and each modality's ``media_handoffs`` hook wraps the features as
 Replicate -> local with a Partial gradient: identity forward, all-reduce of the per-rank
 feature gradients backward, so the encoder sees the complete gradient. The packed row length
 must be a multiple of the foundation's tp.
@@ -223,10 +223,9 @@ def parallelize_decoder(decoder: nn.Module, mesh) -> None:
         decoder.tie_weights()
 
 
-def _features_into_tp(mesh, previous, encode, inputs, grid) -> torch.Tensor:
-    """A modality's media split under a tp foundation: replicated features [N, D] whose gradient is
-    the sum of every tp rank's (each rank's rows use some of them)."""
-    features = encode(inputs, grid) if previous is None else previous(encode, inputs, grid)
+def _features_into_tp(mesh, features: torch.Tensor) -> torch.Tensor:
+    """A modality's hand-off to a tp foundation (``OmniModel.media_handoffs``): replicated features
+    [N, D] whose gradient is the sum of every tp rank's (each rank's rows use some of them)."""
     placed = DTensor.from_local(features, mesh, [Replicate()], run_check=False)
     return placed.to_local(grad_placements=[Partial()])
 
@@ -292,5 +291,5 @@ def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None, features
         features_mesh = foundation_mesh if features_mesh == "foundation" else _mesh_or_none(features_mesh, "features")
         if features_mesh is not None:
             for m in modalities:
-                model.media_splits[m.name] = partial(_features_into_tp, features_mesh, model.media_splits.get(m.name))
+                model.media_handoffs[m.name] = partial(_features_into_tp, features_mesh)
     return model

@@ -2,7 +2,7 @@
 features laid out as transformers' ``LlavaOnevisionModel`` lays them out.
 
     projector(hidden [P, D_vis], grid_thw)           -> [P, D]        linear_1 -> GELU -> linear_2, per row
-    projector.arrange(that, grid_thw, image_sizes)   -> [N, D]        per whole item (after any split)
+    projector(that, grid_thw, image_sizes, arrange=True) -> [N, D]    per whole item (after any split)
 
 Items (``grid_thw = (t, s, s)``, s = image_size // patch_size; ``image_sizes`` the item's own
 (height, width), (0, 0) for a video — data/loading/loader.py):
@@ -17,7 +17,8 @@ Items (``grid_thw = (t, s, s)``, s = image_size // patch_size; ``image_sizes`` t
   (``apply_pooling``), one newline after the last frame.
 
 The MLP is per row, so a split of an item's tiles or frames across ranks (CP's vision split) only
-needs ``arrange`` to run after the features are gathered, which ``OmniModel.encode_media`` does.
+needs the layout to run after the features are gathered, which ``OmniModel.encode_media`` does (through
+``forward``, so that an FSDP unit of the projector gathers ``image_newline`` around it).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class LlavaOnevisionProjectorConfig:
 
 
 class LlavaOnevisionProjector(nn.Module):
-    uses_sizes = True  # num_tokens / arrange read each item's own size (registry.Modality.sizes)
+    uses_sizes = True  # num_tokens / the layout read each item's own size (registry.Modality.sizes)
+    arranges = True  # OmniModel calls it a second time on whole items: projector(features, grid, sizes, arrange=True)
 
     def __init__(self, cfg: LlavaOnevisionProjectorConfig):
         super().__init__()
@@ -73,7 +75,12 @@ class LlavaOnevisionProjector(nn.Module):
         with torch.no_grad():
             nn.init.normal_(self.image_newline, std=1 / math.sqrt(self.cfg.out_dim))  # transformers' init
 
-    def forward(self, hidden: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, grid_thw: torch.Tensor | None = None, sizes: torch.Tensor | None = None,
+                arrange: bool = False) -> torch.Tensor:
+        """The MLP per row; with ``arrange`` the layout of whole items instead (``arrange_items``).
+        Both go through forward so that the module's FSDP unit gathers ``image_newline`` for the layout."""
+        if arrange:
+            return self.arrange_items(hidden, grid_thw, sizes)
         return self.linear_2(self.act(self.linear_1(hidden)))
 
     # ---- per-item layout ------------------------------------------------------------
@@ -105,7 +112,7 @@ class LlavaOnevisionProjector(nn.Module):
         """int64 [M]: output tokens per item (module doc)."""
         return torch.tensor([self._item_tokens(*item) for item in self._items(grid_thw, sizes)], dtype=torch.long)
 
-    def arrange(self, features: torch.Tensor, grid_thw: torch.Tensor, sizes: torch.Tensor | None) -> torch.Tensor:
+    def arrange_items(self, features: torch.Tensor, grid_thw: torch.Tensor, sizes: torch.Tensor | None) -> torch.Tensor:
         """[P, D] per-patch features of whole items (span order) -> [N, D] laid out (module doc)."""
         out, start = [], 0
         newline = self.image_newline.to(features.dtype)

@@ -1,0 +1,58 @@
+"""LLaVA-OneVision (siglip_vit + llava_onevision_mlp + Qwen3, 1-D positions) under parallel layouts
+built as the trainer builds them, gloo, CPU, fp32, against the single process on one packed row:
+an anyres image whose grid map is unpadded and shrunk, a tall one, and a video (pooled frames).
+The projector lays out whole items after the vision split gathers them (OmniModel.encode_media),
+so CP with the vision split (tiles and frames as the units) must equal one process; so must
+Ulysses, tp 2 (tower and decoder) and dp 2. Loss and every gradient within 1e-5 relative."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omniweave.parallel.spawn import run_ranks
+from tests.train_factory import layout_against_one_process
+
+pytestmark = [pytest.mark.dist]
+
+RTOL = 1e-5
+# the tiny tower at the unit test's sizes (30 px tiles of 6 px patches), pinpoints to 3 x 3, anyres_max_2
+MODEL = ["image_encoder@model.image_encoder=siglip_vit_tiny", "projector@model.projector=llava_onevision_mlp",
+         "model.image_encoder.image_size=30", "model.image_encoder.patch_size=6", "model.image_encoder.num_heads=4",
+         "model.projector.anyres_grid=3", "model.projector.anyres_max=2"]  # fmt: skip
+LAYOUTS = {
+    2: [["parallel.cp=2", "parallel.cp_attention=ring", "parallel.vision_split=true"],
+        ["parallel.cp=2", "parallel.cp_attention=ulysses", "parallel.vision_split=false"],
+        [],  # dp 2
+        ["model.foundation.tp=2", "model.image_encoder.tp=2"]],
+    4: [["parallel.cp=4", "parallel.cp_attention=allgather", "parallel.vision_split=true"]],
+}
+
+
+def _row() -> dict:
+    from tests.test_llava_onevision import make_sample
+
+    _, row = make_sample([(200, 210), (95, 20)], frames=3, seed=1)
+    row["num_loss_tokens"] = int((row["labels"] != -100).sum())
+    return row
+
+
+def _body(rank: int, world: int) -> list[dict]:
+    from omniweave.config import load_recipe
+
+    row, out = _row(), []
+    for overrides in LAYOUTS[world]:
+        r = layout_against_one_process(load_recipe("tiny_internvl", MODEL + overrides), row, world)
+        grads = dict(r["reference"].named_parameters())
+        out.append({"layout": overrides, "loss_rel": r["loss_rel"], "grad_rel": r["grad_rel"], "worst": r["worst"],
+                    "newline_grad": float(grads["projector.image_newline"].grad.abs().sum())})  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_llava_onevision_layouts_match_single_process(world):
+    for rank_results in run_ranks(_body, world, timeout=600):
+        for r in rank_results:
+            print(r)
+            assert r["newline_grad"] > 0, r
+            assert r["loss_rel"] <= RTOL and r["grad_rel"] <= RTOL, r
