@@ -8,7 +8,6 @@ Ulysses, tp 2 (tower and decoder) and dp 2. Loss and every gradient within 1e-5 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from omniweave.parallel.spawn import run_ranks
 from tests.train_factory import layout_against_one_process
