@@ -118,3 +118,30 @@ MEDIA_CASES = {
     "video": [("video", (3, 4, 6))],
     "mixed": [("image", (1, 6, 4)), ("video", (2, 4, 4)), ("image", (1, 2, 2))],
 }
+
+
+def check_logits_and_grads(hf, ours, hf_inputs: dict, batch: dict, hf_grads_as_ours, require_all: bool = True,
+                           atol: float = 1e-4, rtol: float = 1e-4) -> dict:
+    """One row through transformers' ``hf`` and our ``ours``: logits within ``atol``; then the same
+    random-weighted sum of the logits backpropagated through both and every parameter's gradient
+    within ``rtol`` relative (``hf_grads_as_ours(hf)``: HF's gradients under our names). A
+    parameter without a counterpart fails with ``require_all``, else is skipped. Returns
+    {name: HF gradient} of the checked parameters."""
+    hf.zero_grad(), ours.zero_grad()
+    ref = hf(**hf_inputs).logits[0]
+    got = ours.logits(batch)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() <= atol
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    (ref * weights).sum().backward()
+    (got * weights).sum().backward()
+    ref_grads, checked = hf_grads_as_ours(hf), {}
+    for name, p in ours.named_parameters():
+        g = ref_grads.get(name)
+        assert g is not None or not require_all, f"{name}: no transformers counterpart"
+        if g is None or g.norm() == 0:
+            continue
+        rel = ((p.grad - g).norm() / g.norm()).item()
+        assert rel <= rtol, f"{name}: relative gradient error {rel:.2e}"
+        checked[name] = g
+    return checked
