@@ -10,15 +10,16 @@ from omniweave.cli import main as cli
 MAX_LEN = 256
 
 
-def make_pairs(root: Path, pairs: int = 48, max_len: int = MAX_LEN) -> Path:
-    """``data demo`` pairs -> convert -> pack (demo_dpo): every task, images and a video among them."""
+def make_pairs(root: Path, pairs: int = 48, max_len: int = MAX_LEN, recipe: str = "demo_dpo",
+               overrides: tuple[str, ...] = ()) -> Path:
+    """``data demo`` pairs -> convert -> pack (``recipe`` + ``overrides``): every task, images and a video among them."""
     root = Path(root)
     assert cli(["data", "demo", str(root / "demo"), "--samples", "0", "--eval-samples", "0", "--rl-samples", "0",
                 "--dpo-samples", str(pairs)]) == 0
     assert cli(["data", "convert", "--input", str(root / "demo" / "dpo.jsonl"), "--media-dir",
                 str(root / "demo" / "media"), "--output", str(root / "raw"), "--workers", "1", "--no-progress"]) == 0
-    assert cli(["data", "pack", "--input", str(root / "raw"), "--output", str(root / "pairs"), "--recipe", "demo_dpo",
-                "--max-len", str(max_len), "--workers", "1"]) == 0
+    assert cli(["data", "pack", "--input", str(root / "raw"), "--output", str(root / "pairs"), "--recipe", recipe,
+                "--max-len", str(max_len), "--workers", "1", *overrides]) == 0
     return root / "pairs"
 
 

@@ -60,8 +60,8 @@ def stop_where_hidden_is_high(model, processor, threshold: float = -2.0) -> None
         1, stop.to(h.device), 20.0 * ((h.float() @ r.to(h.device)) > threshold).to(h.dtype)[:, None])
 
 
-def make_rl_prompts(root: Path, samples: int = 48) -> Path:
-    """``data demo`` rl.jsonl -> convert -> pack with the demo_grpo recipe: one prompt per pack."""
+def make_rl_prompts(root: Path, samples: int = 48, recipe: str = "demo_grpo", overrides: tuple[str, ...] = ()) -> Path:
+    """``data demo`` rl.jsonl -> convert -> pack with ``recipe`` (+ ``overrides``): one prompt per pack."""
     from omniweave.cli import main
 
     root = Path(root)
@@ -70,7 +70,7 @@ def make_rl_prompts(root: Path, samples: int = 48) -> Path:
     assert main(["data", "convert", "--input", str(root / "demo/rl.jsonl"), "--media-dir", str(root / "demo/media"),
                  "--output", str(root / "rlraw"), "--workers", "1", "--no-progress"]) == 0
     assert main(["data", "pack", "--input", str(root / "rlraw"), "--output", str(root / "prompts"),
-                 "--recipe", "demo_grpo", "--workers", "1"]) == 0
+                 "--recipe", recipe, "--workers", "1", *overrides]) == 0
     return root / "prompts"
 
 

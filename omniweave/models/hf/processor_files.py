@@ -44,7 +44,8 @@ from omniweave.data.media.mel import CHUNK_SAMPLES, HOP_LENGTH, N_FFT, SAMPLE_RA
 PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                      "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor",
                      "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor",
-                     "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor", "internvl": "InternVLProcessor"}  # fmt: skip
+                     "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor", "internvl": "InternVLProcessor",
+                     "llava_onevision": "LlavaOnevisionProcessor"}  # fmt: skip
 AUDIO_PROCESSOR_CLASSES = {"qwen2_audio": "Qwen2AudioProcessor"}
 # Qwen3-VL's processor writes video timestamps and needs its own video processor (metadata)
 VIDEO_PROCESSOR_TYPES = {"Qwen3VLProcessor": "Qwen3VLVideoProcessor"}
@@ -231,6 +232,31 @@ def name_internvl_tokens(out_dir: Path) -> None:
     file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
+def llava_onevision_processor_files(vision: VisionConfig) -> dict[str, dict]:
+    """LLaVA-OneVision's processor (``LlavaOnevisionProcessor``): its image processor tiling "anyres"
+    over the recipe's pinpoints (``data.vision.tiling: anyres``: tile size, ``anyres_grid``,
+    ``anyres_max``, mean / std), the video processor resizing each frame to one tile, and the
+    features per tile the processor counts tokens with."""
+    if vision.tiling != "anyres":
+        raise ValueError("a llava_onevision export needs data.vision.tiling: anyres (what LlavaOnevisionProcessor does)")
+    tile, grid = vision.tile_size, vision.anyres_grid
+    side = range(tile, tile * grid + 1, tile)
+    norm = {"do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+            "do_normalize": True, "image_mean": list(vision.image_mean), "image_std": list(vision.image_std),
+            "processor_class": "LlavaOnevisionProcessor", "size": {"height": tile, "width": tile}}  # fmt: skip
+    return {"preprocessor_config.json": {"image_processor_type": "LlavaOnevisionImageProcessor", "do_pad": True,
+                                         "image_grid_pinpoints": [[h, w] for h in side for w in side], **norm},
+            "video_preprocessor_config.json": {"video_processor_type": "LlavaOnevisionVideoProcessor", **norm},
+            "processor_config.json": {"processor_class": "LlavaOnevisionProcessor",
+                                      "num_image_tokens": (tile // vision.patch_size) ** 2,
+                                      "vision_feature_select_strategy": "full",
+                                      "vision_aspect_ratio": f"anyres_max_{vision.anyres_max}"}}  # fmt: skip
+
+
+FAMILY_PROCESSOR_FILES = {"InternVLProcessor": lambda vision, hf_cfg: internvl_processor_files(vision, hf_cfg),
+                          "LlavaOnevisionProcessor": lambda vision, hf_cfg: llava_onevision_processor_files(vision)}  # fmt: skip
+
+
 def write_processor_files(out_dir: Path, data_cfg: dict, hf_cfg: dict, tok_dir: Path | None) -> list[str]:
     """Write the tokenizer, chat template and (VL model types) processor configs; returns the
     names written. ``hf_cfg`` is the exported config.json (its model_type picks the processor)."""
@@ -244,9 +270,9 @@ def write_processor_files(out_dir: Path, data_cfg: dict, hf_cfg: dict, tok_dir: 
     if processor_class is None:  # a text-only model: the tokenizer is its processor
         return written
     vision = VisionConfig.from_mapping(data_cfg.get("vision"))
-    if processor_class == "InternVLProcessor":
-        files = internvl_processor_files(vision, hf_cfg)
-        if tok_dir is not None:
+    if processor_class in FAMILY_PROCESSOR_FILES:  # processors of their own (tiles), not Qwen-VL's
+        files = FAMILY_PROCESSOR_FILES[processor_class](vision, hf_cfg)
+        if tok_dir is not None and processor_class == "InternVLProcessor":
             name_internvl_tokens(out_dir)
         for name, content in files.items():
             (out_dir / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
