@@ -40,7 +40,10 @@ RELEASED = {
     "deepseek3": ("deepseekv3.jinja", {"bos_token": "<｜begin▁of▁sentence｜>"}),
     "qwen2_audio": (None, {}),  # the Hub's template, as transformers' Qwen2AudioProcessor.default_chat_template keeps it
     "internvl": ("internvl_hf.jinja", {}),  # + InternVLProcessor's framing of each image (PROCESSOR_STEP)
+    "llava_onevision": ("llava_onevision_hf.jinja", {}),  # LlavaOnevisionProcessor adds nothing around <image>
 }
+# released templates that render only content parts (a string content renders nothing): every message as parts
+PARTS_ONLY = {"llava_onevision"}
 # what a family's processor does to the rendered text before tokenizing, where it adds tokens around the
 # template's own (InternVLProcessor.replace_image_token, one pad per image here)
 PROCESSOR_STEP = {"internvl": lambda text: text.replace("<IMG_CONTEXT>", "<img><IMG_CONTEXT></img>")}
@@ -70,6 +73,11 @@ CASES = {
         {"role": "user", "content": "<audio>What is this?"}, {"role": "assistant", "content": "A bell."},
         {"role": "user", "content": "And <audio><audio> these?"}, {"role": "assistant", "content": "Two dogs."}],
         "audios": ["a.wav", "b.wav", "c.wav"]},
+    # placeholders inside a turn's text: LLaVA-OneVision's template renders the images, then the videos, first
+    "media_inside": {"messages": [
+        {"role": "user", "content": "<video>Compare <image> with <image>."}, {"role": "assistant", "content": "Alike."},
+        {"role": "user", "content": "Now <image> and <video>"}, {"role": "assistant", "content": "Same."}],
+        "images": ["a.png", "b.png", "c.png"], "videos": ["e.mp4", "f.mp4"]},
 }
 SUPPORTED = {  # the cases each released template can render (no tools in Qwen2-VL's / Llama 3's / ours for DeepSeek)
     "chatml": ["single", "system_multi", "media", "whitespace"],
@@ -81,18 +89,20 @@ SUPPORTED = {  # the cases each released template can render (no tools in Qwen2-
     "deepseek3": ["single", "system_multi", "think"],
     "qwen2_audio": ["single", "system_multi", "audio", "whitespace"],
     "internvl": ["single", "system_multi", "media", "whitespace"],
+    "llava_onevision": ["single", "system_multi", "media", "whitespace", "media_inside"],
 }
 PARAMS = [(t, c, g) for t, cases in SUPPORTED.items() for c in cases for g in (False, True)]
 
 
-def reference_messages(row: dict) -> list[dict]:
-    """The row as apply_chat_template takes it: media placeholders as content parts, call arguments as objects."""
+def reference_messages(row: dict, name: str | None = None) -> list[dict]:
+    """The row as apply_chat_template takes it: media placeholders as content parts (every content
+    for the template ``name`` in PARTS_ONLY), call arguments as objects."""
     out = []
     for m in row["messages"]:
         m = dict(m)
         if m.get("content") is None:  # Qwen3-VL's template iterates a non-string content: "" as HF's docs write it
             m["content"] = ""
-        if isinstance(m.get("content"), str) and re.search("<image>|<video>|<audio>", m["content"]):
+        if isinstance(m.get("content"), str) and (name in PARTS_ONLY or re.search("<image>|<video>|<audio>", m["content"])):
             m["content"] = [{"type": p[1:-1]} if p in ("<image>", "<video>", "<audio>") else {"type": "text", "text": p}
                             for p in re.split("(<image>|<video>|<audio>)", m["content"]) if p]
         if m.get("tool_calls"):
@@ -135,7 +145,7 @@ def ours(proc: SampleProcessor, row: dict, generation: bool):
 @pytest.mark.parametrize("name,case,generation", PARAMS)
 def test_builtin_renders_the_released_template(name, case, generation):
     row = case_row(case, generation)
-    want = PROCESSOR_STEP.get(name, str)(released(name, reference_messages(row), row.get("tools"), generation))
+    want = PROCESSOR_STEP.get(name, str)(released(name, reference_messages(row, name), row.get("tools"), generation))
     proc = SampleProcessor({"tokenizer": "demo", "template": name})
     ids, _, rendered, _ = ours(proc, row, generation)
     assert rendered.text == want
@@ -144,7 +154,7 @@ def test_builtin_renders_the_released_template(name, case, generation):
 
 def prefix_oracle(name: str, row: dict) -> list[tuple[int, int]] | None:
     """Loss spans of the released template by rendering prefixes; None where it is not prefix-stable."""
-    msgs, tools, step = reference_messages(row), row.get("tools"), PROCESSOR_STEP.get(name, str)
+    msgs, tools, step = reference_messages(row, name), row.get("tools"), PROCESSOR_STEP.get(name, str)
     full = step(released(name, msgs, tools))
     spans = []
     for k, m in enumerate(msgs):
@@ -189,7 +199,7 @@ def test_exported_jinja_of_each_builtin_renders_the_released_text():
         for case in cases:  # tools too: the definitions, calls and results as the family's template writes them
             for generation in (False, True):
                 row = case_row(case, generation)
-                msgs, tools = reference_messages(row), row.get("tools")
+                msgs, tools = reference_messages(row, name), row.get("tools")
                 got, _ = render_jinja_template([msgs], tools=tools, chat_template=jinja, add_generation_prompt=generation)
                 assert got[0] == released(name, msgs, tools, generation), (name, case, generation)
 
@@ -204,7 +214,7 @@ def test_llama_factory_names_are_aliases():
 
 def test_packs_built_before_the_new_template_fields_keep_their_fingerprint():
     spec = load_template("chatml").spec()
-    assert not {"generation_prompt", "think_style", "trim_content"} & set(spec)
+    assert not {"generation_prompt", "think_style", "trim_content", "processor_image", "media_first"} & set(spec)
     assert load_template("qwen3").spec()["think_style"] == "qwen3"
 
 
@@ -336,3 +346,30 @@ def test_hf_verify_on_a_qwen3_vl_directory_renders_with_its_own_template(tmp_pat
     assert "HF renders the directory's chat template, ours template 'hf'" in out
     assert main(["hf", "verify", str(path), "--template", "chatml"]) == 1
     assert "FAIL: input_ids" in capsys.readouterr().out
+
+
+def test_llava_onevision_media_tags_are_placeholders_and_its_pads():
+    """``<image>`` / ``<video>`` are both our placeholders and LLaVA-OneVision's pad tokens (special
+    tokens of the demo tokenizer): typed in a text they are placeholders (not rejected as typed
+    special tokens; counted against the media list), each becomes one pad run; a turn's media render
+    first, images then videos (media_kinds in that order); string contents export as parts do."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from omniweave.data.sample import Message
+
+    proc = SampleProcessor({"tokenizer": "demo", "template": "llava_onevision", "rope": "rope1d"})
+    assert (proc.image_pad_id, proc.video_pad_id) == (703, 702)
+    messages = [Message("user", "<video>Compare <image> with <image>."), Message("assistant", "Alike.")]
+    proc.check_text(messages)  # placeholders, not typed special tokens
+    ids, labels, rendered, _ = encode_conversation(proc.template, proc.tokenizer, messages)
+    assert rendered.text == "<|im_start|>user\n<image>\n<image>\n<video>\nCompare  with .<|im_end|>\n<|im_start|>assistant\nAlike.<|im_end|>\n"
+    assert rendered.media_kinds == ["image", "image", "video"]
+    assert [int(i) for i in ids if i in (702, 703)] == [703, 703, 702]
+    assert proc.tokenizer.decode(labels[labels != IGNORE_INDEX]) == "Alike.<|im_end|>\n"
+    conv = Conversation("c", [Message("user", "<image>x"), Message("assistant", "y")])  # an <image> without an image
+    with pytest.raises(SampleRejected, match="media_count_mismatch"):
+        proc.tokenize(RawSample("s", conv, {}))
+    jinja = hf_chat_template(proc.template)
+    as_strings = [{"role": m.role, "content": m.content} for m in messages]
+    got, _ = render_jinja_template([as_strings], chat_template=jinja)
+    assert got[0] == rendered.text

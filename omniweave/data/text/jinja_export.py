@@ -2,8 +2,8 @@
 
 ``hf_chat_template(template)`` renders the same text as ``template.render`` for the same
 conversation, so ``apply_chat_template`` on an exported model reproduces what it was trained on:
-the default system prompt, media placeholders (numbered audio too), ``<think>`` rules, trimmed
-turns, the generation prompt, and — for a template with ``tool_style: qwen`` — the ``tools``
+the default system prompt, media placeholders (numbered audio too; a turn's media first where the
+template says so), ``<think>`` rules, trimmed turns, the generation prompt, and — for a template with ``tool_style: qwen`` — the ``tools``
 variable in the system prompt, assistant ``tool_calls`` in ``<tool_call>`` wrappers and
 consecutive ``tool`` results in one user turn, as data/text/tools.py renders them for training.
 
@@ -53,6 +53,7 @@ def hf_chat_template(template) -> str:
         + (_TOOL_CALLS if qwen_tools else "")
         + _THINK.get(template.think_style, "")
         + ("{%- set c = c | trim -%}\n" if template.trim_content else "")
+        + (_MEDIA_FIRST if template.media_first else "")
         + _EMIT["{index}" in template.audio]
         + (_TOOL_RESULT_CLOSE if qwen_tools else "{{- t.roles[message['role']][1] -}}\n")
         + "{%- endfor -%}\n"
@@ -101,6 +102,13 @@ _TOOL_CALLS = (
     "{%- set acc.text = acc.text ~ ('\\n' if acc.text else '') ~ '<tool_call>\\n{\"name\": \"' ~ call['name'] "
     "~ '\", \"arguments\": ' ~ args ~ '}\\n</tool_call>' -%}\n"
     "{%- endfor -%}{%- set c = acc.text -%}{%- endif -%}\n"
+)
+
+# template.media_first: the turn's images, then videos, then audio, then its text without them
+_MEDIA_FIRST = (
+    "{%- set c = '<image>' * (c.split('<image>') | length - 1) ~ '<video>' * (c.split('<video>') | length - 1) "
+    "~ '<audio>' * (c.split('<audio>') | length - 1) ~ (c | replace('<image>', '') | replace('<video>', '') "
+    "| replace('<audio>', '')) -%}\n"
 )
 
 # a turn's text with its placeholders expanded; numbered audio: ``t.audio`` around its {index}

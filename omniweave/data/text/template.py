@@ -3,6 +3,7 @@
 A template is a handful of format strings, one per role, each holding ``{content}``::
 
     chatml     <|im_start|>user\\n{content}<|im_end|>\\n      (Qwen2 / Qwen2-VL / Qwen2.5-VL)
+    llava_onevision  ChatML, no system prompt, each turn's media first: <image>\\n… <video>\\n… text
     qwen2_5_omni  ChatML with Qwen2.5-Omni's system prompt and media tokens:
                <|vision_bos|><|IMAGE|><|vision_eos|>, <|vision_bos|><|VIDEO|><|vision_eos|>,
                <|audio_bos|><|AUDIO|><|audio_eos|> (as its processor and chat template write them)
@@ -76,6 +77,9 @@ class ChatTemplate:
     # what the family's HF chat template writes for an image when its processor frames the pads itself
     # (InternVL: "<IMG_CONTEXT>\n", InternVLProcessor adds <img> … </img>); None: ``image`` as it is
     processor_image: str | None = None
+    # True: a turn's media render first, its images then its videos then its audio, then its text with
+    # the placeholders taken out (LLaVA-OneVision's released template renders content parts so)
+    media_first: bool | None = None
 
     def __post_init__(self):
         for role in ROLES:
@@ -112,7 +116,7 @@ class ChatTemplate:
         return self.assistant.split("{content}")[0] if self.generation_prompt is None else self.generation_prompt
 
 
-_LATER_FIELDS = ("generation_prompt", "think_style", "trim_content", "processor_image")
+_LATER_FIELDS = ("generation_prompt", "think_style", "trim_content", "processor_image", "media_first")
 THINK_STYLES = ("qwen3", "drop")
 
 
@@ -192,6 +196,13 @@ BUILTIN_TEMPLATES = {
                                     image="<img><IMG_CONTEXT></img>\n", image_pad="<IMG_CONTEXT>",
                                     processor_image="<IMG_CONTEXT>\n",
                                     video="<video>\n", video_pad="<video>"),
+    # LLaVA-OneVision (-ov-hf checkpoints: transformers' conversion script's template): ChatML without a
+    # default system prompt; each turn's images ("<image>\n"), then videos ("<video>\n"), then its text;
+    # LlavaOnevisionProcessor repeats the <image> / <video> token once per feature, nothing around it
+    "llava_onevision": dataclasses.replace(_CHATML, name="llava_onevision", default_system=None, tool_style=None,
+                                           observation="<|im_start|>tool\n{content}<|im_end|>\n",
+                                           image="<image>\n", image_pad="<image>", video="<video>\n",
+                                           video_pad="<video>", media_first=True),
     # DeepSeek-V3 (its released template, as TRL keeps it): the system prompt bare after BOS, earlier
     # reasoning dropped from every assistant turn, generation opening a <think> block
     "deepseek3": ChatTemplate(
@@ -310,7 +321,7 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
         carries_loss = bool(msg.loss_weight) and (train_on_prompt or (
             msg.role in LOSS_ROLES and (not mask_history or k == last)))
         loss_from = len(out.text)
-        for piece in _PLACEHOLDER_RE.split(content):
+        for piece in media_first(content) if template.media_first else _PLACEHOLDER_RE.split(content):
             if piece in _PLACEHOLDER_KINDS:
                 kind = _PLACEHOLDER_KINDS[piece]
                 if carries_loss and loss_from < len(out.text):
@@ -327,6 +338,14 @@ def render(template: ChatTemplate, messages: list[Message], add_generation_promp
     if add_generation_prompt:
         out.text += template.generation_header()
     return out
+
+
+def media_first(content: str) -> list[str]:
+    """A turn's pieces as ``media_first`` renders them: its image placeholders, then its videos, then
+    its audio (each kind in its own order), then its text joined without them."""
+    pieces = _PLACEHOLDER_RE.split(content)
+    media = sorted((p for p in pieces if p in _PLACEHOLDER_KINDS), key=list(_PLACEHOLDER_KINDS).index)
+    return media + ["".join(p for p in pieces if p not in _PLACEHOLDER_KINDS)]
 
 
 def loss_mask_from_offsets(offsets: list[tuple[int, int]], loss_spans: list[tuple[int, int]]) -> np.ndarray:
