@@ -51,9 +51,15 @@ from PIL import Image
 from omniweave.data.media.tiling import tile_patches
 from omniweave.data.media.vision import MediaError, resize_normalize
 
+
+
+def square_pinpoints(tile: int, grid: int) -> tuple[tuple[int, int], ...]:
+    """Every (i·tile, j·tile) for 1 <= i, j <= grid, height-major: the released pinpoints' shape."""
+    return tuple((i * tile, j * tile) for i in range(1, grid + 1) for j in range(1, grid + 1))
+
+
 # llava-onevision-qwen2-{0.5b,7b,72b}-ov-hf preprocessor_config.json: 384..2304 in steps of 384, height-major
-DEFAULT_PINPOINTS: tuple[tuple[int, int], ...] = tuple(
-    (h, w) for h in range(384, 2305, 384) for w in range(384, 2305, 384))
+DEFAULT_PINPOINTS: tuple[tuple[int, int], ...] = square_pinpoints(384, 6)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ Two paths that must always agree:
 and the same for videos, where the plan also fixes which source frames are used (decided from
 the stream header alone: frame count, frame rate, size), so decoding reads exactly those frames.
 With ``tiling: internvl`` images are cut into InternVL's dynamic tiles instead, and each sampled
-video frame is one tile (media/tiling.py: ``InternVLVideoProcessor``'s rule).
+video frame is one tile (media/tiling.py: ``InternVLVideoProcessor``'s rule); with ``tiling: anyres``
+LLaVA-OneVision's (media/anyres_plan.py, the rules in media/anyres.py).
 
 Images follow ``transformers.Qwen2VLImageProcessorPil`` exactly (RGB with alpha composited on
 white, PIL bicubic resize of uint8 pixels, rescale in float64 then float32, normalise, patchify).
@@ -88,13 +89,19 @@ class VisionConfig:
     min_tiles: int = 1
     max_tiles: int = 12
     use_thumbnail: bool = True  # tiling only: one more tile, the whole image, when the grid has several
+    anyres_grid: int = 6  # anyres: pinpoints (i, j) x tile_size for 1 <= i, j <= anyres_grid (the released 384..2304)
+    anyres_max: int = 9  # anyres: vision_aspect_ratio "anyres_max_N" (grids past N tiles' features shrink)
 
     def __post_init__(self):
         if self.frame_sampling not in FRAME_SAMPLING:
             raise ValueError(f"frame_sampling must be one of {sorted(FRAME_SAMPLING)}, got {self.frame_sampling!r}")
         if self.tiling not in TILING:
             raise ValueError(f"vision tiling must be one of {list(TILING)}, got {self.tiling!r}")
-        if self.tiling != "none":
+        if self.tiling == "anyres":
+            from omniweave.data.media.anyres_plan import check_anyres_config
+
+            check_anyres_config(self)
+        elif self.tiling != "none":
             from omniweave.data.media.tiling import check_tiling_config
 
             check_tiling_config(self)
@@ -102,6 +109,12 @@ class VisionConfig:
     @property
     def factor(self) -> int:  # resized sides are multiples of this
         return self.patch_size * self.merge_size
+
+    @property
+    def plans_by_image_count(self) -> bool:
+        """An image's plan depends on how many images its conversation has (LLaVA-OneVision: one
+        image is tiled anyres, several are one tile each): ``plan_image(..., images=n)``."""
+        return self.tiling == "anyres"
 
     @classmethod
     def from_mapping(cls, cfg: Mapping | None) -> "VisionConfig":
@@ -121,12 +134,14 @@ class VisionConfig:
 
     def spec(self) -> dict:  # untiled: no tile keys, so packs built before tiling existed still match
         skip = TILE_KEYS if self.tiling == "none" else ()
+        skip += ANYRES_KEYS if self.tiling != "anyres" else ()  # nor those of packs built before anyres
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in fields(self) if f.name not in skip}
 
 
-TILING = ("none", "internvl")
+TILING = ("none", "internvl", "anyres")
 TILE_KEYS = ("tiling", "tile_size", "min_tiles", "max_tiles", "use_thumbnail")
+ANYRES_KEYS = ("anyres_grid", "anyres_max")
 
 
 def vision_settings_from_hf(path: str | Path) -> dict:
@@ -217,8 +232,11 @@ class MediaPlan:
     frame_indices: tuple[int, ...] | None = None  # videos: source frames, padded
     second_per_grid: float | None = None  # videos: seconds per temporal grid step
     source_fps: float | None = None  # videos: the stream's frame rate (Qwen3-VL timestamps)
+    tokens: int | None = None  # the item's pad tokens where they are not t·h·w / merge² (LLaVA-OneVision's layout)
 
     def num_tokens(self, merge_size: int) -> int:
+        if self.tokens is not None:
+            return self.tokens
         t, h, w = self.grid_thw
         return t * h * w // merge_size**2
 
@@ -306,7 +324,12 @@ def video_resize(info: VideoInfo, n: int, cfg: VisionConfig) -> tuple[int, int]:
     return smart_resize(info.height, info.width, factor, cfg.video_min_pixels, max_pixels)
 
 
-def plan_image(info: ImageInfo, cfg: VisionConfig) -> MediaPlan:
+def plan_image(info: ImageInfo, cfg: VisionConfig, images: int = 1) -> MediaPlan:
+    """``images``: how many images the conversation has (read where ``cfg.plans_by_image_count``)."""
+    if cfg.tiling == "anyres":
+        from omniweave.data.media.anyres_plan import plan_anyres_image
+
+        return plan_anyres_image(info, cfg, images)
     if cfg.tiling == "internvl":
         from omniweave.data.media.tiling import plan_tiled_image
 
@@ -316,6 +339,10 @@ def plan_image(info: ImageInfo, cfg: VisionConfig) -> MediaPlan:
 
 
 def plan_video(info: VideoInfo, cfg: VisionConfig) -> MediaPlan:
+    if cfg.tiling == "anyres":  # every frame one tile, pooled
+        from omniweave.data.media.anyres_plan import plan_anyres_video
+
+        return plan_anyres_video(info, cfg)
     if cfg.tiling == "internvl":  # every frame one tile
         from omniweave.data.media.tiling import plan_tiled_video
 
@@ -499,9 +526,14 @@ def resize_normalize(rgb: np.ndarray, resized_hw: tuple[int, int], cfg: VisionCo
     return x.transpose(2, 0, 1)
 
 
-def process_image(data: bytes, cfg: VisionConfig) -> tuple[np.ndarray, MediaPlan]:
+def process_image(data: bytes, cfg: VisionConfig, plan: MediaPlan | None = None) -> tuple[np.ndarray, MediaPlan]:
     """Full decode: pixel_values float32 [h*w, 3*tp*p*p] and the plan (grid) it matches; with
-    ``tiling: internvl``, [tiles*(tile/p)^2, 3*p*p] (``tiling.process_tiled_image``)."""
+    ``tiling: internvl``, [tiles*(tile/p)^2, 3*p*p] (``tiling.process_tiled_image``); with ``tiling:
+    anyres`` the packed ``plan`` says which path (``anyres_plan.process_anyres_item``)."""
+    if cfg.tiling == "anyres":
+        from omniweave.data.media.anyres_plan import process_anyres_item
+
+        return process_anyres_item(data, cfg, plan)
     if cfg.tiling == "internvl":
         from omniweave.data.media.tiling import process_tiled_image
 
@@ -515,7 +547,11 @@ def process_image(data: bytes, cfg: VisionConfig) -> tuple[np.ndarray, MediaPlan
 
 def process_video(data: bytes, cfg: VisionConfig, plan: MediaPlan | None = None) -> tuple[np.ndarray, MediaPlan]:
     """Full decode of the planned frames: pixel_values float32 [t*h*w, 3*tp*p*p] and the plan; with
-    ``tiling: internvl``, [frames*(tile/p)^2, 3*p*p] (``tiling.process_tiled_video``)."""
+    ``tiling: internvl`` or ``anyres``, [frames*(tile/p)^2, 3*p*p] (a tile per frame)."""
+    if cfg.tiling == "anyres":
+        from omniweave.data.media.anyres_plan import process_anyres_video
+
+        return process_anyres_video(data, cfg, plan)
     if cfg.tiling == "internvl":
         from omniweave.data.media.tiling import process_tiled_video
 

@@ -164,11 +164,13 @@ class SampleProcessor:
 
     # ------------------------------------------------------------------ metadata-only path
 
-    def plan_media(self, kind: str, data: bytes) -> M.MediaPlan | AudioPlan | VideoWithAudio:
+    def plan_media(self, kind: str, data: bytes, images: int = 1) -> M.MediaPlan | AudioPlan | VideoWithAudio:
         """Grid / resize / frames of one image or video (with its sound track's plan under
-        ``use_audio_in_video``), or the encoder items of a clip, from its header."""
+        ``use_audio_in_video``), or the encoder items of a clip, from its header. ``images``: how
+        many images the sample's text holds (``vision.plans_by_image_count``: LLaVA-OneVision tiles
+        a lone image, and gives each of several one tile)."""
         if kind == "image":
-            return M.plan_image(M.probe_image(data), self.vision)
+            return M.plan_image(M.probe_image(data), self.vision, images)
         if kind == "audio":
             return plan_audio(probe_audio(data), self.audio)
         video = M.plan_video(M.probe_video(data), self.vision)
@@ -184,7 +186,7 @@ class SampleProcessor:
         if may_fit < len(messages):  # certainly over max_len: never tokenized whole
             if self.truncation == "drop" or not any(m.role in LOSS_ROLES for m in messages[:may_fit]):
                 raise SampleRejected("too_long", f"its text alone needs more than {self.max_len} tokens")
-            return self._drop_turns(conv.id, messages, plans, may_fit, "too_long", tools)
+            return self._drop_turns(raw, messages, plans, may_fit, "too_long", tools)
         sample = self._encode(conv.id, messages, plans, tools=tools)
         if not (sample.labels != IGNORE_INDEX).any():
             raise SampleRejected("no_assistant_turn", "nothing carries loss")
@@ -192,8 +194,7 @@ class SampleProcessor:
             return sample
         if self.truncation == "drop":
             raise SampleRejected(overflow_reason(sample.media, self.max_len), f"{len(sample)} > {self.max_len}")
-        return self._drop_turns(conv.id, messages, plans, len(messages) - 1, overflow_reason(sample.media, self.max_len),
-                                tools)
+        return self._drop_turns(raw, messages, plans, len(messages) - 1, overflow_reason(sample.media, self.max_len), tools)
 
     def messages(self, conv) -> list[Message]:
         """The turns as the template renders them: the user's text checked (``check_text``), then its
@@ -252,16 +253,21 @@ class SampleProcessor:
         return sample
 
     def _plan_all(self, raw: RawSample) -> dict:
+        """{kind: [(part, plan)]} of every media item of the sample, images planned for the
+        conversation's image count (``_drop_turns`` re-plans them for the count it keeps)."""
         conv = raw.conversation
-        plans = {kind: [] for kind in MEDIA_KINDS}
-        for kind, parts in (("image", conv.images), ("video", conv.videos), ("audio", conv.audios)):
-            for part in parts:
-                if part not in raw.media:
-                    raise SampleRejected("missing_media", f"{kind} part {part!r} not in the sample")
-                try:
-                    plans[kind].append((part, self.plan_media(kind, raw.media[part])))
-                except M.MediaError as e:
-                    raise SampleRejected(e.reason, f"{part}: {e}") from e
+        return {kind: self._plan_parts(raw, kind, parts, len(conv.images))
+                for kind, parts in (("image", conv.images), ("video", conv.videos), ("audio", conv.audios))}
+
+    def _plan_parts(self, raw: RawSample, kind: str, parts: list[str], images: int) -> list:
+        plans = []
+        for part in parts:
+            if part not in raw.media:
+                raise SampleRejected("missing_media", f"{kind} part {part!r} not in the sample")
+            try:
+                plans.append((part, self.plan_media(kind, raw.media[part], images)))
+            except M.MediaError as e:
+                raise SampleRejected(e.reason, f"{part}: {e}") from e
         return plans
 
     def _encode(self, sample_id: str, messages: list[Message], plans: dict, add_generation_prompt: bool = False,
@@ -383,15 +389,25 @@ class SampleProcessor:
         seq += self.audio_eos_ids
         return np.asarray(seq, dtype=np.int64), video_runs, audio_runs
 
-    def _drop_turns(self, sample_id: str, messages: list[Message], plans: dict, upto: int, reason: str,
+    def _drop_turns(self, raw: RawSample, messages: list[Message], plans: dict, upto: int, reason: str,
                     tools: list[dict] | None = None):
         """Longest prefix of ``messages[:upto]`` ending in an assistant turn that fits max_len (≥ 1
-        assistant turn); else rejected with ``reason``."""
+        assistant turn); else rejected with ``reason``. The prefix keeps the first images; where an
+        image's plan depends on the image count (``vision.plans_by_image_count``) they are planned
+        again for the count kept -- the text the model then sees, from which transformers' processor
+        decides too (LLaVA-OneVision: two images, one dropped, leave one image tiled anyres)."""
         ends = [k + 1 for k, m in enumerate(messages[:upto]) if m.role in LOSS_ROLES]
+        replanned = {}  # image count -> the first images planned for it
         for k in reversed(ends):
             kept = messages[:k]
             counts = {kind: sum(m.content.count(PLACEHOLDERS[kind]) for m in kept) for kind in MEDIA_KINDS}
-            sample = self._encode(sample_id, kept, {kind: plans[kind][:n] for kind, n in counts.items()}, tools=tools)
+            kept_plans = {kind: plans[kind][:n] for kind, n in counts.items()}
+            n = counts["image"]
+            if self.vision.plans_by_image_count and n < len(plans["image"]):
+                if n not in replanned:
+                    replanned[n] = self._plan_parts(raw, "image", raw.conversation.images[:n], n)
+                kept_plans["image"] = replanned[n]
+            sample = self._encode(raw.conversation.id, kept, kept_plans, tools=tools)
             if len(sample) <= self.max_len:
                 return dataclasses.replace(sample, truncated=True)
         raise SampleRejected(reason, "no assistant turn fits max_len")
@@ -406,8 +422,9 @@ class SampleProcessor:
 
     def process_media(self, span: MediaSpan, data: bytes) -> np.ndarray:
         """Decode + resize + patchify one media item: float32 [t*h*w, 3*tp*p*p] matching span.grid_thw."""
-        if span.kind == "image":
-            pixel_values, plan = M.process_image(data, self.vision)
+        if span.kind == "image":  # the packed plan: LLaVA-OneVision's grid says which path (anyres_plan)
+            planned = M.MediaPlan("image", tuple(span.grid_thw), tuple(span.resized_hw))
+            pixel_values, plan = M.process_image(data, self.vision, plan=planned)
         else:
             planned = M.MediaPlan("video", tuple(span.grid_thw), tuple(span.resized_hw),
                                   tuple(span.frame_indices), span.second_per_grid)
