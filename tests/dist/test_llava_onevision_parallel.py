@@ -1,4 +1,4 @@
-"""LLaVA-OneVision (siglip_vit + llava_onevision_mlp + Qwen3, 1-D positions) under parallel layouts
+"""LLaVA-OneVision (the tiny_llava_onevision recipe: siglip_vit + llava_onevision_mlp + Qwen2, 1-D positions) under parallel layouts
 built as the trainer builds them, gloo, CPU, fp32, against the single process on one packed row:
 an anyres image whose grid map is unpadded and shrunk, a tall one, and a video (pooled frames).
 The projector lays out whole items after the vision split gathers them (OmniModel.encode_media),
@@ -15,10 +15,9 @@ from tests.train_factory import layout_against_one_process
 pytestmark = [pytest.mark.dist]
 
 RTOL = 1e-5
-# the tiny tower at the unit test's sizes (30 px tiles of 6 px patches), pinpoints to 3 x 3, anyres_max_2
-MODEL = ["image_encoder@model.image_encoder=siglip_vit_tiny", "projector@model.projector=llava_onevision_mlp",
-         "model.image_encoder.image_size=30", "model.image_encoder.patch_size=6", "model.image_encoder.num_heads=4",
-         "model.projector.anyres_grid=3", "model.projector.anyres_max=2"]  # fmt: skip
+# the recipe at the unit test's sizes (30 px tiles of 6 px patches, pinpoints to 3 x 3, anyres_max_2): set in
+# data.vision, which the tower's and the projector's settings are interpolated from
+MODEL = ["data.vision.tile_size=30", "data.vision.patch_size=6", "data.vision.anyres_grid=3", "data.vision.anyres_max=2"]
 LAYOUTS = {
     2: [["parallel.cp=2", "parallel.cp_attention=ring", "parallel.vision_split=true"],
         ["parallel.cp=2", "parallel.cp_attention=ulysses", "parallel.vision_split=false"],
@@ -41,7 +40,7 @@ def _body(rank: int, world: int) -> list[dict]:
 
     row, out = _row(), []
     for overrides in LAYOUTS[world]:
-        r = layout_against_one_process(load_recipe("tiny_internvl", MODEL + overrides), row, world)
+        r = layout_against_one_process(load_recipe("tiny_llava_onevision", MODEL + overrides), row, world)
         grads = dict(r["reference"].named_parameters())
         out.append({"layout": overrides, "loss_rel": r["loss_rel"], "grad_rel": r["grad_rel"], "worst": r["worst"],
                     "newline_grad": float(grads["projector.image_newline"].grad.abs().sum())})  # fmt: skip
