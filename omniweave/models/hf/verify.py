@@ -333,6 +333,10 @@ def verify(args) -> int:
         from omniweave.models.hf.verify_internvl import verify_internvl
 
         return verify_internvl(args, hf_dir, hf_cfg, _report)
+    if hf_cfg.get("model_type") == "llava_onevision" and not args.audio:
+        from omniweave.models.hf.verify_llava_onevision import verify_llava_onevision
+
+        return verify_llava_onevision(args, hf_dir, hf_cfg, _report)
     if "audio_config" in hf_cfg and "vision_config" not in hf_cfg:
         from omniweave.models.hf.verify_audio import verify_audio
 
