@@ -1,8 +1,8 @@
-"""Training modes on the families added by registered components (issue 35: InternVL; the same
-building blocks as every other family): GRPO (rollouts through the KV-cache engine on tiled
-images, the update on prompt + response rows with the prompt's media once) and DPO (a pair's
-two answers sharing the prompt's media in one pack), a few steps each on the demo's data packed
-with the family's tiny recipe."""
+"""Training modes on the families added by registered components (issue 35: InternVL,
+LLaVA-OneVision; the same building blocks as every other family): SFT with and without LoRA on
+the tower and the decoder, GRPO (rollouts through the KV-cache engine on tiled images, the update
+on prompt + response rows with the prompt's media once) and DPO (a pair's two answers sharing the
+prompt's media in one pack), a few steps each on the demo's data packed with the family's tiny recipe."""
 
 from __future__ import annotations
 
@@ -15,7 +15,26 @@ from tests.rl_factory import make_rl_prompts, rl_overrides
 from tests.train_factory import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
-RECIPES = ["tiny_internvl"]
+RECIPES = ["tiny_internvl", "tiny_llava_onevision"]
+TOWER_QKV = {"tiny_internvl": "image_encoder.blocks.0.attn.qkv", "tiny_llava_onevision": "image_encoder.blocks.0.attn.qkv"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_sft_loss_falls_and_lora_trains_on_tower_and_decoder(recipe, tmp_path):
+    """The trainer on the demo's data packed with the family's recipe: the loss falls; LoRA adapters
+    (``targets: all-linear``) land on the tower's fused qkv and the decoder's projections and train."""
+    from tests.train_factory import final_state, losses, make_demo_packed, train_in_process
+
+    packed = make_demo_packed(tmp_path / "data", samples=24, recipe=recipe)
+    train_in_process(packed, tmp_path / "full", name=recipe, steps=4, global_batch=2, train__lr=3e-3)
+    full = losses(tmp_path / "full")
+    assert len(full) == 4 and full[-1] < full[0]
+    lora = "{r: 4, alpha: 8, targets: all-linear}"
+    train_in_process(packed, tmp_path / "lora", name=recipe, steps=2, global_batch=2,
+                     **{"+model.foundation.lora": lora, "+model.image_encoder.lora": lora})  # fmt: skip
+    adapters = [k for k in final_state(tmp_path / "lora") if "lora" in k]
+    assert any(k.startswith(TOWER_QKV[recipe]) for k in adapters), adapters[:5]
+    assert any(k.startswith("foundation.layers.0") for k in adapters)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -228,3 +228,21 @@ def test_recipe_export_is_a_whole_directory_that_hf_verify_passes(tmp_path, caps
     assert main(["hf", "verify", str(out), "--image", image]) == 0
     printed = capsys.readouterr().out
     assert "HF renders the directory's chat template" in printed and "OK: all differences" in printed, printed
+
+
+def test_kv_cache_generation_equals_transformers_generate(pair):
+    """The generation engine (eval, GRPO rollouts) on an anyres image and a video, decoded beside
+    another prompt (the two prompts' image_sizes packed together): greedy tokens equal transformers'
+    ``generate``."""
+    from omniweave.generation import Prompt, SamplingParams, TorchRollout
+
+    _, hf, ours = pair
+    theirs, batch = make_sample(**CASES["image_and_video"], seed=8)
+    _, other = make_sample([(95, 20)], seed=5)
+    for b in (batch, other):
+        b.pop("labels")
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    got = TorchRollout(ours).generate([Prompt(0, other), Prompt(1, batch)], 1, params, seed=0)[1].tokens
+    with torch.no_grad():
+        want = hf.generate(**theirs, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got == want[0, batch["input_ids"].numel():].tolist()
