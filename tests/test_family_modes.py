@@ -62,3 +62,19 @@ def test_dpo_runs_on_the_family(recipe, tmp_path):
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in rows) and abs(rows[0]["loss"] - math.log(2)) < 1e-4  # policy = ref at step 1
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_balancer_and_pipeline_split_know_the_family(recipe, tmp_path):
+    """The DP balancer's FLOP model counts the tower and projector per patch; the pipeline's stage
+    split reads the packed data's patches per token (data.balance: cost, parallel.pp need both)."""
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.parallel.cost_model import CostModel
+    from omniweave.train.pipeline_setup import _patches_per_token
+    from tests.train_factory import make_demo_packed
+
+    model_cfg = to_dict(load_recipe(recipe).model)
+    cost = CostModel.from_model_config(model_cfg)
+    assert cost.p > 0 and cost.e > 0
+    packed = make_demo_packed(tmp_path, samples=8, recipe=recipe)
+    assert 0 < _patches_per_token(str(packed), model_cfg) < 4

@@ -158,6 +158,28 @@ def run_named_grad_spy(train_fn, cfg) -> tuple[dict, list[dict[str, torch.Tensor
         Engine._apply_update = original
 
 
+def trains_like_one_rank(root: Path, recipe: str, nproc: int, parallel: dict, steps: int = 3,
+                         global_batch: int = 4) -> tuple[Path, Path]:
+    """``omniweave train`` of ``recipe`` on the demo's data packed with it, on one rank and on
+    ``nproc`` ranks with ``parallel`` (``parallel__pp=2`` …): asserts equal losses and grad norms
+    (1e-5 relative) and a falling loss; returns the two run dirs (one rank's first) for the caller's
+    weight checks."""
+    import pytest
+
+    packed = make_demo_packed(root / "data", samples=48, recipe=recipe)
+    runs = []
+    for n, kw in ((1, {}), (nproc, parallel)):
+        out = root / f"n{n}" / "run"
+        res = train_subprocess(packed, out, nproc=n, steps=steps, global_batch=global_batch, recipe=recipe, **kw)
+        assert res.returncode == 0, res.stdout[-4000:]
+        runs.append(out)
+    ref, run = (read_metrics(r) for r in runs)
+    assert [r["loss"] for r in run] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+    assert [r["grad_norm"] for r in run] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5)
+    assert losses(runs[0])[-1] < losses(runs[0])[0]
+    return runs[0], runs[1]
+
+
 def layout_against_one_process(cfg, row: dict, world: int, prepare=lambda model: None) -> dict:
     """One forward + backward of ``row`` through the model as the trainer builds it for recipe
     ``cfg`` on ``world`` ranks, and through the single-process model of the same seed (``prepare``

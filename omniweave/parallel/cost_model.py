@@ -280,6 +280,7 @@ def audio_params_per_frame(audio) -> int:
 def projector_params_per_patch(proj, vit_dim: int, dec_dim: int, vit) -> float:
     """Projector parameters a patch runs through: a patch merger's per merged token / merge²."""
     from omniweave.models.components.intern_vit import PixelShuffleMLPConfig
+    from omniweave.models.components.llava_projector import LlavaOnevisionProjectorConfig
     from omniweave.models.components.projector import MLPAdapterConfig, PatchMergerConfig
     from omniweave.models.components.qwen3_vit import Qwen3MergerConfig
 
@@ -295,10 +296,12 @@ def projector_params_per_patch(proj, vit_dim: int, dec_dim: int, vit) -> float:
     if isinstance(proj, PixelShuffleMLPConfig):  # LayerNorm, Linear(merged -> D), Linear(D -> D) per merged token
         merged = vit_dim * proj.merge_size**2
         return (2 * merged + merged * dec_dim + dec_dim + dec_dim * dec_dim + dec_dim) / proj.merge_size**2
+    if isinstance(proj, LlavaOnevisionProjectorConfig):  # Linear(vit -> D), Linear(D -> D) per patch (the layout is free)
+        return vit_dim * dec_dim + dec_dim + dec_dim * dec_dim + dec_dim
     if isinstance(proj, MLPAdapterConfig):
         hidden = proj.hidden_dim or dec_dim
         return vit_dim * hidden + hidden + hidden * dec_dim + dec_dim
-    raise ValueError(f"projector {type(proj).__name__}: the cost model knows patch_merger, qwen3_merger, pixel_shuffle_mlp and mlp_adapter")
+    raise ValueError(f"projector {type(proj).__name__}: the cost model knows patch_merger, qwen3_merger, pixel_shuffle_mlp, llava_onevision_mlp and mlp_adapter")
 
 
 def nnls(a: np.ndarray, y: np.ndarray, max_iter: int | None = None) -> np.ndarray:

@@ -94,5 +94,6 @@ def _patches_per_token(packed: str, model_cfg: dict) -> float:
     stats = _stats(packed)
     vit = component_config("image_encoder", model_cfg["image_encoder"])  # its registered config dataclass
     proj = component_config("projector", model_cfg.get("projector"))
-    merge = getattr(proj, "merge_size", None) or vit.spatial_merge_size  # a merging projector's, else the tower's
+    # a merging projector's, else the tower's, else 1 (LLaVA-OneVision: a token per patch, give or take its layout)
+    merge = getattr(proj, "merge_size", None) or getattr(vit, "spatial_merge_size", None) or 1
     return stats["vision_tokens"] * merge**2 / max(stats["capacity_tokens"], 1)

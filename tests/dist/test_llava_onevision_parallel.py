@@ -54,3 +54,15 @@ def test_llava_onevision_layouts_match_single_process(world):
             print(r)
             assert r["newline_grad"] > 0, r
             assert r["loss_rel"] <= RTOL and r["grad_rel"] <= RTOL, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,parallel", [(2, {}), (2, {"parallel__pp": 2})], ids=["dp2", "pp2"])
+def test_tiny_llava_onevision_trains_like_one_rank(tmp_path, nproc, parallel):
+    """`omniweave train --nproc N` on tiny_llava_onevision over the demo's data packed with the
+    recipe (anyres images, pooled videos; the tower in stage 0 of the pipeline): the 1-rank losses,
+    grad norms and final weights."""
+    from tests.train_factory import final_state, max_abs_diff, trains_like_one_rank
+
+    one, many = trains_like_one_rank(tmp_path, "tiny_llava_onevision", nproc, parallel)
+    assert max_abs_diff(final_state(many), final_state(one)) <= 3e-5
