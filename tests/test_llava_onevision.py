@@ -228,6 +228,10 @@ def test_recipe_export_is_a_whole_directory_that_hf_verify_passes(tmp_path, caps
     assert main(["hf", "verify", str(out), "--image", image]) == 0
     printed = capsys.readouterr().out
     assert "HF renders the directory's chat template" in printed and "OK: all differences" in printed, printed
+    from omniweave.data.text.tokenize import SampleProcessor
+
+    with pytest.raises(FileNotFoundError, match="use the built-in template: llava_onevision"):  # data.template=hf on it
+        SampleProcessor({"tokenizer": str(out), "template": "hf"})
 
 
 def test_kv_cache_generation_equals_transformers_generate(pair):

@@ -100,10 +100,11 @@ class HFChatTemplate:
                                     "chat_template.json, or tokenizer_config.json's chat_template); name a "
                                     "built-in template instead")
         source, origin = found
-        if "<IMG_CONTEXT>" in source:  # the processor, not the template, frames InternVL's image tokens
-            raise FileNotFoundError(f"data.template=hf: {path}'s chat template is InternVL's, whose processor adds "
-                                    "tokens around each image; use the built-in template: internvl (it renders this "
-                                    "template's text plus InternVLProcessor's <img> … </img>)")  # fmt: skip
+        for token, family in (("<IMG_CONTEXT>", "internvl"), ("'<image>", "llava_onevision")):
+            if token in source:  # InternVL's processor frames its image tokens; LLaVA-OneVision's template reads
+                raise FileNotFoundError(  # only content parts and moves media first
+                    f"data.template=hf: {path}'s chat template is {family}'s, whose images the built-in template "
+                    f"renders exactly (tests/test_chat_templates.py); use the built-in template: {family}")
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         special = {k: _token_name(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
