@@ -208,27 +208,16 @@ def test_tiny_internvl_recipe_trains_on_packed_tiles(tmp_path):
     """Pack images with the recipe (tiled as InternVL does) and a video (a tile per frame);
     collate a pack; forward + backward through every part; the DP balancer's cost model
     knows the tower and projector."""
-    from omniweave.cli import main
-    from omniweave.config import load_recipe, to_dict
-    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
-    from omniweave.data.packing.packed import PackedDataset
+    from omniweave.config import to_dict
     from omniweave.models.registry import build_model
     from omniweave.parallel.cost_model import CostModel
-    from tests.fakes_data import make_samples, write_raw
+    from tests.train_factory import pack_fakes
 
-    raw = write_raw(tmp_path / "raw", make_samples(n_text=2, n_image=4, n_video=1, rejects=False))
-    assert main(["data", "pack", "--input", str(raw), "--output", str(tmp_path / "packed"), "--recipe",
-                 "tiny_internvl", "--workers", "1"]) == 0  # fmt: skip
-    import json
-
-    stats = json.loads((tmp_path / "packed" / "stats.json").read_text())
+    cfg, batches, stats = pack_fakes(tmp_path, "tiny_internvl", n_text=2, n_image=4, n_video=1)
     assert stats["dropped"] == {}  # the video too (its frames: test_tiny_internvl_packs_and_trains_videos_a_span_per_frame)
-    cfg = load_recipe("tiny_internvl", [f"data.path={tmp_path / 'packed'}"])
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    data_cfg = {k: v for k, v in to_dict(cfg.data).items() if k not in LOADER_ONLY_KEYS}
-    batch = next(b for b in (collate_pack(p, data_cfg) for p in PackedDataset(tmp_path / "packed"))
-                 if b["grid_thw"].shape[0] > 0)  # fmt: skip
+    batch = next(b for b in batches if b["grid_thw"].shape[0] > 0)
     assert batch["pixel_values"].shape[1] == 3 * 14 * 14 and (batch["grid_thw"][:, 1:] == 8).all()
     out = model(batch)
     out.loss_sum.backward()
@@ -242,18 +231,11 @@ def test_tiny_internvl_recipe_trains_on_packed_tiles(tmp_path):
 def test_kv_cache_generation_equals_transformers_generate(pair):
     """The generation engine (eval, GRPO rollouts) on tiled images, decoded beside another prompt:
     greedy tokens equal transformers' ``generate`` (1-D positions continue at max + 1)."""
-    from omniweave.generation import Prompt, SamplingParams, TorchRollout
+    from vl_factory import check_generation_equals_hf
 
     _, hf, ours = pair
     theirs, batch = make_sample([3, 1], seed=8)
-    _, other = make_sample([2], seed=5)
-    for b in (batch, other):
-        b.pop("labels")
-    params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    got = TorchRollout(ours).generate([Prompt(0, other), Prompt(1, batch)], 1, params, seed=0)[1].tokens
-    with torch.no_grad():
-        want = hf.generate(**theirs, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert got == want[0, batch["input_ids"].numel():].tolist()
+    check_generation_equals_hf(hf, ours, theirs, batch, make_sample([2], seed=5)[1])
 
 
 def test_recipe_export_is_a_whole_internvl_directory_that_hf_verify_passes(tmp_path, capsys):
@@ -298,23 +280,12 @@ def test_tiny_internvl_packs_and_trains_videos_a_span_per_frame(tmp_path):
     ``frames`` tiles (grid (4, 8, 8) for 8 frames at 4 fps sampled at 2 fps), written
     ``Frame{i}: <img>`` + 16 <IMG_CONTEXT> + ``</img>`` per frame, one media span per frame; a
     collated row with a video goes forward and backward through every part."""
-    import json
-
-    from omniweave.cli import main
-    from omniweave.config import load_recipe, to_dict
-    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
-    from omniweave.data.packing.packed import PackedDataset
     from omniweave.data.text.tokenizer import load_tokenizer
     from omniweave.models.registry import build_model
-    from tests.fakes_data import make_samples, write_raw
+    from tests.train_factory import pack_fakes
 
-    raw = write_raw(tmp_path / "raw", make_samples(n_text=2, n_image=2, n_video=3, rejects=False))
-    assert main(["data", "pack", "--input", str(raw), "--output", str(tmp_path / "packed"), "--recipe",
-                 "tiny_internvl", "--workers", "1"]) == 0  # fmt: skip
-    assert json.loads((tmp_path / "packed" / "stats.json").read_text())["dropped"] == {}
-    cfg = load_recipe("tiny_internvl", [f"data.path={tmp_path / 'packed'}"])
-    data_cfg = {k: v for k, v in to_dict(cfg.data).items() if k not in LOADER_ONLY_KEYS}
-    batches = [collate_pack(p, data_cfg) for p in PackedDataset(tmp_path / "packed")]
+    cfg, batches, stats = pack_fakes(tmp_path, "tiny_internvl", n_text=2, n_image=2, n_video=3)
+    assert stats["dropped"] == {}
     batch = next(b for b in batches if (b["grid_thw"][:, 0] == 4).any() and b["grid_thw"].shape[0] > 1)
     tok, ids = load_tokenizer("demo"), batch["input_ids"]
     spans = batch["media_spans"].tolist()

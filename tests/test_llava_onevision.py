@@ -238,15 +238,8 @@ def test_kv_cache_generation_equals_transformers_generate(pair):
     """The generation engine (eval, GRPO rollouts) on an anyres image and a video, decoded beside
     another prompt (the two prompts' image_sizes packed together): greedy tokens equal transformers'
     ``generate``."""
-    from omniweave.generation import Prompt, SamplingParams, TorchRollout
+    from vl_factory import check_generation_equals_hf
 
     _, hf, ours = pair
     theirs, batch = make_sample(**CASES["image_and_video"], seed=8)
-    _, other = make_sample([(95, 20)], seed=5)
-    for b in (batch, other):
-        b.pop("labels")
-    params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    got = TorchRollout(ours).generate([Prompt(0, other), Prompt(1, batch)], 1, params, seed=0)[1].tokens
-    with torch.no_grad():
-        want = hf.generate(**theirs, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert got == want[0, batch["input_ids"].numel():].tolist()
+    check_generation_equals_hf(hf, ours, theirs, batch, make_sample([(95, 20)], seed=5)[1])

@@ -234,20 +234,11 @@ def test_tiny_recipe_packs_collates_and_trains_through_every_part(tmp_path):
     dropped); a collated row holds image_sizes (each image's own size, (0, 0) for a video), pads of
     <image> / <video> exactly where its spans are; the model's projector counts the spans' tokens; forward
     + backward reach the tower, the projector (image_newline too) and the decoder."""
-    from omniweave.cli import main
-    from omniweave.config import load_recipe, to_dict
-    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
-    from omniweave.data.packing.packed import PackedDataset
     from omniweave.models.registry import build_model
-    from tests.fakes_data import make_samples, write_raw
+    from tests.train_factory import pack_fakes
 
-    raw = write_raw(tmp_path / "raw", make_samples(n_text=2, n_image=4, n_video=2, rejects=False))
-    assert main(["data", "pack", "--input", str(raw), "--output", str(tmp_path / "packed"), "--recipe",
-                 "tiny_llava_onevision", "--workers", "1"]) == 0  # fmt: skip
-    assert json.loads((tmp_path / "packed" / "stats.json").read_text())["dropped"] == {}
-    cfg = load_recipe("tiny_llava_onevision", [f"data.path={tmp_path / 'packed'}"])
-    data_cfg = {k: v for k, v in to_dict(cfg.data).items() if k not in LOADER_ONLY_KEYS}
-    batches = [collate_pack(p, data_cfg) for p in PackedDataset(tmp_path / "packed")]
+    cfg, batches, stats = pack_fakes(tmp_path, "tiny_llava_onevision", n_text=2, n_image=4, n_video=2)
+    assert stats["dropped"] == {}
     grids = torch.cat([b["grid_thw"] for b in batches])
     sizes = torch.cat([b["image_sizes"] for b in batches])
     videos = (sizes == 0).all(1)

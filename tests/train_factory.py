@@ -235,3 +235,21 @@ def worst_grad_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
     missing = sorted(set(got) - set(want))
     assert not missing, f"parameters the reference run lacks: {missing[:4]}"
     return max(float((g - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)) for n, g in got.items())
+
+
+def pack_fakes(root: Path, recipe_name: str, **counts) -> tuple:
+    """tests/fakes_data samples (``counts``: n_text, n_image, n_video) packed with ``recipe_name``
+    and collated: (the recipe on that pack, its collated batches, its stats.json)."""
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.data.loading.loader import LOADER_ONLY_KEYS, collate_pack
+    from omniweave.data.packing.packed import PackedDataset
+    from tests.fakes_data import make_samples, write_raw
+
+    root = Path(root)
+    raw = write_raw(root / "raw", make_samples(rejects=False, **counts))
+    assert cli(["data", "pack", "--input", str(raw), "--output", str(root / "packed"), "--recipe", recipe_name,
+                "--workers", "1"]) == 0  # fmt: skip
+    cfg = load_recipe(recipe_name, [f"data.path={root / 'packed'}"])
+    data_cfg = {k: v for k, v in to_dict(cfg.data).items() if k not in LOADER_ONLY_KEYS}
+    batches = [collate_pack(p, data_cfg) for p in PackedDataset(root / "packed")]
+    return cfg, batches, json.loads((root / "packed" / "stats.json").read_text())

@@ -145,3 +145,16 @@ def check_logits_and_grads(hf, ours, hf_inputs: dict, batch: dict, hf_grads_as_o
         assert rel <= rtol, f"{name}: relative gradient error {rel:.2e}"
         checked[name] = g
     return checked
+
+
+def check_generation_equals_hf(hf, ours, hf_inputs: dict, batch: dict, other: dict, new_tokens: int = 6) -> None:
+    """The generation engine (eval, GRPO rollouts) decoding ``batch`` beside ``other`` in one packed
+    row: greedy tokens equal transformers' ``generate`` on ``hf_inputs``."""
+    from omniweave.generation import Prompt, SamplingParams, TorchRollout
+
+    batch, other = ({k: v for k, v in b.items() if k != "labels"} for b in (batch, other))
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    got = TorchRollout(ours).generate([Prompt(0, other), Prompt(1, batch)], 1, params, seed=0)[1].tokens
+    with torch.no_grad():
+        want = hf.generate(**hf_inputs, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got == want[0, batch["input_ids"].numel():].tolist()
