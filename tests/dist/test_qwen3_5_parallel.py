@@ -88,29 +88,19 @@ def test_hybrid_layers_under_context_parallelism_match_single_process(world):
     ("tiny_qwen3_5_moe", 4, {"parallel__cp": 2, "parallel__ep": 2}),
     ("tiny_qwen3_5", 2, {"parallel__pp": 2}),  # the stage split from the layers' own costs (pipeline_setup)
 ], ids=["moe-dp2", "moe-dp2xcp2xep2", "pp2"])
-def test_tiny_qwen3_5_trains_like_one_rank(tmp_path_factory, recipe, nproc, parallel):
+def test_tiny_qwen3_5_trains_like_one_rank(tmp_path, recipe, nproc, parallel):
     """`omniweave train --nproc N` on the tiny Qwen3.5 recipes (hybrid layers; the MoE one with a
     gated shared expert and the sequence-level load-balancing loss) over the demo's data packed
     with the recipe: the 1-rank losses, grad norms and final weights (AdamW's noise as in
     test_train_dist.py)."""
-    from tests.train_factory import final_state, losses, make_demo_packed, max_abs_diff, read_metrics, train_subprocess
+    from tests.train_factory import final_state, max_abs_diff, trains_like_one_rank
 
-    packed = make_demo_packed(tmp_path_factory.mktemp(recipe), samples=48, recipe=recipe)
-    runs = []
-    for n, kw in ((1, {}), (nproc, parallel)):
-        out = tmp_path_factory.mktemp(f"n{n}") / "run"
-        res = train_subprocess(packed, out, nproc=n, steps=3, global_batch=4, recipe=recipe, **kw)
-        assert res.returncode == 0, res.stdout[-4000:]
-        runs.append(out)
-    ref, run = (read_metrics(r) for r in runs)
-    assert [r["loss"] for r in run] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
-    assert [r["grad_norm"] for r in run] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5)
-    assert losses(runs[0])[-1] < losses(runs[0])[0]
+    one, many = trains_like_one_rank(tmp_path, recipe, nproc, parallel)
     # the decay parameters' fp32 gradients are ~1e-3 noisy (tests/dist/test_pipeline.py measures one
     # process's own against fp64), which AdamW's normalised step turns into weight differences up to
     # ~lr a step (measured 2.5e-4 on A_log at cp 2 x ep 2); every other tensor as test_train_dist.py's layouts
     decay = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
-    got, want = final_state(runs[1]), final_state(runs[0])
+    got, want = final_state(many), final_state(one)
     split = lambda state, keep: {k: v for k, v in state.items() if k.endswith(decay) == keep}  # noqa: E731
     assert max_abs_diff(split(got, False), split(want, False)) <= 3e-5
     assert max_abs_diff(split(got, True), split(want, True)) <= 3 * 1e-3  # 3 steps at lr 1e-3
