@@ -379,3 +379,25 @@ def test_exported_internvl_processor_gives_our_ids_and_video_pixels(tmp_path):
     ours_frames = _tiles(torch.from_numpy(ours.process_media(video, raw.media["v.mp4"])), 6, 14)
     assert got["pixel_values"].shape[0] == image.grid_thw[0] + 6
     assert (got["pixel_values"][image.grid_thw[0]:] - ours_frames).abs().max().item() == 0.0
+
+
+def test_a_tokenizer_without_the_video_marker_serves_images_and_counts_videos_as_rejects(tmp_path):
+    """InternVL's released tokenizers hold no <video> token (its processor replaces the text): the
+    processor still serves images, and a video is a counted reject naming the missing token."""
+    from omniweave.data.sample import Conversation, Message, RawSample
+    from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
+    from tests.data_factory import png_bytes, video_bytes
+
+    (tmp_path / "t.yaml").write_text("name: no_video_token\nbase: internvl\nvideo: \"<vid_marker>\\n\"\n"
+                                     "video_pad: \"<vid_marker>\"\n")  # fmt: skip
+    proc = SampleProcessor({"tokenizer": "demo", "template": str(tmp_path / "t.yaml"), "rope": "rope1d",
+                            "vision": {"tiling": "internvl", "tile_size": 56, "patch_size": 14, "merge_size": 2,
+                                       "temporal_patch_size": 1}})  # fmt: skip
+    assert proc.video_pad_id is None
+    image = RawSample("a", Conversation("a", [Message("user", "<image>Hi"), Message("assistant", "Yo")], images=["a.png"]),
+                      {"a.png": png_bytes(56, 84, seed=0)})  # fmt: skip
+    assert proc.tokenize(image).media[0].grid_thw[0] == 7  # 3 x 2 tiles (aspect 1.5) + the thumbnail
+    video = RawSample("v", Conversation("v", [Message("user", "<video>Hi"), Message("assistant", "Yo")], videos=["v.mp4"]),
+                      {"v.mp4": video_bytes(4)})  # fmt: skip
+    with pytest.raises(SampleRejected, match="no_video_token"):
+        proc.tokenize(video)

@@ -281,7 +281,7 @@ def _vision_pad_ids(data_cfg: dict) -> tuple[int, ...]:
     from omniweave.data.loading.loader import _processor
 
     proc = _processor(data_cfg)
-    return (proc.image_pad_id, proc.video_pad_id)
+    return tuple(i for i in (proc.image_pad_id, proc.video_pad_id) if i is not None)
 
 
 def _refit(refitter, loader, packs: list[dict], seconds: float, dp_rank: int, dp: int, rank: int) -> None:

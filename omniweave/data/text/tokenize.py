@@ -131,7 +131,10 @@ class SampleProcessor:
         if self.max_len < 1:
             raise ValueError(f"data.max_len must be positive, got {self.max_len}")
         self.image_pad_id = self.tokenizer.token_id(self.template.image_pad)
-        self.video_pad_id = self.tokenizer.token_id(self.template.video_pad)
+        # a tokenizer without the video pad still serves images (InternVL's hold no <video> token: its
+        # processor replaces the text "<video>"); a video is then a counted reject, no_video_token
+        has_video = self.tokenizer.has_token(self.template.video_pad)
+        self.video_pad_id = self.tokenizer.token_id(self.template.video_pad) if has_video else None
         # a tokenizer without audio tokens still serves image / video / text data
         has_audio = self.tokenizer.has_token(self.template.audio_pad)
         self.audio_pad_id = self.tokenizer.token_id(self.template.audio_pad) if has_audio else None
@@ -288,6 +291,8 @@ class SampleProcessor:
             )
         if "audio" in kinds and self.audio_pad_id is None:
             raise SampleRejected("no_audio_token", f"the tokenizer has no {self.template.audio_pad!r} token")
+        if "video" in kinds and self.video_pad_id is None:
+            raise SampleRejected("no_video_token", f"the tokenizer has no {self.template.video_pad!r} token")
         pad_ids = {self.image_pad_id: "image", self.video_pad_id: "video", self.audio_pad_id: "audio"}
         pad_at = np.flatnonzero(np.isin(ids, [i for i in pad_ids if i is not None]))
         pad_kinds = [pad_ids[int(ids[i])] for i in pad_at]
