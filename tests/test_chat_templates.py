@@ -46,7 +46,9 @@ RELEASED = {
 PARTS_ONLY = {"llava_onevision"}
 # what a family's processor does to the rendered text before tokenizing, where it adds tokens around the
 # template's own (InternVLProcessor.replace_image_token, one pad per image here)
-PROCESSOR_STEP = {"internvl": lambda text: text.replace("<IMG_CONTEXT>", "<img><IMG_CONTEXT></img>")}
+# (InternVL: the template writes "<video>" where our text keeps one <IMG_CONTEXT> for the frames to replace)
+PROCESSOR_STEP = {"internvl": lambda text: text.replace("<IMG_CONTEXT>", "<img><IMG_CONTEXT></img>")
+                                               .replace("<video>", "<IMG_CONTEXT>")}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 CASES = {

@@ -382,8 +382,9 @@ def test_exported_internvl_processor_gives_our_ids_and_video_pixels(tmp_path):
 
 
 def test_a_tokenizer_without_the_video_marker_serves_images_and_counts_videos_as_rejects(tmp_path):
-    """InternVL's released tokenizers hold no <video> token (its processor replaces the text): the
-    processor still serves images, and a video is a counted reject naming the missing token."""
+    """A template whose video pad the tokenizer lacks still serves images, and a video is a counted
+    reject naming the missing token (the built-in internvl marks a video's place with <IMG_CONTEXT>,
+    because InternVL's released tokenizers hold no <video> token: its processor replaces the text)."""
     from omniweave.data.sample import Conversation, Message, RawSample
     from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
     from tests.data_factory import png_bytes, video_bytes

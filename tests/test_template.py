@@ -181,6 +181,8 @@ def test_exported_jinja_template_renders_like_ours(template, name):
             got, _ = render_jinja_template(conversations=[hf_messages], chat_template=jinja, add_generation_prompt=gen)
             if template.processor_image:  # the family's processor frames each image the template writes (InternVL)
                 got = [g.replace(template.processor_image, template.image) for g in got]
+            if template.processor_video:  # … and writes a video's frames where the template wrote its marker
+                got = [g.replace(template.processor_video, template.video) for g in got]
             assert got[0] == want
         if template.name == "chatml" and name != "tools":
             qwen, _ = render_jinja_template(conversations=[to_hf_messages(messages)], add_generation_prompt=gen,

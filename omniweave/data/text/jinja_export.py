@@ -29,7 +29,7 @@ def hf_chat_template(template) -> str:
     tools_head, tools_tail = QWEN_TOOLS.split("{tools}")
     constants = {"name": template.name, "bos": template.bos, "roles": roles, "default_system": default_system,
                  "default_system_text": template.default_system or "", "tools_head": tools_head,
-                 "tools_tail": tools_tail, "image": template.processor_image or template.image, "video": template.video, "audio": template.audio,
+                 "tools_tail": tools_tail, "image": template.processor_image or template.image, "video": template.processor_video or template.video, "audio": template.audio,
                  "generation": template.generation_header()}  # fmt: skip
     qwen_tools = template.tool_style == "qwen"
     # JSON string escapes are Jinja string escapes; non-ASCII stays literal (Jinja re-escapes it)

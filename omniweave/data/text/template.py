@@ -77,6 +77,7 @@ class ChatTemplate:
     # what the family's HF chat template writes for an image when its processor frames the pads itself
     # (InternVL: "<IMG_CONTEXT>\n", InternVLProcessor adds <img> … </img>); None: ``image`` as it is
     processor_image: str | None = None
+    processor_video: str | None = None  # the same for a video (InternVL: "<video>\n", replaced by its frames)
     # True: a turn's media render first, its images then its videos then its audio, then its text with
     # the placeholders taken out (LLaVA-OneVision's released template renders content parts so)
     media_first: bool | None = None
@@ -116,7 +117,8 @@ class ChatTemplate:
         return self.assistant.split("{content}")[0] if self.generation_prompt is None else self.generation_prompt
 
 
-_LATER_FIELDS = ("generation_prompt", "think_style", "trim_content", "processor_image", "media_first")
+_LATER_FIELDS = ("generation_prompt", "think_style", "trim_content", "processor_image", "media_first",
+                 "processor_video")
 THINK_STYLES = ("qwen3", "drop")
 
 
@@ -190,12 +192,13 @@ BUILTIN_TEMPLATES = {
     "qwen3_vl": dataclasses.replace(_CHATML, name="qwen3_vl", default_system=None),
     # InternVL3 / 3.5 (-hf checkpoints): ChatML without a default system prompt; its chat template writes
     # an image as "<IMG_CONTEXT>\n" and InternVLProcessor makes that "<img>" + <IMG_CONTEXT> per token +
-    # "</img>"; a video is "<video>\n", whose marker "<video>" InternVLProcessor replaces by its frames
-    # ("Frame1: <img>" + <IMG_CONTEXT> per token + "</img>", joined by "\n"): tokenize.py writes them there
+    # "</img>"; a video is "<video>\n", whose text "<video>" InternVLProcessor replaces by its frames
+    # ("Frame1: <img>" + <IMG_CONTEXT> per token + "</img>", joined by "\n"): here the video's place is one
+    # <IMG_CONTEXT> (its tokenizers hold no <video> token) that tokenize.py replaces by the frames
     "internvl": dataclasses.replace(_CHATML, name="internvl", default_system=None,
                                     image="<img><IMG_CONTEXT></img>\n", image_pad="<IMG_CONTEXT>",
-                                    processor_image="<IMG_CONTEXT>\n",
-                                    video="<video>\n", video_pad="<video>"),
+                                    processor_image="<IMG_CONTEXT>\n", video="<IMG_CONTEXT>\n",
+                                    video_pad="<IMG_CONTEXT>", processor_video="<video>\n"),
     # LLaVA-OneVision (-ov-hf checkpoints: transformers' conversion script's template): ChatML without a
     # default system prompt; each turn's images ("<image>\n"), then videos ("<video>\n"), then its text;
     # LlavaOnevisionProcessor repeats the <image> / <video> token once per feature, nothing around it

@@ -296,7 +296,9 @@ class SampleProcessor:
         pad_ids = {self.image_pad_id: "image", self.video_pad_id: "video", self.audio_pad_id: "audio"}
         pad_at = np.flatnonzero(np.isin(ids, [i for i in pad_ids if i is not None]))
         pad_kinds = [pad_ids[int(ids[i])] for i in pad_at]
-        if pad_kinds != kinds:  # e.g. a literal <|image_pad|> typed in the text
+        shared = self.image_pad_id == self.video_pad_id  # one pad marks images and videos (InternVL): the text orders them
+        if [k if not shared or k == "audio" else "vision" for k in pad_kinds] != \
+                [k if not shared or k == "audio" else "vision" for k in kinds]:  # e.g. a literal <|image_pad|> typed in the text
             raise SampleRejected("placeholder_mismatch", f"pad tokens {pad_kinds} != placeholders {kinds}")
         next_item = {kind: iter(plans[kind]) for kind in MEDIA_KINDS}
         ordered = [next(next_item[k]) for k in kinds]  # (part, plan) in reading order
