@@ -402,3 +402,15 @@ def test_a_tokenizer_without_the_video_marker_serves_images_and_counts_videos_as
                       {"v.mp4": video_bytes(4)})  # fmt: skip
     with pytest.raises(SampleRejected, match="no_video_token"):
         proc.tokenize(video)
+
+
+def test_hf_verify_refuses_an_image_processor_it_does_not_implement(tmp_path, capsys):
+    import json
+
+    from omniweave.cli import main
+
+    path = _verify_dir(tmp_path)
+    cfg = json.loads((path / "preprocessor_config.json").read_text())
+    (path / "preprocessor_config.json").write_text(json.dumps({**cfg, "image_processor_type": "Phi4MultimodalImageProcessorFast"}))
+    assert main(["hf", "verify", str(path)]) == 2
+    assert "only GotOcr2ImageProcessor's tiling is implemented" in capsys.readouterr().err

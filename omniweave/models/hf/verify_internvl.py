@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omniweave.errors import UserError
+
 from omniweave.data.media.vision import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
@@ -46,12 +48,15 @@ def vision_settings(hf_dir: Path, hf_cfg: dict) -> dict:
     file = hf_dir / "preprocessor_config.json"
     if file.exists():
         hf = json.loads(file.read_text())
+        kind = hf.get("image_processor_type", "GotOcr2ImageProcessor")
+        if not kind.startswith("GotOcr2ImageProcessor"):  # the tiling rule here is GotOcr2's (InternVL3's -hf)
+            raise UserError(f"{file}: image_processor_type {kind!r}; only GotOcr2ImageProcessor's tiling is implemented")
         if not hf.get("crop_to_patches", False):
             out["max_tiles"] = 1  # InternVLProcessor turns cropping on by default; a config that turns it off
         size = hf.get("size") or {}
         if size:
             if size.get("height") != size.get("width"):
-                raise ValueError(f"{file}: only square tiles are supported, got size {size}")
+                raise UserError(f"{file}: only square tiles are supported, got size {size}")
             out["tile_size"] = int(size["height"])
         out |= {k: v for k, v in (("min_tiles", hf.get("min_patches")), ("max_tiles", hf.get("max_patches"))) if v}
         out |= {k: [float(x) for x in hf[k]] for k in ("image_mean", "image_std") if k in hf}
@@ -63,8 +68,6 @@ def video_settings(hf_dir: Path, vision: dict) -> dict:
     ``num_frames`` as min = max frames, else its ``fps`` (else ours); ``min_frames`` 1, so our clamp
     equals transformers wherever it samples at all. ``UserError`` when its frames would not be
     tiles of ``vision`` (another side, other mean / std)."""
-    from omniweave.errors import UserError
-
     out = {"min_frames": 1}
     file = hf_dir / "video_preprocessor_config.json"
     if not file.exists():
