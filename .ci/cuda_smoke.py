@@ -88,6 +88,18 @@ def main() -> None:
          [OMNI, "hf", "verify", "hf_qwen3_vl"],
          expect=("frame_indices max|Δ| = 0.000e+00", "videos: omniweave.data.media.vision vs Qwen3VLVideoProcessor",
                  "OK: all differences within atol"))
+    # the families whose images are tiled (InternVL, LLaVA-OneVision): packed from the same raw shards,
+    # trained, exported with their processors, verified against transformers' own processors
+    for recipe, family in (("tiny_internvl", "InternVL"), ("tiny_llava_onevision", "LLaVA-OneVision")):
+        step(f"data pack --recipe {recipe}", [OMNI, "data", "pack", "--input", "raw", "--output", f"packed_{recipe}",
+                                              "--recipe", recipe, "--max-len", "1024", "--workers", "1"],
+             expect=("packed 64/64 samples",))  # fmt: skip
+        step(f"train {recipe} 2 steps", [OMNI, "train", recipe, f"data.path=packed_{recipe}", *DEMO[1:],
+                                          f"output_dir=run_{recipe}", "train.steps=2", "train.global_batch=2"],
+             expect=("trained 2 steps",))  # fmt: skip
+        step(f"hf export ({family})", [OMNI, "hf", "export", f"run_{recipe}", "--output", f"hf_{recipe}"])
+        step(f"hf verify ({family}: its own image processor, the exported chat template)",
+             [OMNI, "hf", "verify", f"hf_{recipe}"], expect=("pixel_values  max|Δ| = 0.000e+00", "OK: all differences within atol"))
     step("train --nproc 2 (dp 2)", [OMNI, "train", "demo", *DEMO, "output_dir=run_dp2", "train.steps=2",
                                      "train.global_batch=2", "--nproc", "2"], expect=("cpu x2 (dp=2", "trained 2 steps"))
     step("train --nproc 2 parallel.cp=2", [OMNI, "train", "demo", *DEMO, "output_dir=run_cp2", "train.steps=2",

@@ -266,6 +266,9 @@ def test_recipe_export_is_a_whole_internvl_directory_that_hf_verify_passes(tmp_p
     assert main(["hf", "verify", str(out), "--image", wide]) == 0
     printed = capsys.readouterr().out
     assert "HF renders the directory's chat template" in printed and "OK: all differences" in printed
+    assert main(["hf", "verify", str(out)]) == 0  # a random image and video: <video> in the exported template
+    printed = capsys.readouterr().out
+    assert "video_pixels" in printed and "OK: all differences" in printed, printed
     from omniweave.data.text.tokenize import SampleProcessor
 
     with pytest.raises(FileNotFoundError, match="use the built-in template: internvl"):  # data.template=hf on it

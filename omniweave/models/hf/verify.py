@@ -213,9 +213,11 @@ def _hf_video_inputs(hf_dir: Path, raw, sample) -> tuple[tuple | None, str]:
             f"videos: omniweave.data.media.vision vs {type(processor).__name__} on {how}")  # fmt: skip
 
 
-def _hf_rendered_ids(hf_dir: Path, raw, proc, replacements: list[str]) -> torch.Tensor | None:
+def _hf_rendered_ids(hf_dir: Path, raw, proc, replacements: list[str],
+                     markers: tuple[str, ...] | None = None) -> torch.Tensor | None:
     """[1, L] ids from transformers' tokenizer and the directory's chat template (content-part
-    messages, as Qwen's own template expects), the i-th media item's pad token replaced by
+    messages, as Qwen's own template expects), the i-th media item's marker — the text the family's
+    processor replaces: ``markers``, by default the template's pad tokens — replaced by
     ``replacements[i]`` (see _hf_replacements); None when the directory has no chat template."""
     if not (hf_dir / "tokenizer.json").exists():
         return None
@@ -230,7 +232,7 @@ def _hf_rendered_ids(hf_dir: Path, raw, proc, replacements: list[str]) -> torch.
         messages.append({"role": m.role, "content": [{"type": p[1:-1]} if p in ("<image>", "<video>")
                                                      else {"type": "text", "text": p} for p in parts if p]})  # fmt: skip
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    pads = {proc.template.image_pad, proc.template.video_pad}
+    pads = set(markers or (proc.template.image_pad, proc.template.video_pad))
     pieces = re.split("(" + "|".join(map(re.escape, sorted(pads))) + ")", text)
     replacements = iter(replacements)
     text = "".join(next(replacements, p) if p in pads else p for p in pieces)  # extra pads show as DIFFER

@@ -229,7 +229,10 @@ def verify_internvl(args, hf_dir: Path, hf_cfg: dict, report) -> int:
     image_pads = iter([img_ctx * (per_tile * n) for n in hf_tiles])
     video_texts = iter([_hf_video_text(frames, img_ctx, per_tile) for _, frames in hf_videos])
     markers = [("image", next(image_pads)) if s.kind == "image" else ("video", next(video_texts)) for s in sample.media]
-    hf_ids = V._hf_rendered_ids(hf_dir, raw, proc, [f"<img>{r}</img>" if kind == "image" else r for kind, r in markers])
+    # what InternVLProcessor replaces in the rendered template: each <IMG_CONTEXT> (an image) and <video>
+    hf_markers = tuple(m.rstrip("\n") for m in (proc.template.processor_image, proc.template.processor_video) if m)
+    hf_ids = V._hf_rendered_ids(hf_dir, raw, proc, [f"<img>{r}</img>" if kind == "image" else r for kind, r in markers],
+                                hf_markers or None)  # fmt: skip
     how = f"HF renders the directory's chat template, ours template {proc.template.name!r}"
     if hf_ids is None:  # our text: the images' pads inside the template's own <img> … </img>
         hf_ids = _our_text_ids(proc, raw, [r for _, r in markers])
