@@ -285,6 +285,17 @@ def test_hf_template_without_one_is_a_clear_error():
         SampleProcessor({"tokenizer": "demo", "template": "hf"})
 
 
+@pytest.mark.parametrize("released, family", [("internvl_hf.jinja", "internvl"), ("llava_onevision_hf.jinja", "llava_onevision")])
+def test_hf_template_of_a_family_with_its_own_framing_names_the_builtin(tmp_path, released, family):
+    """data.template=hf on InternVL's / LLaVA-OneVision's released templates (their processors frame or
+    reorder the media; the built-ins render them exactly): one error naming the built-in."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(DEMO_TOKENIZER_DIR / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text((ASSETS / released).read_text())
+    with pytest.raises(FileNotFoundError, match=f"use the built-in template: {family}"):
+        SampleProcessor({"tokenizer": str(tmp_path), "template": "hf"})
+
+
 def _png(w: int, h: int) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (w, h), (200, 30, 30)).save(buf, "PNG")

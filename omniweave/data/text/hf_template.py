@@ -100,9 +100,11 @@ class HFChatTemplate:
                                     "chat_template.json, or tokenizer_config.json's chat_template); name a "
                                     "built-in template instead")
         source, origin = found
-        for token, family in (("<IMG_CONTEXT>", "internvl"), ("'<image>", "llava_onevision")):
-            if token in source:  # InternVL's processor frames its image tokens; LLaVA-OneVision's template reads
-                raise FileNotFoundError(  # only content parts and moves media first
+        # InternVL's processor frames its image tokens; LLaVA-OneVision's template reads only content parts and
+        # moves media first (its released text writes {{ '<image>\n' }}, an export of ours "image": "<image>\n")
+        for signs, family in ((("<IMG_CONTEXT>",), "internvl"), (("{{ '<image>", '"image": "<image>'), "llava_onevision")):
+            if any(sign in source for sign in signs):
+                raise FileNotFoundError(
                     f"data.template=hf: {path}'s chat template is {family}'s, whose images the built-in template "
                     f"renders exactly (tests/test_chat_templates.py); use the built-in template: {family}")
         config_file = path / "tokenizer_config.json"
