@@ -263,6 +263,20 @@ def _hf_replacements(hf_cfg: dict, proc, raw, sample, counts: list[int], hf_fram
     return out
 
 
+def ids_at_hf_counts(ids: torch.Tensor, media, counts: list[int]) -> torch.Tensor:
+    """[1, L'] HF's ids where it is given our text: our ids with each item's run of pads repeated
+    to HF's count ``counts[i]``; an item of several runs (a Qwen3-VL video) keeps ours (HF's own
+    grid and frames are compared apart)."""
+    pieces, cursor = [], 0
+    for s, n in zip(media, counts):
+        if s.pieces:
+            pieces.append(ids[cursor : s.end])
+        else:
+            pieces += [ids[cursor : s.start], ids[s.start : s.start + 1].repeat(n)]
+        cursor = s.end
+    return torch.cat(pieces + [ids[cursor:]])[None]
+
+
 TEXT_DOCS = (7, 23, 12)  # documents of the packed row a text-only model is checked on
 
 
@@ -378,15 +392,8 @@ def verify(args) -> int:
     hf_ids = _hf_rendered_ids(hf_dir, raw, proc, _hf_replacements(hf_cfg, proc, raw, sample, counts, hf_frames))
     how = (f"HF renders the directory's chat template, ours template {proc.template.name!r}" if hf_ids is not None
            else "HF given our text")
-    if hf_ids is None:  # our rendered ids with each pad run replaced by HF's count for that item
-        pieces, cursor = [], 0
-        for s, n in zip(sample.media, counts):
-            if s.pieces:  # a Qwen3-VL video: our runs (HF's own grid and frames are compared below)
-                pieces.append(ids[cursor : s.end])
-            else:
-                pieces += [ids[cursor : s.start], ids[s.start : s.start + 1].repeat(n)]
-            cursor = s.end
-        hf_ids = torch.cat(pieces + [ids[cursor:]])[None]
+    if hf_ids is None:
+        hf_ids = ids_at_hf_counts(ids, sample.media, counts)
     tt = torch.zeros_like(hf_ids)
     tt[hf_ids == proc.image_pad_id], tt[hf_ids == proc.video_pad_id] = 1, 2
     hf_kw["mm_token_type_ids"] = tt

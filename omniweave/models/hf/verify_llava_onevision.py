@@ -120,11 +120,7 @@ def verify_llava_onevision(args, hf_dir: Path, hf_cfg: dict, report) -> int:
     hf_ids = V._hf_rendered_ids(hf_dir, raw, proc, [pads[s.kind] * n for s, n in zip(sample.media, counts)])
     how = "HF renders the directory's chat template" if hf_ids is not None else "HF given our text"
     if hf_ids is None:
-        pieces, cursor = [], 0
-        for s, n in zip(sample.media, counts):
-            pieces += [ids[cursor:s.start], ids[s.start:s.start + 1].repeat(n)]
-            cursor = s.end
-        hf_ids = torch.cat(pieces + [ids[cursor:]])[None]
+        hf_ids = V.ids_at_hf_counts(ids, sample.media, counts)
     same = hf_ids.shape[1] == ids.numel() and torch.equal(hf_ids[0], ids)
     rows.insert(0, ("input_ids", 0.0 if same else None, f"L={ids.numel()} (HF {hf_ids.shape[1]}); {how}, "
                                                          f"ours template {proc.template.name!r}"))  # fmt: skip
