@@ -232,11 +232,17 @@ def _hf_rendered_ids(hf_dir: Path, raw, proc, replacements: list[str],
         messages.append({"role": m.role, "content": [{"type": p[1:-1]} if p in ("<image>", "<video>")
                                                      else {"type": "text", "text": p} for p in parts if p]})  # fmt: skip
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    pads = set(markers or (proc.template.image_pad, proc.template.video_pad))
-    pieces = re.split("(" + "|".join(map(re.escape, sorted(pads))) + ")", text)
-    replacements = iter(replacements)
-    text = "".join(next(replacements, p) if p in pads else p for p in pieces)  # extra pads show as DIFFER
+    text = replace_markers(text, markers or (proc.template.image_pad, proc.template.video_pad), replacements)
     return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
+def replace_markers(text: str, markers, replacements: list[str]) -> str:
+    """``text`` with its i-th occurrence of any of ``markers`` replaced by ``replacements[i]``
+    (occurrences past the replacements stay: they show as a DIFFER row)."""
+    markers = set(markers)
+    pieces = re.split("(" + "|".join(map(re.escape, sorted(markers))) + ")", text)
+    replacements = iter(replacements)
+    return "".join(next(replacements, p) if p in markers else p for p in pieces)
 
 
 QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # videos written with timestamps (rope: mrope_qwen3vl)

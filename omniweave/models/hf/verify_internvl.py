@@ -184,16 +184,14 @@ def _hf_video_text(frames: torch.Tensor, img_ctx: str, per_tile: int) -> str:
 
 
 def _our_text_ids(proc, raw, replacements: list[str]) -> torch.Tensor:
-    """[1, L]: our template's text, each media marker (the image pad inside ``<img> … </img>``, the
-    video's ``<video>``) replaced by ``replacements[i]``, in our tokenizer (a directory without a
-    chat template)."""
-    import re
+    """[1, L]: our template's text, each media marker (an image's pad inside ``<img> … </img>``, the
+    pad marking a video's place) replaced by ``replacements[i]``, in our tokenizer (a directory
+    without a chat template)."""
+    from omniweave.models.hf.verify import replace_markers
 
     text = proc.template.render(proc.messages(raw.conversation)).text
-    pads = {proc.template.image_pad, proc.template.video_pad}
-    pieces = re.split("(" + "|".join(map(re.escape, sorted(pads))) + ")", text)
-    replacements = iter(replacements)
-    return torch.tensor([proc.tokenizer.encode("".join(next(replacements, q) if q in pads else q for q in pieces))])
+    pads = (proc.template.image_pad, proc.template.video_pad)
+    return torch.tensor([proc.tokenizer.encode(replace_markers(text, pads, replacements))])
 
 
 def verify_internvl(args, hf_dir: Path, hf_cfg: dict, report) -> int:
