@@ -284,13 +284,19 @@ def remove_adapter(linear: nn.Linear) -> None:
 
 
 @torch.no_grad()
+def merged_weight(linear: nn.Linear) -> torch.Tensor:
+    """An adapted linear's weight with its adapter folded in: W + scaling · B @ A (W's dtype)."""
+    delta = (linear.lora_B.weight.float() @ linear.lora_A.weight.float()) * linear.lora_scaling
+    return (linear.weight.float() + delta).to(linear.weight.dtype)
+
+
+@torch.no_grad()
 def merge_adapters(model: nn.Module) -> int:
     """Fold every adapter into its base weight (W += scaling · B @ A) and remove it, in place (plain,
     unsharded models: export); returns how many were merged."""
     n = 0
     for _, m in list(adapted_linears(model)):
-        delta = (m.lora_B.weight.float() @ m.lora_A.weight.float()) * m.lora_scaling
-        m.weight.copy_((m.weight.float() + delta).to(m.weight.dtype))
+        m.weight.copy_(merged_weight(m))
         remove_adapter(m)
         n += 1
     return n

@@ -67,24 +67,29 @@ def tokenizer_hf_fields(data_cfg: dict | None) -> tuple[dict, Path | None]:
     return ids, tok.path
 
 
-def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dtype: torch.dtype | None = None,
-              data_cfg: dict | None = None) -> Path:
-    """Write ``out_dir/config.json`` + ``out_dir/model.safetensors``; returns out_dir. With the
-    recipe's ``data_cfg`` the directory is whole: token ids from its tokenizer, whose files are
-    copied, its chat template, and for VL models the image / video processor configs of its
-    ``data.vision`` (see processor_files.py). Without, only config + weights are written."""
-    from safetensors.torch import save_file
+def hf_config(model: nn.Module, dtype: torch.dtype | None = None) -> dict:
+    """The config.json of ``model`` (weights of ``dtype``, default its parameters')."""
+    cfg = adapter_for(hf_model_type(model)).model_config_to_hf(model)
+    cfg["dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    cfg.pop("torch_dtype", None)
+    return cfg
 
+
+def hf_tensors(model: nn.Module, dtype: torch.dtype | None = None, state: dict[str, torch.Tensor] | None = None,
+               copy: bool = True) -> dict[str, torch.Tensor]:
+    """``model``'s tensors under their HF names, its weights taken from ``state`` (default: its own
+    state dict; e.g. the full tensors gathered from FSDP / TP shards). What :func:`export_hf`
+    writes, and what the vLLM rollout engine loads in memory (rl/vllm_engine.py); ``copy=False``
+    returns views where no conversion is needed (not for safetensors, which refuses shared storage).
+    A ``state`` given is taken as it is (e.g. LoRA adapters merged into it: rl/vllm_engine.py)."""
     from omniweave.models.lora import adapted_linears
 
-    if any(True for _ in adapted_linears(model)):  # callers merge (lora.merge_adapters) or export them (peft_adapter.py)
+    if state is None and any(True for _ in adapted_linears(model)):  # callers merge (lora.merge_adapters) or export them (peft_adapter.py)
         raise ValueError("export_hf: the model still has LoRA adapters; merge them or export them with --adapter")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     adapter = adapter_for(hf_model_type(model))
     skip = adapter.skip_on_export(model)
     tensors = {}
-    for name, t in model.state_dict().items():
+    for name, t in (model.state_dict() if state is None else state).items():
         if name in skip:
             continue
         t = t.detach().to("cpu")
@@ -93,12 +98,27 @@ def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dty
         else:
             pairs = [] if (hf_name := adapter.model_name_to_hf(name)) is None else [(hf_name, t)]
         for hf_name, ht in pairs:
-            tensors[hf_name] = (ht.to(dtype) if dtype is not None and ht.is_floating_point() else ht).contiguous().clone()
-    cfg = adapter.model_config_to_hf(model)
-    if hasattr(adapter, "tensors_to_hf"):  # tensors HF stores fused (after the config: it may need its sizes)
+            ht = (ht.to(dtype) if dtype is not None and ht.is_floating_point() else ht).contiguous()
+            tensors[hf_name] = ht.clone() if copy else ht
+    if hasattr(adapter, "tensors_to_hf"):  # tensors HF stores fused (after a config: it may need its sizes)
+        adapter.model_config_to_hf(model)
         tensors = adapter.tensors_to_hf(tensors)
-    cfg["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    cfg.pop("torch_dtype", None)
+    return tensors
+
+
+def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dtype: torch.dtype | None = None,
+              data_cfg: dict | None = None, weights: bool = True) -> Path:
+    """Write ``out_dir/config.json`` + ``out_dir/model.safetensors``; returns out_dir. With the
+    recipe's ``data_cfg`` the directory is whole: token ids from its tokenizer, whose files are
+    copied, its chat template, and for VL models the image / video processor configs of its
+    ``data.vision`` (see processor_files.py). Without, only config + weights are written.
+    ``weights=False``: everything but the weights (an engine that gets them in memory: vLLM's)."""
+    from safetensors.torch import save_file
+
+    tensors = hf_tensors(model, dtype) if weights else None
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(model, next(iter(tensors.values())).dtype if tensors else dtype)
     token_ids, tok_dir = tokenizer_hf_fields(data_cfg)
     for key, value in token_ids.items():
         key = _INDEX_KEYS[key] if _INDEX_KEYS.get(key) in cfg else key
@@ -111,7 +131,8 @@ def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dty
             tps = VisionConfig.from_mapping(data_cfg.get("vision")).tokens_per_second
             cfg["vision_config"]["tokens_per_second"] = int(tps) if float(tps).is_integer() else tps
         write_processor_files(out_dir, data_cfg, cfg, tok_dir)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if tensors is not None:
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out_dir
 
