@@ -176,6 +176,19 @@ class ParallelSchema:
 
 
 @dataclass
+class RolloutSchema:  # rl.rollout: the engine that samples (docs/rl.md "Rollout engines")
+    engine: str = "native"  # native (generation.py) | vllm (rl/vllm_engine.py)
+    correction: str = "auto"  # none | recompute | token_tis | seq_tis; auto: token_tis on vllm, none on native
+    tis_cap: float = 2.0  # truncation C of the importance weight min(pi_old / mu, C)
+    gpu_memory_utilization: float = 0.3  # vllm: its share of device memory (on CPU: of RAM for its KV cache)
+    max_model_len: Optional[int] = None  # vllm: null = data.max_len + rl.max_new_tokens
+    enforce_eager: bool = True  # vllm: no CUDA graphs (their capture costs memory and start-up time)
+    sleep: bool = False  # vllm on GPUs: free its KV cache (level 1) between rollouts, for the update's memory
+    max_images: int = 8  # vllm: images / videos one prompt may hold
+    max_videos: int = 2
+
+
+@dataclass
 class RLSchema:  # GRPO (omniweave rl; docs/rl.md)
     group_size: int = 8
     temperature: float = 1.0
@@ -195,6 +208,7 @@ class RLSchema:  # GRPO (omniweave rl; docs/rl.md)
     ppo_epochs: int = 1
     mini_batches: int = 1
     update_max_len: Optional[int] = None
+    rollout: RolloutSchema = field(default_factory=RolloutSchema)
 
 
 @dataclass
@@ -309,10 +323,11 @@ LEAST = {
     "parallel.dp": 1, "parallel.dp_replicate": 1, "parallel.dp_shard": 1, "parallel.cp": 1, "parallel.cp_ulysses": 1,
     "parallel.cp_head_groups": 1, "parallel.ep": 1, "parallel.pp_virtual": 1,
     "rl.group_size": 1, "rl.max_new_tokens": 1, "rl.ppo_epochs": 1,
-    "rl.mini_batches": 1, "rl.top_k": 0, "demo.samples": 1, "demo.eval_samples": 0,
+    "rl.mini_batches": 1, "rl.top_k": 0, "rl.rollout.tis_cap": 1, "rl.rollout.max_images": 0,
+    "rl.rollout.max_videos": 0, "rl.rollout.max_model_len": 1, "demo.samples": 1, "demo.eval_samples": 0,
 }
 AUTO = {"parallel.dp", "parallel.dp_shard"}
-FRACTIONS = {"train.min_lr_ratio", "train.dpo.label_smoothing", "rl.top_p"}
+FRACTIONS = {"train.min_lr_ratio", "train.dpo.label_smoothing", "rl.top_p", "rl.rollout.gpu_memory_utilization"}
 
 
 def check_ranges(cfg: DictConfig) -> None:

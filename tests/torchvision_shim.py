@@ -54,10 +54,20 @@ def make_torchvision_importable() -> str:
             return "native"
         except (OSError, ImportError, RuntimeError):
             pass
+    if _schemas_defined(torch):
+        return "schemas"  # another copy of this shim defined them (the vLLM venv's, .ci/vllm_env.sh)
     _LIBRARY = torch.library.Library("torchvision", "DEF")
     for schema in _SCHEMAS:
         _LIBRARY.define(schema)
     return "schemas"
+
+
+def _schemas_defined(torch) -> bool:
+    try:
+        torch.ops.torchvision.nms.default  # resolves only once a schema exists
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class _BeforeTorchvision(importlib.abc.MetaPathFinder):

