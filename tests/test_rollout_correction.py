@@ -112,6 +112,17 @@ def test_seq_tis_one_weight_per_sequence_from_summed_log_ratio():
     torch.testing.assert_close(row["token_data"]["is_weight"], expected)
 
 
+def test_seq_tis_clamps_the_sequence_sum_not_each_token():
+    """Tokens of log ratio +30 and -25 (each beyond the ±20 bound): the sequence's sum, +5, is
+    what is clamped (and it is inside the bound), so the weight is exp(5); the KL statistic uses
+    the unclamped ratios too."""
+    row = make_row([[-40.0, -1.0]])
+    stats = correct_row(row, trainer_for(row, [-10.0, -26.0]), "seq_tis", 1e12)
+    pos = loss_positions(row)
+    assert row["token_data"]["weights"][pos].tolist() == pytest.approx([math.exp(5.0)] * 2, rel=1e-5)
+    assert stats[1].item() == pytest.approx(-5.0)  # sum(engine - trainer)
+
+
 def test_recompute_replaces_old_logp_and_leaves_weights_unchanged():
     row = make_row([[-1.0, -2.0], [-0.5]], loss_agg="seq-mean-token-mean")
     before = row["token_data"]["weights"].clone()

@@ -49,20 +49,22 @@ def correct_row(row: dict, trainer_logp: torch.Tensor, mode: str, cap: float) ->
     mu = td["old_logp"].float()
     old = torch.where(mask, trainer_logp.float(), 0.0)
     td["engine_logp"], td["old_logp"] = mu, old
-    log_rho = torch.where(mask, (old - mu).clamp(-SAFETY, SAFETY), 0.0)
+    raw = torch.where(mask, old - mu, 0.0)  # log ρ; clamped before an exponential only (verl's SAFETY_BOUND)
     if mode == "token_tis":
-        weight = log_rho.exp().clamp(max=cap)
-    elif mode == "seq_tis":
+        weight = raw.clamp(-SAFETY, SAFETY).exp().clamp(max=cap)
+    elif mode == "seq_tis":  # the sequence's sum of log ρ, clamped once
         slot = td["seq_slot"].long()
-        per_seq = torch.zeros(int(slot.max()) + 1 if slot.numel() else 1, dtype=log_rho.dtype).index_add_(0, slot, log_rho)
+        per_seq = torch.zeros(int(slot.max()) + 1 if slot.numel() else 1, dtype=raw.dtype).index_add_(0, slot, raw)
         weight = per_seq.clamp(-SAFETY, SAFETY).exp().clamp(max=cap)[slot]
     else:
-        weight = torch.ones_like(log_rho)
+        weight = torch.ones_like(raw)
     weight = torch.where(mask, weight, 0.0)
     td["weights"] = td["weights"] * weight
     td["is_weight"] = weight
-    k3 = torch.where(mask, log_rho.exp() - log_rho - 1, 0.0)
-    return torch.stack([mask.sum(), -log_rho.sum(), k3.sum(), weight.sum(), (mask & (weight >= cap)).sum()]).double()
+    lr = raw.double()  # ρ − log ρ − 1 ~ (log ρ)²/2: in fp32 it rounds to 0 for |log ρ| < 1e-4
+    k3 = torch.where(mask, torch.expm1(lr.clamp(-SAFETY, SAFETY)) - lr, 0.0)
+    return torch.stack([mask.sum().double(), -lr.sum(), k3.sum(), weight.sum().double(),
+                        (mask & (weight >= cap)).sum().double()])
 
 
 def max_weight(rows: list[dict]) -> float:
