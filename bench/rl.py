@@ -40,6 +40,7 @@ span holds one placeholder id (its embeddings are replaced by the video features
 
 Prints three markdown tables and writes rl.png and rl.json under --out (only there). --quick:
 tiny sizes, 1 repeat, CP = 1 and 2, default attention only (a smoke test, well under a minute).
+``--engine vllm [its flags]``: the native engine against vLLM instead (bench/rl_engines.py).
 """
 
 from __future__ import annotations
@@ -325,6 +326,13 @@ def tables(rollout, cp, update) -> str:
 
 
 def main() -> int:
+    if "--engine" in sys.argv:  # --engine vllm: native vs vLLM rollouts (bench/rl_engines.py; the vLLM venv)
+        i = sys.argv.index("--engine")
+        if sys.argv[i + 1 : i + 2] != ["vllm"]:
+            sys.exit("bench/rl.py: --engine takes vllm (the native engine is this script's default)")
+        from bench.rl_engines import main as engines_main
+
+        return engines_main(sys.argv[1:i] + sys.argv[i + 2 :])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat (a smoke test)")
     p.add_argument("--groups", type=int, nargs="+", default=[4, 8, 16])

@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "accuracy_sft": before["accuracy"], "accuracy_rl": after["accuracy"],
         "gain_points": round(100 * (after["accuracy"] - before["accuracy"]), 1),
-        "engine": args.engine, "steps": int(rl_cfg.train.steps), "sft_steps": None if args.sft_checkpoint else args.sft_steps,
+        "engine": str(rl_cfg.rl.rollout.engine), "steps": int(rl_cfg.train.steps),
+        "sft_steps": None if args.sft_checkpoint else args.sft_steps,
         "seconds": round(time.perf_counter() - t0, 1), "rl_seconds": round(rl_seconds, 1),
         "eval_samples": after["n"], "accuracy_by_task_sft": before["by_task"], "accuracy_by_task_rl": after["by_task"],
         "sft_run": str(sft_run), "rl_run": str(rl_run), "platform": platform_info(),

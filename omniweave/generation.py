@@ -84,10 +84,15 @@ class RolloutEngine(Protocol):
 # ---------------------------------------------------------------------------- sampling
 
 
-def sample_generator(seed: int, uid: int, sample: int, device="cpu") -> torch.Generator:
-    """The generator of one sample: a function of (seed, prompt uid, sample index) only."""
+def sample_seed(seed: int, uid: int, sample: int) -> int:
+    """The seed of one sample (63 bits): a function of (seed, prompt uid, sample index) only."""
     state = np.random.SeedSequence([seed % 2**63, uid, sample]).generate_state(1, np.uint64)[0]
-    return torch.Generator(device=device).manual_seed(int(state >> np.uint64(1)))
+    return int(state >> np.uint64(1))
+
+
+def sample_generator(seed: int, uid: int, sample: int, device="cpu") -> torch.Generator:
+    """The generator of one sample, seeded by :func:`sample_seed`."""
+    return torch.Generator(device=device).manual_seed(sample_seed(seed, uid, sample))
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]):

@@ -89,7 +89,7 @@ def test_rl_demo_runs_sft_then_grpo_and_writes_its_report(tmp_path):
                  "--sft-steps", "3", "--steps", "2", "--workers", "1", "train.global_batch=4", "rl.group_size=2"])
     assert code == 0
     report = json.loads((out / "rl_report.json").read_text())
-    assert report["steps"] == 2 and report["sft_steps"] == 3 and report["seconds"] > 0
+    assert report["steps"] == 2 and report["sft_steps"] == 3 and report["seconds"] > 0 and report["engine"] == "native"
     assert 0.0 <= report["accuracy_sft"] <= 1.0 and 0.0 <= report["accuracy_rl"] <= 1.0
     assert report["eval_samples"] == 12  # the eval split's visual questions (14 minus the 2 "add" ones)
     assert set(report["accuracy_by_task_rl"]) <= {"color", "shape", "position", "count", "motion", "which_red"}

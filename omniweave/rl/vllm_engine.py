@@ -38,6 +38,7 @@ backend refuses, before any rank starts.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -45,7 +46,7 @@ import numpy as np
 import torch
 
 from omniweave.errors import UserError
-from omniweave.generation import Prompt, Rollout, SamplingParams, pack_prompts
+from omniweave.generation import Prompt, Rollout, SamplingParams, pack_prompts, sample_seed
 
 # HF model types whose vLLM model loads our export and takes precomputed vision embeddings
 VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
@@ -114,12 +115,6 @@ def merged_state(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def sample_seed(seed: int, uid: int, sample: int) -> int:
-    """A request's seed: a function of (seed, prompt uid, sample index) only (63 bits)."""
-    state = np.random.SeedSequence([seed % 2**63, uid, sample]).generate_state(1, np.uint64)[0]
-    return int(state >> np.uint64(1))
-
-
 def engine_dtype(precision: str) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
 
@@ -137,8 +132,6 @@ class VLLMRollout:
         self.vision = self.model_type in VISION_FAMILIES
         workdir = Path(workdir)
         export_hf(model, to_dict(cfg.model), workdir, data_cfg=to_dict(cfg.data), weights=False)
-        import json
-
         hf = json.loads((workdir / "config.json").read_text())
         self.image_id, self.video_id = hf.get("image_token_id"), hf.get("video_token_id")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights by a call
@@ -150,12 +143,17 @@ class VLLMRollout:
                       gpu_memory_utilization=float(options["gpu_memory_utilization"]),
                       logprobs_mode="processed_logprobs", enforce_eager=bool(options["enforce_eager"]),
                       enable_sleep_mode=bool(options["sleep"]))
+        if not torch.cuda.is_available():
+            # no chunked prefill on the CPU: when vLLM 0.32 discards the token sampled for a partial
+            # prefill it rewinds the request's seeded generator (set_offset), which a CPU generator
+            # refuses ("CPU Generator does not use offset"); so whole prompts only, each step
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
         if self.vision:
             # mm_device_do_normalize off: pixels (when a caller gives images) are normalised by transformers'
             # processor, as in training; with it on, vLLM 0.32 on the CPU gave prompt log-probs 0.1 away
             # (measured on the demo images; off: <= 1e-4, tests/test_vllm_rollout.py)
-            kwargs.update(enable_mm_embeds=True, mm_device_do_normalize=False, limit_mm_per_prompt={"image": int(options["max_images"]),
-                                                                     "video": int(options["max_videos"])})
+            limits = {"image": int(options["max_images"]), "video": int(options["max_videos"])}
+            kwargs.update(enable_mm_embeds=True, mm_device_do_normalize=False, limit_mm_per_prompt=limits)
         self.llm = LLM(**kwargs)
         self.synced = False
 
@@ -173,10 +171,7 @@ class VLLMRollout:
         if self.options["sleep"]:
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
-        self.llm.reset_prefix_cache()  # keys and values of the old weights are never reused
-        if self.vision:  # the reload dropped the worker's encoder outputs: the scheduler's record of them too
-            self.llm.llm_engine.reset_encoder_cache()
-            self.llm.reset_mm_cache()
+        self.reset_caches()
         self.synced = True
 
     def close(self) -> None:
@@ -188,26 +183,40 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------ rollouts
 
+    def reset_caches(self) -> None:
+        """Forget every cached prefix, encoder output and processed media item (after new weights;
+        between benchmark repeats)."""
+        self.llm.reset_prefix_cache()  # keys and values of the old weights are never reused
+        if self.vision:  # the scheduler's record of encoder outputs, the worker's copies, the processor's
+            self.llm.llm_engine.reset_encoder_cache()
+            self.llm.reset_mm_cache()
+
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], group_size: int, params: SamplingParams, seed: int) -> list[Rollout]:
-        from vllm import SamplingParams as VSampling
-        from vllm.inputs import TokensPrompt
-
         params.validate()
         if not prompts:
             return []
+        inputs = [self.engine_prompt(p, media) for p, media in zip(prompts, self.media_inputs(prompts))]
+        return self.generate_inputs(inputs, [p.uid for p in prompts], group_size, params, seed)
+
+    def generate_inputs(self, inputs: list[dict], uids: list[int], group_size: int, params: SamplingParams,
+                        seed: int) -> list[Rollout]:
+        """Rollouts of vLLM prompts (TokensPrompt fields: :meth:`engine_prompt`'s, or images for
+        vLLM to encode itself); G requests per prompt, each seeded by (seed, uid, sample)."""
+        from vllm import SamplingParams as VSampling
+        from vllm.inputs import TokensPrompt
+
         if not self.synced:
             raise RuntimeError("VLLMRollout.generate before sync: the engine holds no weights yet")
         if self.options["sleep"]:
             self.llm.wake_up(tags=["kv_cache"])
-        inputs = [self.engine_prompt(p, media) for p, media in zip(prompts, self.media_inputs(prompts))]
         requests, sampling = [], []
-        for p, prompt in zip(prompts, inputs):
+        for uid, prompt in zip(uids, inputs):
             for j in range(group_size):
                 requests.append(TokensPrompt(**prompt))
                 sampling.append(VSampling(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                           max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_ids),
-                                          ignore_eos=True, seed=sample_seed(seed, p.uid, j), logprobs=0,
+                                          ignore_eos=True, seed=sample_seed(seed, uid, j), logprobs=0,
                                           detokenize=False, skip_special_tokens=False))
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         rollouts = []
@@ -215,8 +224,7 @@ class VLLMRollout:
             c = out.outputs[0]
             tokens = list(c.token_ids)
             logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, c.logprobs)]
-            rollouts.append(Rollout(prompts[k // group_size].uid, k % group_size, tokens, logprobs,
-                                    c.finish_reason == "length"))
+            rollouts.append(Rollout(uids[k // group_size], k % group_size, tokens, logprobs, c.finish_reason == "length"))
         if self.options["sleep"]:
             self.llm.sleep(level=1)
         return rollouts
