@@ -53,7 +53,8 @@ def setup(tmp_path_factory):
     prompts = demo_prompts(root, processor)
     engine = VLLMRollout(model, cfg, root / "engine", OPTIONS, max_model_len=1024)
     engine.sync()
-    return cfg, model, processor, prompts, engine, root
+    yield cfg, model, processor, prompts, engine, root
+    engine.close()  # its memory and process group freed for the next module's engines
 
 
 def _by_key(rollouts):

@@ -115,6 +115,27 @@ def merged_state(model) -> dict[str, torch.Tensor]:
     return state
 
 
+NOISE = ("`torch.set_num_threads` after the thread binding",  # per request: vLLM's CPU worker no-ops the call
+         "RotaryEmbedding: Failed to load weights")  # per sync: rotary caches are computed, not loaded (restored)
+
+
+def quiet_vllm_logs() -> None:
+    """After the engine's start-up: vLLM's per-step INFO lines (cache resets, reload times) off
+    unless ``VLLM_LOGGING_LEVEL`` asks for them, and two warnings that repeat every request / sync
+    and mean nothing here dropped (a filter on the handlers of vLLM's logger)."""
+    import logging
+
+    root = logging.getLogger("vllm")
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        root.setLevel(logging.WARNING)
+    for handler in root.handlers:
+        if not any(getattr(f, "omniweave", False) for f in handler.filters):
+            drop = logging.Filter()
+            drop.filter = lambda record: not any(n in record.getMessage() for n in NOISE)
+            drop.omniweave = True
+            handler.addFilter(drop)
+
+
 def engine_dtype(precision: str) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
 
@@ -155,6 +176,7 @@ class VLLMRollout:
             limits = {"image": int(options["max_images"]), "video": int(options["max_videos"])}
             kwargs.update(enable_mm_embeds=True, mm_device_do_normalize=False, limit_mm_per_prompt=limits)
         self.llm = LLM(**kwargs)
+        quiet_vllm_logs()
         self.synced = False
 
     # ------------------------------------------------------------------ weights
