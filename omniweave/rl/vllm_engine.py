@@ -14,11 +14,14 @@ What it does, and why:
 * **Weights** (:meth:`sync`): after the trainer's gather into the full-weight rollout copy
   (generation.sync_weights: FSDP / TP shards, pipeline stages), the tensors are renamed to their HF
   names (models/hf/export.hf_tensors, the names ``omniweave hf export`` writes; vLLM's own
-  ``load_weights`` fuses q/k/v and gate/up) and loaded in buckets of ``rl.rollout.sync_bucket_mb``;
-  then the prefix and multimodal caches are reset (stale keys of the old weights are never reused).
+  ``load_weights`` fuses q/k/v and gate/up) and streamed through vLLM's in-place reload
+  (``reload_weights``: each layer re-processed into its kernel layout as its tensors arrive, no
+  second full copy; a plain ``load_weights`` fails once the CPU backend has repacked the linear
+  weights); then the prefix, encoder and multimodal caches are reset (nothing computed with the
+  old weights is reused). LoRA runs send merged weights.
 * **Cached vision features** (MR-SP): the prompt's image / video features are computed once by the
-  trainer's own vision tower and merger (the rollout copy's ``encode_media``: the same code, and under
-  CP the same vision split, as training) and handed to vLLM as ``image_embeds`` / ``video_embeds``
+  trainer's own vision tower and merger (the rollout copy's ``encode_media``: the same code as
+  training's, one call for the batch's items) and handed to vLLM as ``image_embeds`` / ``video_embeds``
   with their ``grid_thw``; each run of placeholder tokens collapses to one, which vLLM's processor
   expands again by the grid. vLLM's own tower never runs, and G samples share one prefill through
   prefix caching.
