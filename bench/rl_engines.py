@@ -51,7 +51,7 @@ def recipe(max_side: int):
     return load_recipe("demo", [*MODEL, "data.vision.min_pixels=3136", f"data.vision.max_pixels={pixels}"])
 
 
-def image_prompt(side: int, image_id: int, uid: int, seed: int) -> tuple[Prompt, dict]:
+def image_prompt(side: int, engine, uid: int, seed: int) -> tuple[Prompt, dict]:
     """(our Prompt, vLLM's pixel prompt) of one image of side x side px between two texts."""
     from PIL import Image
 
@@ -62,14 +62,14 @@ def image_prompt(side: int, image_id: int, uid: int, seed: int) -> tuple[Prompt,
     grid = side // 14
     n = (grid // 2) ** 2
     ids = torch.randint(10, 1000, (PRE + n + QUESTION,), generator=g)
-    ids[PRE : PRE + n] = image_id
+    ids[PRE : PRE + n] = engine.image_id
     span = MediaSpan("image", "img0", (1, grid, grid), (side, side), PRE, n)
     pos = torch.from_numpy(mrope_position_ids(len(ids), [span], 2).astype(np.int64))
     batch = {"input_ids": ids, "position_ids": pos, "pixel_values": torch.randn(grid * grid, 3 * 2 * 14 * 14, generator=g),
              "grid_thw": torch.tensor([[1, grid, grid]]), "media_spans": torch.tensor([[PRE, n]])}
     pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
-    collapsed = [*ids[: PRE + 1].tolist(), *ids[PRE + n :].tolist()]
-    return Prompt(uid, batch), {"prompt_token_ids": collapsed, "multi_modal_data": {"image": Image.fromarray(pixels)}}
+    prompt = Prompt(uid, batch)
+    return prompt, {"prompt_token_ids": engine.collapsed_ids(prompt), "multi_modal_data": {"image": Image.fromarray(pixels)}}
 
 
 def run(args) -> dict:
@@ -89,7 +89,7 @@ def run(args) -> dict:
     vllm = VLLMRollout(model, cfg, Path(args.out) / "rl_engines_engine", options, max_model_len=max_len)
     vllm.sync()
     native = TorchRollout(model)
-    prompts = {side: image_prompt(side, vllm.image_id, 0, side) for side in sides}
+    prompts = {side: image_prompt(side, vllm, 0, side) for side in sides}
     greedy = SamplingParams(temperature=0, max_new_tokens=args.max_new)
     a = native.generate([prompts[sides[0]][0]], 2, greedy, 0)
     b = vllm.generate([prompts[sides[0]][0]], 2, greedy, 0)

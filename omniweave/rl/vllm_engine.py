@@ -282,17 +282,20 @@ class VLLMRollout:
     def engine_prompt(self, prompt: Prompt, media: dict) -> dict:
         """vLLM's TokensPrompt fields: each run of media placeholders collapsed to one token (vLLM
         expands it again by the item's grid), the features as embeddings."""
-        ids = prompt.batch["input_ids"].tolist()
         if not self.vision or not (media["image"] or media["video"]):
-            return {"prompt_token_ids": ids}
-        m = self.model.modality("vision")
-        spans = prompt.batch[m.spans].reshape(-1, 2).tolist()
-        keep = np.ones(len(ids), dtype=bool)
-        for start, length in spans:
-            keep[start + 1 : start + length] = False
+            return {"prompt_token_ids": prompt.batch["input_ids"].tolist()}
         data = {}
         for kind in ("image", "video"):
             if media[kind]:
                 data[kind] = {f"{kind}_embeds": torch.cat(media[kind]),
                               f"{kind}_grid_thw": torch.stack(media[f"{kind}_grid"])}
-        return {"prompt_token_ids": [t for t, k in zip(ids, keep) if k], "multi_modal_data": data}
+        return {"prompt_token_ids": self.collapsed_ids(prompt), "multi_modal_data": data}
+
+    def collapsed_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt's ids with each run of media placeholders collapsed to its first token: what
+        vLLM's processor expands again, by the item's grid, whatever the item is given as."""
+        ids = prompt.batch["input_ids"].tolist()
+        keep = np.ones(len(ids), dtype=bool)
+        for start, length in prompt.batch[self.model.modality("vision").spans].reshape(-1, 2).tolist():
+            keep[start + 1 : start + length] = False
+        return [t for t, k in zip(ids, keep) if k]
