@@ -178,7 +178,7 @@ class ParallelSchema:
 @dataclass
 class RolloutSchema:  # rl.rollout: the engine that samples (docs/rl.md "Rollout engines")
     engine: str = "native"  # native (generation.py) | vllm (rl/vllm_engine.py)
-    correction: str = "auto"  # none | recompute | token_tis | seq_tis; auto: token_tis on vllm, none on native
+    correction: str = "auto"  # none | recompute | token_tis | seq_tis; auto: none on native on-policy, else token_tis
     tis_cap: float = 2.0  # truncation C of the importance weight min(pi_old / mu, C)
     gpu_memory_utilization: float = 0.3  # vllm: its share of device memory (on CPU: of RAM for its KV cache)
     max_model_len: Optional[int] = None  # vllm: null = data.max_len + rl.max_new_tokens
@@ -186,6 +186,8 @@ class RolloutSchema:  # rl.rollout: the engine that samples (docs/rl.md "Rollout
     sleep: bool = False  # vllm on GPUs: free its KV cache (level 1) between rollouts, for the update's memory
     max_images: int = 8  # vllm: images / videos one prompt may hold
     max_videos: int = 2
+    off_policy: int = 0  # 1: update on the batch the previous step's policy sampled (rl/schedule.py)
+    overlap: bool = True  # off_policy 1: sample in a background thread during the update (engines without collectives)
 
 
 @dataclass

@@ -5,6 +5,8 @@
   the kernels (~1e-5; the demo's video positions, tests/test_vllm_rollout.py), importance weights ~1;
 - a LoRA run syncs merged weights: after updates have moved the adapters the engine still
   samples the trainer's policy (were the adapters dropped, the KL would grow with them).
+- one step off-policy, vLLM samples in a background thread during the update; the run equals
+  the sequential one.
 """
 
 from __future__ import annotations
@@ -57,3 +59,18 @@ def test_lora_run_syncs_merged_weights(prompts, tmp_path):
     rows = _metrics(run)
     _check_engine_follows_trainer(rows, 3)
     assert rows[-1]["grad_norm"] > 0  # the adapters did move
+
+
+def test_off_policy_vllm_sampling_in_a_thread_is_the_sequential_run(prompts, tmp_path):
+    """One step off-policy: vLLM samples batch k+1 in the background thread while step k updates;
+    the run equals the sequential one, bit for bit, and staleness is recorded."""
+    runs = {}
+    for overlap in (True, False):
+        run = tmp_path / f"overlap_{overlap}"
+        overrides = rl_overrides(prompts, run, steps=3, rl__rollout__off_policy=1, rl__rollout__overlap=overlap)
+        assert main(["rl", "demo_grpo_vllm", *overrides]) == 0
+        runs[overlap] = _metrics(run)
+    assert [r["rollout/staleness"] for r in runs[True]] == [0, 1, 1]
+    for key in ("reward_mean", "loss", "grad_norm", "rollout/kl", "rollout/is_mean"):
+        assert [r[key] for r in runs[True]] == [r[key] for r in runs[False]], key
+    assert abs(runs[True][0]["rollout/kl"]) <= ENGINE_KL  # staleness 0: only the kernels differ

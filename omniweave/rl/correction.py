@@ -14,7 +14,9 @@ PPO ratio π_θ / μ would carry that gap as if it were policy change. The corre
 * ``seq_tis``: one weight per sequence, ``min(Π_t π_old / μ, C)`` (unbiased, higher variance);
 * ``none``: the engine's log-probs are π_old (the native engine's equal the trainer's within 1e-5).
 
-``auto`` (the default) is ``token_tis`` on vLLM and ``none`` on the native engine. ``log ρ`` is
+``auto`` (the default) is ``token_tis`` on vLLM or one step off-policy (``rl.rollout.off_policy: 1``,
+where μ is the previous step's policy: decoupled PPO as AReaL's) and ``none`` on the native engine
+on-policy. ``log ρ`` is
 clamped to ±20 before the exponential, as verl's is. Each step records how far the engine is
 from the trainer, over the response tokens (sampled from μ), with ρ = π_old / μ: ``rollout/kl`` =
 mean(log μ − log π_old) and ``rollout/k3_kl`` = mean(ρ − log ρ − 1) (two estimators of KL(μ ‖ π_old)),
@@ -30,10 +32,11 @@ SAFETY = 20.0  # |log ρ| clamp (verl's SAFETY_BOUND)
 STAT_KEYS = ("tokens", "kl", "k3_kl", "is_sum", "is_clipped")
 
 
-def resolve(mode: str, engine: str) -> str:
-    """The correction a run applies: ``auto`` by engine; an unknown mode is a ValueError."""
+def resolve(mode: str, engine: str, off_policy: int = 0) -> str:
+    """The correction a run applies: ``auto`` by engine and staleness (token_tis unless the native
+    engine samples on-policy); an unknown mode is a ValueError."""
     if mode == "auto":
-        return "none" if engine == "native" else "token_tis"
+        return "none" if engine == "native" and not off_policy else "token_tis"
     if mode not in MODES:
         raise ValueError(f"rl.rollout.correction must be auto, {', '.join(MODES)}; got {mode!r}")
     return mode

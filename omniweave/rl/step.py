@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,10 +13,20 @@ from omniweave.rl.correction import STAT_KEYS, correct_row, max_weight
 from omniweave.rl.correction import metrics as correction_metrics
 from omniweave.rl.grpo import group_advantages, rloo_advantages, zero_std_groups
 from omniweave.rl.objective import GRPOObjective
-from omniweave.generation import Prompt, sync_weights
+from omniweave.generation import Prompt, Rollout, sync_weights
 from omniweave.train.engine import autocast, to_device
 
 ANSWER_REWARDS = ("exact_match", "multiple_choice", "numeric")  # the first of these listed is "accuracy"
+
+
+@dataclass
+class Generated:
+    """One batch's rollouts and the policy version (the GRPO step) whose weights sampled them."""
+
+    prompts: list[Prompt]
+    rollouts: list[Rollout]
+    version: int
+    seconds: float  # generating them
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -38,22 +49,37 @@ class GRPOStep:
 
     # ------------------------------------------------------------------ the step
 
-    def __call__(self, packs: list[dict], media_skips: list[dict] = ()) -> dict:
-        """``media_skips``: the loader's records of prompts whose media did not decode (their
-        pixels are zeros): their groups are dropped like a failed reward's, counted and named."""
-        e, s, G = self.engine, self.s, self.s.group_size
+    def sync(self) -> None:
+        """The policy's weights into the rollout copy (and into an engine holding its own, vLLM)."""
+        e = self.engine
+        sync_weights(e.model, self.rollout_model, e.pipeline.group if e.pipeline is not None else None)
+        if hasattr(self.rollout, "sync"):
+            self.rollout.sync()
+
+    def generate(self, packs: list[dict], step: int, version: int) -> Generated:
+        """Batch ``step``'s rollouts (seeded by it) from the rollout copy as last synced, which holds
+        the weights of step ``version``. Touches neither the policy nor a process group when
+        ``self.rollout.concurrent``: rl/schedule.py then runs it in a thread while the previous
+        batch updates."""
         t0 = time.perf_counter()
         prompts = [Prompt(p["prompt"]["uid"], p) for p in packs]
-        answers = [p["prompt"]["answer"] for p in packs]
-        sync_weights(e.model, self.rollout_model, e.pipeline.group if e.pipeline is not None else None)
-        if hasattr(self.rollout, "sync"):  # an engine holding its own copy of the weights (vLLM)
-            self.rollout.sync()
-        rollouts = self.rollout.generate(prompts, G, self.sampling, step_seed(e.cfg.train.seed, e.step))
-        rollout_s = time.perf_counter() - t0
+        rollouts = self.rollout.generate(prompts, self.s.group_size, self.sampling,
+                                         step_seed(self.engine.cfg.train.seed, step))
+        return Generated(prompts, rollouts, version, time.perf_counter() - t0)
+
+    def __call__(self, generated: Generated, media_skips: list[dict] = ()) -> dict:
+        """Reward, advantages and updates on ``generated`` (sampled by the policy of step
+        ``generated.version``; this step's own or, one step off-policy, the one before).
+        ``media_skips``: the loader's records of prompts whose media did not decode (their
+        pixels are zeros): their groups are dropped like a failed reward's, counted and named.
+        The record's ``step_s`` (the step's wall time) is the loop's to fill (rl/schedule.py)."""
+        e, s, G = self.engine, self.s, self.s.group_size
+        t1 = time.perf_counter()
+        prompts, rollouts = generated.prompts, generated.rollouts
+        answers = [p.batch["prompt"]["answer"] for p in prompts]
         texts = [self.processor.tokenizer.decode([t for t in r.tokens if t not in self.stop_ids]) for r in rollouts]
         scored = s.rewards.score(texts, [answers[k // G] for k in range(len(rollouts))])
         keep, advantages, counts = self._advantages(scored, len(prompts), {r["row"] for r in media_skips})
-        t1 = time.perf_counter()
         mini_batches = []  # the kept groups split into rl.mini_batches parts, each packed into its rows
         for k in range(s.mini_batches):
             part = keep[k * len(keep) // s.mini_batches : (k + 1) * len(keep) // s.mini_batches]
@@ -64,11 +90,15 @@ class GRPOStep:
             for row in rows:
                 row["token_data"]["ref_logp"] = self._full_row_logprobs(self.reference, row)
         corrected = self._correct(rows)
+        staleness = e.step - generated.version
         updates = self._update(mini_batches)
         e.advance()
         update_s = time.perf_counter() - t1
-        return self._record(rollouts, scored, counts, updates, rows, rollout_s, update_s, time.perf_counter() - t0,
-                            media_skips, corrected)
+        record = self._record(rollouts, scored, counts, updates, rows, generated.seconds, update_s, media_skips,
+                              corrected)
+        if s.off_policy:
+            record["rollout/staleness"] = staleness
+        return record
 
     def _advantages(self, scored, n: int, bad_media: set[int] = frozenset()):
         """(kept prompt indices, advantages [n·G] (0 for dropped groups), group counts); a prompt in
@@ -145,7 +175,7 @@ class GRPOStep:
 
     # ------------------------------------------------------------------ metrics
 
-    def _record(self, rollouts, scored, counts, updates, rows, rollout_s, update_s, step_s, media_skips,
+    def _record(self, rollouts, scored, counts, updates, rows, rollout_s, update_s, media_skips,
                 corrected: dict) -> dict:
         e, G = self.engine, self.s.group_size
         from omniweave.device import peak_memory_bytes
@@ -175,7 +205,7 @@ class GRPOStep:
             "clip_frac": sum(u.get("clipped", 0.0) for u in updates) / max(tokens, 1),
             "entropy": nll / max(len_sum, 1), "frac_zero_std": zero_std / max(groups, 1),
             "groups_failed": int(failed), "groups_media_skipped": int(media_skipped), "samples": int(n), "group_size": G,
-            "rollout_s": round(rollout_s, 3), "update_s": round(update_s, 3), "step_s": round(step_s, 4),
+            "rollout_s": round(rollout_s, 3), "update_s": round(update_s, 3),
             "tokens_per_s": row_tokens * self.s.ppo_epochs / max(update_s, 1e-9),
             "gen_tokens_per_s": len_sum / max(rollout_s, 1e-9),
             "memory_gb": peak_memory_bytes(e.info) / 2**30,

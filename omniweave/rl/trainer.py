@@ -13,7 +13,9 @@ A step (``train.global_batch`` prompts over all data-parallel ranks, each rank i
 
 It reuses the training engine (train/engine.py): the same set-up, FSDP / TP / CP, optimizer step,
 checkpoints and exact resume (the loader position; sampling is seeded by step, prompt and sample,
-so nothing else needs saving), metrics and evaluation. docs/rl.md has every ``rl.*`` key.
+so nothing else needs saving, but the next batch's rollouts one step off-policy), metrics and
+evaluation. Which batch a step updates on, and when it is sampled: rl/schedule.py
+(``rl.rollout.off_policy``). docs/rl.md has every ``rl.*`` key.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 from dataclasses import dataclass
 
 from omniweave.errors import UserError
+from omniweave.rl.schedule import RolloutSchedule
 from omniweave.rl.step import GRPOStep
 from omniweave.train.engine import Engine, with_process_group
 
@@ -66,6 +69,7 @@ class Settings:
     rewards: object  # Rewards
     rollout: dict  # rl.rollout (engine options)
     correction: str  # rl.rollout.correction resolved (rl/correction.py)
+    off_policy: int  # rl.rollout.off_policy (rl/schedule.py)
 
 
 def settings(cfg, stop_ids: tuple[int, ...] = ()) -> Settings:
@@ -94,7 +98,7 @@ def settings(cfg, stop_ids: tuple[int, ...] = ()) -> Settings:
     rollout = rl["rollout"]
     correction = rollout_settings(cfg, rollout, grpo)
     return Settings(grpo, sampling, rl["group_size"], rl["ppo_epochs"], rl["mini_batches"], capacity,
-                    build_rewards(rl["rewards"]), rollout, correction)
+                    build_rewards(rl["rewards"]), rollout, correction, rollout["off_policy"])
 
 
 def rollout_settings(cfg, rollout: dict, grpo) -> str:
@@ -105,8 +109,11 @@ def rollout_settings(cfg, rollout: dict, grpo) -> str:
     engine = rollout["engine"]
     if engine not in ("native", "vllm"):
         raise UserError(f"rl.rollout.engine must be native or vllm; got {engine!r}")
+    if rollout["off_policy"] not in (0, 1):
+        raise UserError(f"rl.rollout.off_policy must be 0 (on-policy) or 1 (one step off-policy); got "
+                        f"{rollout['off_policy']!r}")
     try:
-        correction = resolve(rollout["correction"], engine)
+        correction = resolve(rollout["correction"], engine, rollout["off_policy"])
     except ValueError as e:
         raise UserError(str(e)) from None
     if correction in ("token_tis", "seq_tis") and grpo.importance_sampling == "sequence":
@@ -121,16 +128,21 @@ def rollout_settings(cfg, rollout: dict, grpo) -> str:
 
 def rollout_engine(cfg, engine: Engine, rollout_model, s: Settings):
     """The engine that samples (``rl.rollout.engine``) over the full-weight rollout copy."""
+    # collectives in the rollout (CP merges, a shared vision encoder) keep it on the main thread
+    concurrent = engine.dims.cp == 1 and engine.meshes.vision_split is None
     if s.rollout["engine"] == "vllm":
         from omniweave.rl.vllm_engine import VLLMRollout
 
         max_len = s.rollout["max_model_len"] or int(cfg.data.max_len) + s.sampling.max_new_tokens
-        return VLLMRollout(rollout_model, cfg, engine.run_dir / "rollout_engine" / f"rank{engine.rank}", s.rollout,
-                           max_len, seed=int(cfg.train.seed))
-    from omniweave.generation import TorchRollout
+        rollout = VLLMRollout(rollout_model, cfg, engine.run_dir / "rollout_engine" / f"rank{engine.rank}",
+                              s.rollout, max_len, seed=int(cfg.train.seed))
+    else:
+        from omniweave.generation import TorchRollout
 
-    return TorchRollout(rollout_model, cp_group=engine.meshes.cp.get_group() if engine.dims.cp > 1 else None,
-                        cp=engine.dims.cp, cp_rank=engine.meshes.cp_rank)
+        rollout = TorchRollout(rollout_model, cp_group=engine.meshes.cp.get_group() if engine.dims.cp > 1 else None,
+                               cp=engine.dims.cp, cp_rank=engine.meshes.cp_rank)
+    rollout.concurrent = concurrent  # rl/schedule.py may sample in a thread while the policy updates
+    return rollout
 
 
 def update_rows_of(cfg, dims):
@@ -173,23 +185,26 @@ def _rl_loop(engine: Engine, cfg, resume) -> dict:
     reference = frozen_reference(cfg, engine) if s.grpo.kl_coef > 0 else None
     rollout_model = build_rollout_model(cfg, engine.dims, engine.meshes, engine.device)
     rollout = rollout_engine(cfg, engine, rollout_model, s)
+    step_fn = GRPOStep(engine, s, processor, stops, rollout, rollout_model, reference)
+    schedule = RolloutSchedule(step_fn, loader, engine, s.off_policy, s.rollout["overlap"])
     state = engine.resume(resume)
     if state is not None:
-        loader.load_state_dict(state["loader"])
+        schedule.load_state_dict(state)
     engine.start_logging(RL_LINE)
     if engine.rank == 0:
         print(f"{engine.describe()}, {loader.num_packs} prompts, {int(cfg.train.global_batch)} per step x "
-              f"{s.group_size} samples, GRPO steps {engine.step}..{engine.total}", flush=True)
-    step_fn = GRPOStep(engine, s, processor, stops, rollout, rollout_model, reference)
+              f"{s.group_size} samples, GRPO steps {engine.step}..{engine.total}"
+              + (f", one step off-policy{' (rollouts overlapped with updates)' if schedule.pool else ''}"
+                 if s.off_policy else ""), flush=True)
     last = {"reward_mean": float("nan")}
-    it = iter(loader)
     try:
         while engine.step < engine.total:
-            packs = next(it)
-            last = step_fn(packs, loader.take_media_skips())
-            engine.finish_step(last, lambda: {"loader": loader.state_dict()})
+            generated, skips = schedule.next()
+            last = schedule.finish(step_fn(generated, skips))
+            engine.finish_step(last, schedule.state_dict)
         seconds = engine.finish()
     finally:
+        schedule.close()
         if hasattr(rollout, "close"):  # an engine with its own resources (vLLM), released while the groups live
             rollout.close()
     return {"rank": engine.rank, "steps": engine.step, "seconds": seconds, "reward": last["reward_mean"],

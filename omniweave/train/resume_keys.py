@@ -29,7 +29,7 @@ MAY_CHANGE = (
     # how the steps run, not what they compute
     "train.precision", "train.cpu_threads", "train.ac", "train.offload", "train.init_from",
     "train.save_interval", "train.keep_last", "train.async_save", "train.collective_timeout",
-    "train.log_interval", "train.max_bad_steps", "train.eval_interval", "train.save_hf",
+    "train.log_interval", "train.max_bad_steps", "train.eval_interval", "train.save_hf", "rl.rollout.overlap",
     # the layout (checkpoints are layout-free) and where the same data lives
     "parallel.*", "model.*.tp", "data.path", "data.num_workers", "data.balance", "data.balance_refit",
     "eval.*", "demo.*",
