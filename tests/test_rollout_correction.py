@@ -48,6 +48,7 @@ def trainer_for(row: dict, per_token: list[float]) -> torch.Tensor:
 def test_resolve_auto_by_engine_explicit_passthrough_bad_mode_names_choices():
     assert resolve("auto", "vllm") == "token_tis"
     assert resolve("auto", "native") == "none"
+    assert resolve("auto", "native", off_policy=1) == "token_tis"  # the samples' policy is a step old
     for mode in ("none", "recompute", "token_tis", "seq_tis"):
         assert resolve(mode, "vllm") == mode and resolve(mode, "native") == mode
     with pytest.raises(ValueError, match="auto, none, recompute, token_tis, seq_tis.*'bogus'"):
@@ -190,6 +191,8 @@ def test_demo_grpo_on_vllm_refused_for_its_head_dim_16(vllm_installed):
 def test_demo_grpo_vllm_recipe_passes_and_refuses_cp_and_sleep_on_cpu(vllm_installed):
     cfg = load_recipe("demo_grpo_vllm")
     vllm_engine.check_vllm_recipe(cfg, to_dict(cfg.rl.rollout))
+    cfg = load_recipe("demo_grpo_vllm", ["model.foundation.tp=2"])  # one engine over the tp group
+    vllm_engine.check_vllm_recipe(cfg, to_dict(cfg.rl.rollout))
     cfg = load_recipe("demo_grpo_vllm", ["parallel.cp=2"])
     with pytest.raises(UserError, match="parallel.cp=2"):
         vllm_engine.check_vllm_recipe(cfg, to_dict(cfg.rl.rollout))
@@ -208,6 +211,7 @@ def test_settings_validates_engine_and_correction_before_ranks_start():
         settings(load_recipe("demo_grpo", ["rl.rollout.correction=token_tis", "rl.importance_sampling=sequence",
                                            "rl.loss_agg=seq-mean-token-mean"]))
     assert settings(load_recipe("demo_grpo")).correction == "none"
+    assert settings(load_recipe("demo_grpo", ["rl.rollout.off_policy=1"])).correction == "token_tis"
 
 
 def test_settings_demo_grpo_vllm_resolves_token_tis(vllm_installed):

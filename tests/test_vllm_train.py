@@ -6,7 +6,8 @@
 - a LoRA run syncs merged weights: after updates have moved the adapters the engine still
   samples the trainer's policy (were the adapters dropped, the KL would grow with them).
 - one step off-policy, vLLM samples in a background thread during the update; the run equals
-  the sequential one.
+  the sequential one;
+- model.foundation.tp=2 at dp 2: one engine per tp group gives the single process's samples.
 """
 
 from __future__ import annotations
@@ -74,3 +75,22 @@ def test_off_policy_vllm_sampling_in_a_thread_is_the_sequential_run(prompts, tmp
     for key in ("reward_mean", "loss", "grad_norm", "rollout/kl", "rollout/is_mean"):
         assert [r[key] for r in runs[True]] == [r[key] for r in runs[False]], key
     assert abs(runs[True][0]["rollout/kl"]) <= ENGINE_KL  # staleness 0: only the kernels differ
+
+
+def test_tensor_parallel_engine_at_dp2_tp2_is_the_single_process_run(prompts, tmp_path):
+    """model.foundation.tp=2 at dp 2 (4 ranks): one vLLM engine per tp group (vLLM's torchrun
+    mode over our world), each rank syncing full weights that vLLM shards; the same samples and
+    rewards as one process, the engine on the trainer's policy, and vLLM's CPU shared-memory
+    names removed (a leftover made the next run of the layout fail with errno 17)."""
+    from pathlib import Path
+
+    runs = {}
+    for name, extra in (("single", []), ("dp2tp2", ["model.foundation.tp=2", "--nproc", "4"])):
+        run = tmp_path / name
+        assert main(["rl", "demo_grpo_vllm", *rl_overrides(prompts, run, steps=2), *extra]) == 0
+        runs[name] = _metrics(run)
+    _check_engine_follows_trainer(runs["dp2tp2"], 2)
+    for one, tp in zip(runs["single"], runs["dp2tp2"]):
+        assert one["response_len_mean"] == tp["response_len_mean"]
+        assert abs(one["reward_mean"] - tp["reward_mean"]) <= 1e-6 and abs(one["loss"] - tp["loss"]) <= 1e-6
+    assert not list(Path("/dev/shm").glob("*cpushm*"))

@@ -135,7 +135,8 @@ def rollout_engine(cfg, engine: Engine, rollout_model, s: Settings):
 
         max_len = s.rollout["max_model_len"] or int(cfg.data.max_len) + s.sampling.max_new_tokens
         rollout = VLLMRollout(rollout_model, cfg, engine.run_dir / "rollout_engine" / f"rank{engine.rank}",
-                              s.rollout, max_len, seed=int(cfg.train.seed))
+                              s.rollout, max_len, seed=int(cfg.train.seed), tp=engine.dims.tp)
+        concurrent = concurrent and engine.dims.tp == 1  # a tp engine's collectives stay on the main thread
     else:
         from omniweave.generation import TorchRollout
 

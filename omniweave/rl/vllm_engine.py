@@ -1,6 +1,6 @@
 """Rollouts on vLLM (``rl.rollout.engine: vllm``), colocated in the training processes.
 
-    engine = VLLMRollout(rollout_model, cfg, workdir)   one vLLM engine per rank (tp 1), in process
+    engine = VLLMRollout(rollout_model, cfg, workdir)   one vLLM engine per dp rank (over its tp group), in process
     engine.sync(rollout_model)                           the policy's current weights, in memory
     rollouts = engine.generate(prompts, G, params, seed) the RolloutEngine protocol (generation.py)
 
@@ -10,7 +10,9 @@ What it does, and why:
   the model lives here, so weights are loaded by a Python call). It starts from a directory with
   the policy's HF config, tokenizer and processor files and *no weights* (``load_format=dummy``);
   every weight arrives through :meth:`VLLMRollout.sync`. Each data-parallel rank runs its own
-  engine on its own prompts.
+  engine on its own prompts; under ``model.foundation.tp`` > 1 the ranks of a tp group run one
+  engine, tensor-parallel, between them (vLLM's torchrun mode: ``external_launcher``), each
+  submitting the same prompts and syncing the full tensors, which vLLM's loaders shard.
 * **Weights** (:meth:`sync`): after the trainer's gather into the full-weight rollout copy
   (generation.sync_weights: FSDP / TP shards, pipeline stages), the tensors are renamed to their HF
   names (models/hf/export.hf_tensors, the names ``omniweave hf export`` writes; vLLM's own
@@ -86,18 +88,18 @@ def check_vllm(model_type: str, head_dim: int, device: str = "cpu") -> None:
 
 def check_vllm_recipe(cfg, rollout: dict) -> None:
     """:func:`check_vllm` on a recipe (its model built on the meta device), plus the layouts and
-    options this engine takes: one engine per data-parallel rank."""
+    options this engine takes: one engine per data-parallel rank, tensor-parallel over the
+    foundation's tp group."""
     from omniweave.config import to_dict
     from omniweave.models.hf.export import hf_model_type
     from omniweave.models.registry import build_model
 
     p = cfg.parallel
-    model_tp = max([int(v.get("tp", 1) or 1) for v in to_dict(cfg.model).values() if isinstance(v, dict)] or [1])
-    for key, value in (("parallel.cp", int(p.cp)), ("parallel.pp", int(p.pp)), ("parallel.ep", int(p.ep)),
-                       ("model.<component>.tp", model_tp)):
+    for key, value in (("parallel.cp", int(p.cp)), ("parallel.pp", int(p.pp)), ("parallel.ep", int(p.ep))):
         if value > 1:
-            raise UserError(f"rl.rollout.engine=vllm runs one engine per data-parallel rank; {key}={value} is not "
-                            "supported with it yet: use rl.rollout.engine=native (every layout) or data parallelism")
+            raise UserError(f"rl.rollout.engine=vllm runs one engine per data-parallel rank, tensor-parallel over "
+                            f"model.foundation.tp; {key}={value} is not supported with it yet: use "
+                            "rl.rollout.engine=native (every layout), data or tensor parallelism")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if rollout["sleep"] and device == "cpu":
         raise UserError("rl.rollout.sleep frees vLLM's GPU memory between rollouts; there is no GPU here: set it false")
@@ -116,6 +118,24 @@ def merged_state(model) -> dict[str, torch.Tensor]:
     state = {k: v for k, v in model.state_dict().items() if not is_adapter_name(k)}
     state.update({f"{name}.weight": merged_weight(m) for name, m in adapted_linears(model)})
     return state
+
+
+def unlink_cpu_shm_names() -> None:
+    """vLLM's CPU tensor-parallel groups talk through POSIX shared memory named by group and ranks
+    only (``/dev/shm/-tp:0-[0-1]-cpushm_0``), which it never unlinks when a process leaves without
+    tearing vLLM down (ours do: train/engine.py), so the next run of the layout failed with "create
+    shm in SHMManager failed. errno: 17". Once every rank has joined every segment (the engine is
+    up), each rank removes its segments' names; the mappings live on until the process ends."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    dist.barrier()
+    for ref in list(parallel_state._groups.values()):
+        group = ref()
+        shm = getattr(getattr(group, "device_communicator", None), "dist_module", None)
+        name = getattr(shm, "group_name", None)
+        if name:
+            (Path("/dev/shm") / f"{name.lstrip('/')}_{group.rank_in_group}").unlink(missing_ok=True)
 
 
 NOISE = ("`torch.set_num_threads` after the thread binding",  # per request: vLLM's CPU worker no-ops the call
@@ -147,7 +167,8 @@ class VLLMRollout:
     """See the module docstring. ``model``: the full-weight rollout copy (generation.build_rollout_model)
     whose vision tower encodes the prompts' media; ``options``: the ``rl.rollout`` section."""
 
-    def __init__(self, model, cfg, workdir: str | Path, options: dict, max_model_len: int, seed: int = 0):
+    def __init__(self, model, cfg, workdir: str | Path, options: dict, max_model_len: int, seed: int = 0,
+                 tp: int = 1):
         from omniweave.config import to_dict
         from omniweave.models.hf.export import export_hf, hf_model_type
 
@@ -178,7 +199,18 @@ class VLLMRollout:
             # (measured on the demo images; off: <= 1e-4, tests/test_vllm_rollout.py)
             limits = {"image": int(options["max_images"]), "video": int(options["max_videos"])}
             kwargs.update(enable_mm_embeds=True, mm_device_do_normalize=False, limit_mm_per_prompt=limits)
+        if tp > 1:
+            # one engine over the tp group: every rank of it runs its share in lockstep (vLLM's
+            # torchrun mode), its groups made from our world as (dp, tp) with tp innermost, as our
+            # mesh has it (no pp / cp: check_vllm_recipe); each tp rank submits the same requests
+            import torch.distributed as dist
+
+            kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
+            if dist.get_world_size() > tp:
+                kwargs["data_parallel_size"] = dist.get_world_size() // tp
         self.llm = LLM(**kwargs)
+        if tp > 1 and not torch.cuda.is_available():
+            unlink_cpu_shm_names()
         quiet_vllm_logs()
         self.synced = False
 
