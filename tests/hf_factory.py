@@ -4,6 +4,8 @@ import torch
 from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -52,6 +54,11 @@ HYBRID = dict(vocab_size=1024, hidden_size=40, intermediate_size=56, num_hidden_
               linear_conv_kernel_dim=4)  # fmt: skip
 HYBRID_MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=28)
 
+# Gemma: head_dim 20 != hidden / heads = 16, a single kv head, intermediate 72 (gelu-tanh), 3 layers;
+# zero-centred norms and embeddings × sqrt(48) (rounded to the dtype: 6.928 in fp32, 6.9375 in bf16).
+GEMMA = dict(vocab_size=1024, hidden_size=48, intermediate_size=72, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=20, max_position_embeddings=4096)  # fmt: skip
+
 
 def _hybrid_rope(mrope: bool = False) -> dict:
     return {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5,
@@ -73,6 +80,7 @@ FAMILIES = {
     "qwen3_5_text": lambda tied: Qwen3_5ForCausalLM(Qwen3_5TextConfig(**HYBRID, tie_word_embeddings=tied,
                                                                       rope_parameters=_hybrid_rope())),
     "qwen3_5_moe_text": _qwen3_5_moe_text,
+    "gemma": lambda tied, **kw: GemmaForCausalLM(GemmaConfig(**{**GEMMA, **kw}, tie_word_embeddings=tied)),
     "qwen3_next": lambda tied: Qwen3NextForCausalLM(Qwen3NextConfig(**HYBRID, **HYBRID_MOE, mlp_only_layers=[1],
                                                                     tie_word_embeddings=tied,
                                                                     rope_parameters=_hybrid_rope())),
@@ -80,7 +88,7 @@ FAMILIES = {
 
 
 def tiny_hf_model(family: str, tied: bool = False, seed: int = 0, **config):
-    """``config``: overrides of the family's config keys (deepseek_v3)."""
+    """``config``: overrides of the family's config keys (deepseek_v3, gemma)."""
     torch.manual_seed(seed)
     model = FAMILIES[family](tied, **config).float().eval()
     with torch.no_grad():  # random (non-unit) norm weights and biases so every tensor matters

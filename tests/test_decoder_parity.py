@@ -10,7 +10,7 @@ from tests.hf_factory import save_tiny
 
 FAMILIES = [("qwen2", False), ("qwen2", True), ("llama", False), ("qwen3", False), ("qwen3", True), ("qwen3_moe", False),
             ("deepseek_v3", False), ("qwen3_5_text", False), ("qwen3_5_text", True), ("qwen3_5_moe_text", False),
-            ("qwen3_next", False)]
+            ("qwen3_next", False), ("gemma", True), ("gemma", False)]
 
 
 def _pair(tmp_path, family, tied):

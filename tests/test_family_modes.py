@@ -81,8 +81,9 @@ def test_the_balancer_and_pipeline_split_know_the_family(recipe, tmp_path):
     assert 0 < _patches_per_token(str(packed), model_cfg) < 4
 
 
-@pytest.mark.parametrize("recipe, foundation", [("tiny_internvl", "qwen3_moe_tiny"), ("tiny_llava_onevision", "llama3_tiny")],
-                         ids=["internvit+qwen3_moe", "siglip+llama3"])
+@pytest.mark.parametrize("recipe, foundation", [("tiny_internvl", "qwen3_moe_tiny"), ("tiny_llava_onevision", "llama3_tiny"),
+                                                ("tiny_llava_onevision", "gemma_tiny")],
+                         ids=["internvit+qwen3_moe", "siglip+llama3", "siglip+gemma"])
 def test_the_towers_combine_with_any_foundation(recipe, foundation, tmp_path):
     """The component promise: a family's tower and projector over another decoder (YAML only),
     packed data through forward + backward, every part with a gradient."""

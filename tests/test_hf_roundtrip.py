@@ -14,7 +14,7 @@ from tests.hf_factory import save_tiny
 
 @pytest.mark.parametrize("family,tied", [("qwen2", True), ("llama", False), ("qwen3", False), ("qwen3_moe", False),
                                          ("deepseek_v3", False), ("qwen3_5_text", True), ("qwen3_5_moe_text", False),
-                                         ("qwen3_next", False)])
+                                         ("qwen3_next", False), ("gemma", True)])
 def test_export_round_trip_gives_identical_logits(tmp_path, family, tied):
     hf = save_tiny(family, tmp_path / "src", tied)
     ours, cfg = load_hf(tmp_path / "src")

@@ -74,7 +74,8 @@ def test_text_only_families_are_verified_on_packed_logits(tmp_path, monkeypatch,
 
     from omniweave.cli import main
 
-    for family in ("qwen3", "qwen3_moe", "llama", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
+    for family in ("qwen3", "qwen3_moe", "llama", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",
+                   "gemma"):
         save_text(family, tmp_path / family)
         assert main(["hf", "verify", str(tmp_path / family)]) == 0, family
         out = capsys.readouterr().out

@@ -104,6 +104,7 @@ COMPONENT_MODULES = [
     "omniweave.models.hf.qwen3",
     "omniweave.models.hf.qwen3_moe",
     "omniweave.models.hf.deepseek_v3",
+    "omniweave.models.hf.gemma",
     "omniweave.models.components.vit",
     "omniweave.models.components.projector",
     "omniweave.models.hf.qwen2_vl",

@@ -1,7 +1,7 @@
 """The foundation decoder: Qwen2 / Qwen2.5 (qkv bias, M-RoPE), Llama-3 (llama3 rope scaling),
 Qwen3 (QK-norm, free head_dim), Qwen3-MoE (Qwen3 with Mixture-of-Experts MLPs, components/moe.py),
-DeepSeek-V3 (multi-head latent attention, components/mla.py; sigmoid-routed MoE with shared experts).
-One class, the differences are config fields.
+DeepSeek-V3 (multi-head latent attention, components/mla.py; sigmoid-routed MoE with shared experts),
+Gemma (zero-centred norms, gelu-tanh MLP, scaled embeddings). One class, the differences are config fields.
 
 It works on one packed row: ``[L, D]`` activations, documents delimited by ``cu_seqlens``,
 positions ``[1, L]`` (1-D RoPE) or ``[3, L]`` (M-RoPE). Parameter names equal the Hugging Face
@@ -17,6 +17,7 @@ from torch import nn
 
 from omniweave.models.components.attention import attn
 from omniweave.models.components.deepstack import DeepStack
+from omniweave.models.components.embedding import scale_embeddings
 from omniweave.models.components.mla import MLAttention, check_mla_config
 from omniweave.models.components.mlp import SwiGLU
 from omniweave.models.components.moe import ROUTERS, MoE, MoEConfig
@@ -34,7 +35,7 @@ class DecoderConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int | None = None  # default hidden_size // num_heads (Qwen3 sets it)
-    family: str = "qwen2"  # qwen2 | llama | qwen3 | qwen3_moe | deepseek_v3 | qwen3_5 | qwen3_next: which HF family exports it
+    family: str = "qwen2"  # one of FAMILIES: which HF family exports it
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": ..., ...}
     mrope_section: list[int] | None = None  # M-RoPE bands over (t, h, w); sums to head_dim/2
@@ -84,7 +85,8 @@ class DecoderConfig:
     layer_types: list[str] | None = None  # per layer: full_attention | linear_attention (None: all full)
     partial_rotary_factor: float = 1.0  # RoPE rotates this share of head_dim
     attn_output_gate: bool = False  # a sigmoid gate on the attention output, from a doubled q_proj
-    norm_zero_centered: bool = False  # the decoder's RMSNorms as x̂ · (1 + w) (weights stored as w − 1)
+    norm_zero_centered: bool = False  # the decoder's RMSNorms as x̂ · (1 + w) (weights stored as w − 1; Gemma too)
+    scale_embeddings: bool = False  # token embeddings × sqrt(hidden_size) in their dtype (Gemma; embedding.py)
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -140,7 +142,7 @@ class DecoderConfig:
 
 LAYER_TYPES = ("full_attention", "linear_attention")
 # the HF families a decoder exports as (hf/export.py: the text model type of the hybrid ones)
-FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_next")
+FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_next", "gemma")
 
 
 def check_layer_types(cfg: DecoderConfig) -> None:
@@ -171,7 +173,7 @@ def linear_attention_config(cfg: DecoderConfig):
 
 
 def norm_class(cfg: DecoderConfig):
-    """The decoder's RMSNorm: zero-centred (Qwen3.5) or plain."""
+    """The decoder's RMSNorm: zero-centred (Qwen3.5, Gemma) or plain."""
     return ZeroCenteredRMSNorm if cfg.norm_zero_centered else RMSNorm
 
 
@@ -360,8 +362,9 @@ class Decoder(nn.Module):
         self.tie_weights()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[L] -> [L, D]."""
-        return self.embed_tokens(input_ids)
+        """[L] -> [L, D] (× sqrt(hidden_size) with ``scale_embeddings``; ``inputs_embeds`` are taken as given)."""
+        x = self.embed_tokens(input_ids)
+        return scale_embeddings(x, self.config.hidden_size) if self.config.scale_embeddings else x
 
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config

@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
 
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm whose weight is stored as w − 1: x̂ · (1 + w), in float32 then cast (Qwen3.5 /
-    Qwen3-Next's decoder norms, HF Qwen3_5RMSNorm); weight init zeros."""
+    Qwen3-Next's decoder norms, HF Qwen3_5RMSNorm; Gemma's, HF GemmaRMSNorm); weight init zeros."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -30,7 +30,7 @@ peft cannot load is one line, not peft's traceback.
 
 It exits 1 when any difference exceeds ``--atol`` (ids and grids must be equal), 0 otherwise.
 
-A text-only family (Qwen2, Llama-3, Qwen3, Qwen3-MoE, DeepSeek-V3: no ``vision_config``) is checked on logits
+A text-only family (Qwen2, Llama-3, Qwen3, Qwen3-MoE, DeepSeek-V3, Gemma: no ``vision_config``) is checked on logits
 alone: three documents of random tokens packed into one row through omniweave against each
 document alone through transformers.
 
