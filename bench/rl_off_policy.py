@@ -1,13 +1,16 @@
 """Benchmark: one step off-policy GRPO (issue 36, ``rl.rollout.off_policy``), CPU fp32, random weights.
 
 The demo GRPO recipe (``demo_grpo``; ``--engine vllm``: ``demo_grpo_vllm``, run in the vLLM venv)
-on the demo's RL prompts, three arms, each a fresh ``omniweave rl`` process of --steps steps:
+on the demo's RL prompts, four arms, each a fresh ``omniweave rl`` process of --steps steps:
 
     on-policy     off_policy 0: sync, sample, update, one after the other (the default)
     off-seq       off_policy 1, overlap false: the same work as on-policy, but batch k+1 is sampled
                   by θ_k before batch k's update (the sequential schedule; its results equal
                   off-overlap's bit for bit: tests/test_rl_off_policy.py)
     off-overlap   off_policy 1: batch k+1 sampled in a background thread while batch k updates
+    off-overlap-none  the same with rl.rollout.correction none: the engine's (step-old) log-probs
+                  as π_old, so no recompute forward over the update rows (the three arms above
+                  resolve auto: none on-policy, token_tis off-policy, whose recompute costs a forward)
 
 Reward: the fraction of vowels among a response's letters (``vowel_fraction`` below; it varies on
 random weights' text, exact_match would filter every group). Figures per arm: the median over
@@ -19,7 +22,7 @@ order rotating. Speed-up = on-policy step_s / the arm's. The ideal overlap is
 recipe) decides how much of the machine each of the two threads may use.
 
     python bench/rl_off_policy.py [--quick] [--engine native|vllm] [--steps 6] [--repeats 3]
-        [--global-batch 8] [--group-size 8] [--max-new 32] [--threads 1] [--out bench/out]
+        [--global-batch 8] [--group-size 8] [--max-new 32] [--threads 1] [--set KEY=VALUE ...] [--out bench/out]
 
 Prints a markdown table and writes rl_off_policy.png / .json / .md under --out.
 """
@@ -39,7 +42,8 @@ from bench.figure import pyplot, save, write_results  # noqa: E402
 
 ARMS = {"on-policy": {"rl.rollout.off_policy": 0},
         "off-seq": {"rl.rollout.off_policy": 1, "rl.rollout.overlap": "false"},
-        "off-overlap": {"rl.rollout.off_policy": 1}}
+        "off-overlap": {"rl.rollout.off_policy": 1},
+        "off-overlap-none": {"rl.rollout.off_policy": 1, "rl.rollout.correction": "none"}}
 FIELDS = ("step_s", "rollout_s", "update_s", "rollout_wait_s")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +73,8 @@ def run_arm(recipe: str, prompts: Path, out: Path, arm: str, args) -> list[dict]
                  "train.global_batch": args.global_batch, "train.save_interval": 0, "train.log_interval": 1,
                  "train.cpu_threads": args.threads, "rl.group_size": args.group_size,
                  "rl.max_new_tokens": args.max_new, "rl.ppo_epochs": 1,
-                 "rl.rewards": "[{name: 'bench.rl_off_policy:vowel_fraction'}]", **ARMS[arm]}
+                 "rl.rewards": "[{name: 'bench.rl_off_policy:vowel_fraction'}]", **ARMS[arm],
+                 **dict(kv.split("=", 1) for kv in args.set)}
     cmd = [sys.executable, "-m", "omniweave", "rl", recipe, *(f"{k}={v}" for k, v in overrides.items())]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if res.returncode != 0:
@@ -130,9 +135,9 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.4))
     for i, arm in enumerate(ARMS):
         a = s[arm]
-        ax.bar(i, a["rollout_s"] if arm != "off-overlap" else 0, color="tab:orange",
+        ax.bar(i, 0 if arm.startswith("off-overlap") else a["rollout_s"], color="tab:orange",
                label="rollout" if i == 0 else None)
-        ax.bar(i, a["update_s"], bottom=a["rollout_s"] if arm != "off-overlap" else 0, color="tab:blue",
+        ax.bar(i, a["update_s"], bottom=0 if arm.startswith("off-overlap") else a["rollout_s"], color="tab:blue",
                label="update" if i == 0 else None)
         ax.plot([i - 0.4, i + 0.4], [a["step_s"]] * 2, color="black", label="step (wall)" if i == 0 else None)
         ax.text(i, a["step_s"] * 1.02, f"{a['speedup']:.2f}x", ha="center", fontsize=8)
@@ -152,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new", type=int, default=32, help="rl.max_new_tokens")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="recipe overrides for every arm (e.g. a wider decoder: see docs/benchmarks.md)")
     p.add_argument("--threads", type=int, default=1, help="train.cpu_threads (intra-op threads per process)")
     p.add_argument("--out", type=Path, default=Path("bench/out"), help="every result file goes here (and only here)")
     args = p.parse_args(argv)
@@ -162,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     write_results(args.out, "rl_off_policy", text, result, lambda path: plot(result, path),
                   f"{args.engine} engine, {args.steps} steps, global batch {args.global_batch} x G {args.group_size}, "
-                  f"{args.max_new} new tokens, cpu_threads {args.threads}, {args.repeats} repeats")
+                  f"{args.max_new} new tokens, cpu_threads {args.threads}, {args.repeats} repeats"
+                  + (f", {' '.join(args.set)}" if args.set else ""))
     return 0
 
 
