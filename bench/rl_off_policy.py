@@ -95,7 +95,7 @@ def summary(runs: list[list[dict]]) -> dict:
 
 def run(args) -> dict:
     recipe = "demo_grpo_vllm" if args.engine == "vllm" else "demo_grpo"
-    work = args.out / "rl_off_policy_work"
+    work = args.out.resolve() / "rl_off_policy_work"  # absolute: the runs start in the repository root
     prompts = make_prompts(work / recipe, recipe, samples=max(48, args.global_batch * args.steps))
     arms = list(ARMS)
     runs = {arm: [] for arm in arms}
