@@ -5,15 +5,12 @@ staleness in the metrics; the next batch's rollouts saved for an exact resume.""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 
 import pytest
 
 from tests.rl_factory import make_rl_prompts, rl_overrides
-from tests.test_rl_train import _wait_for_step, rl_cmd, run_rl
-from tests.train_factory import REPO, child_env, read_metrics
+from tests.test_rl_train import kill_after_step_then_resume, run_rl
+from tests.train_factory import read_metrics
 
 SAME = ("reward_mean", "loss", "grad_norm", "response_len_mean", "rollout/kl", "rollout/is_mean", "rollout/is_max")
 
@@ -73,13 +70,7 @@ def test_off_policy_checkpoint_holds_the_next_batch_and_resumes_exactly_after_si
     last = json.loads((tmp_path / f"ref/checkpoints/step_{steps:06d}/trainer_state.json").read_text())
     assert "rollouts_ahead" not in last  # nothing ahead of the last step
     run = tmp_path / "run"
-    proc = subprocess.Popen(rl_cmd(*ov(run)), env=child_env(), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    _wait_for_step(run, save + 1, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    res = run_rl(*ov(run), "--resume", "auto")
-    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
+    res = kill_after_step_then_resume(ov(run), run, save + 1)
     assert "sampled again" not in res.stdout
     got, want = read_metrics(run), read_metrics(tmp_path / "ref")
     assert [r["step"] for r in got] == list(range(1, steps + 1))

@@ -94,19 +94,25 @@ def _wait_for_step(run, step, proc, timeout=240):
     raise AssertionError(f"no step {step} in {timeout} s")
 
 
+def kill_after_step_then_resume(overrides: list[str], run, step: int) -> subprocess.CompletedProcess:
+    """``omniweave rl`` killed with SIGKILL once it has logged ``step``, then ``--resume auto``d to the end."""
+    proc = subprocess.Popen(rl_cmd(*overrides), env=child_env(), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    _wait_for_step(run, step, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    res = run_rl(*overrides, "--resume", "auto")
+    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
+    return res
+
+
 def test_sigkill_then_resume_gives_the_uninterrupted_run(prompts, tmp_path):
     steps, save = 6, 2
     ov = lambda run: rl_overrides(prompts, run, steps=steps, train__save_interval=save, train__keep_last=0)  # noqa: E731
     ref = run_rl(*ov(tmp_path / "ref"))
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = tmp_path / "run"
-    proc = subprocess.Popen(rl_cmd(*ov(run)), env=child_env(), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    _wait_for_step(run, save + 1, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    res = run_rl(*ov(run), "--resume", "auto")
-    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
+    kill_after_step_then_resume(ov(run), run, save + 1)
     got, want = read_metrics(run), read_metrics(tmp_path / "ref")
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     for key in ("reward_mean", "loss", "grad_norm", "response_len_mean"):
