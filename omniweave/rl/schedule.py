@@ -7,7 +7,7 @@ samples batch k and updates on it.
 updates on batch k, sampled by θ_{k-1} during step k-1 (``rollout/staleness`` = 1). Step 0, and a
 step whose rollouts were not saved, samples its own batch first (staleness 0). With
 ``rl.rollout.overlap`` and an engine that runs no collective (the native engine without CP or a
-vision split, vLLM at tensor-parallel 1: ``engine.concurrent``) the sampling runs in a background
+vision split, vLLM at tensor-parallel 1: rl/trainer.samples_in_thread) the sampling runs in a background
 thread while the main thread updates, so a step costs max(rollout, update) rather than their sum;
 ``rollout_wait_s`` is what the update then waited for it. The thread's results do not depend on
 its timing (each sample has its own seeded generator, the rollout copy is written only between
@@ -32,10 +32,10 @@ from omniweave.rl.step import Generated
 
 
 class RolloutSchedule:
-    def __init__(self, step_fn, loader, engine, off_policy: int, overlap: bool):
+    def __init__(self, step_fn, loader, engine, off_policy: int, threaded: bool):
+        """``threaded``: sample the next batch in a thread during the update (off-policy only)."""
         self.step_fn, self.loader, self.engine, self.off_policy = step_fn, loader, engine, int(off_policy)
-        concurrent = bool(getattr(step_fn.rollout, "concurrent", False))
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if off_policy and overlap and concurrent else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if off_policy and threaded else None
         self.it = None  # the loader's iterator, made at the first read (after a resume's load_state_dict)
         self.ahead: tuple | None = None  # the next batch: (Generated or its Future, media skips, loader position)
         self.saved: dict | None = None  # the next batch's rollouts from a checkpoint

@@ -58,9 +58,9 @@ class GRPOStep:
 
     def generate(self, packs: list[dict], step: int, version: int) -> Generated:
         """Batch ``step``'s rollouts (seeded by it) from the rollout copy as last synced, which holds
-        the weights of step ``version``. Touches neither the policy nor a process group when
-        ``self.rollout.concurrent``: rl/schedule.py then runs it in a thread while the previous
-        batch updates."""
+        the weights of step ``version``. Touches neither the policy nor, where
+        rl/trainer.samples_in_thread allows, a process group: rl/schedule.py then runs it in a
+        thread while the previous batch updates."""
         t0 = time.perf_counter()
         prompts = [Prompt(p["prompt"]["uid"], p) for p in packs]
         rollouts = self.rollout.generate(prompts, self.s.group_size, self.sampling,
@@ -96,7 +96,7 @@ class GRPOStep:
         update_s = time.perf_counter() - t1
         record = self._record(rollouts, scored, counts, updates, rows, generated.seconds, update_s, media_skips,
                               corrected)
-        if s.off_policy:
+        if s.rollout["off_policy"]:
             record["rollout/staleness"] = staleness
         return record
 

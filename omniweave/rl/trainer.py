@@ -69,7 +69,6 @@ class Settings:
     rewards: object  # Rewards
     rollout: dict  # rl.rollout (engine options)
     correction: str  # rl.rollout.correction resolved (rl/correction.py)
-    off_policy: int  # rl.rollout.off_policy (rl/schedule.py)
 
 
 def settings(cfg, stop_ids: tuple[int, ...] = ()) -> Settings:
@@ -98,7 +97,7 @@ def settings(cfg, stop_ids: tuple[int, ...] = ()) -> Settings:
     rollout = rl["rollout"]
     correction = rollout_settings(cfg, rollout, grpo)
     return Settings(grpo, sampling, rl["group_size"], rl["ppo_epochs"], rl["mini_batches"], capacity,
-                    build_rewards(rl["rewards"]), rollout, correction, rollout["off_policy"])
+                    build_rewards(rl["rewards"]), rollout, correction)
 
 
 def rollout_settings(cfg, rollout: dict, grpo) -> str:
@@ -128,22 +127,25 @@ def rollout_settings(cfg, rollout: dict, grpo) -> str:
 
 def rollout_engine(cfg, engine: Engine, rollout_model, s: Settings):
     """The engine that samples (``rl.rollout.engine``) over the full-weight rollout copy."""
-    # collectives in the rollout (CP merges, a shared vision encoder) keep it on the main thread
-    concurrent = engine.dims.cp == 1 and engine.meshes.vision_split is None
     if s.rollout["engine"] == "vllm":
         from omniweave.rl.vllm_engine import VLLMRollout
 
         max_len = s.rollout["max_model_len"] or int(cfg.data.max_len) + s.sampling.max_new_tokens
-        rollout = VLLMRollout(rollout_model, cfg, engine.run_dir / "rollout_engine" / f"rank{engine.rank}",
-                              s.rollout, max_len, seed=int(cfg.train.seed), tp=engine.dims.tp)
-        concurrent = concurrent and engine.dims.tp == 1  # a tp engine's collectives stay on the main thread
-    else:
-        from omniweave.generation import TorchRollout
+        return VLLMRollout(rollout_model, cfg, engine.run_dir / "rollout_engine" / f"rank{engine.rank}", s.rollout,
+                           max_len, seed=int(cfg.train.seed), tp=engine.dims.tp)
+    from omniweave.generation import TorchRollout
 
-        rollout = TorchRollout(rollout_model, cp_group=engine.meshes.cp.get_group() if engine.dims.cp > 1 else None,
-                               cp=engine.dims.cp, cp_rank=engine.meshes.cp_rank)
-    rollout.concurrent = concurrent  # rl/schedule.py may sample in a thread while the policy updates
-    return rollout
+    return TorchRollout(rollout_model, cp_group=engine.meshes.cp.get_group() if engine.dims.cp > 1 else None,
+                        cp=engine.dims.cp, cp_rank=engine.meshes.cp_rank)
+
+
+def samples_in_thread(engine: Engine, s: Settings) -> bool:
+    """One step off-policy with ``rl.rollout.overlap``: whether the next batch may be sampled in a
+    thread during the update, i.e. the rollout runs no collective (which would interleave with the
+    update's): no CP merges, no vision encoder shared across ranks, no tensor-parallel vLLM engine."""
+    collectives = engine.dims.cp > 1 or engine.meshes.vision_split is not None or (
+        s.rollout["engine"] == "vllm" and engine.dims.tp > 1)
+    return bool(s.rollout["off_policy"] and s.rollout["overlap"] and not collectives)
 
 
 def update_rows_of(cfg, dims):
@@ -187,7 +189,7 @@ def _rl_loop(engine: Engine, cfg, resume) -> dict:
     rollout_model = build_rollout_model(cfg, engine.dims, engine.meshes, engine.device)
     rollout = rollout_engine(cfg, engine, rollout_model, s)
     step_fn = GRPOStep(engine, s, processor, stops, rollout, rollout_model, reference)
-    schedule = RolloutSchedule(step_fn, loader, engine, s.off_policy, s.rollout["overlap"])
+    schedule = RolloutSchedule(step_fn, loader, engine, s.rollout["off_policy"], samples_in_thread(engine, s))
     state = engine.resume(resume)
     if state is not None:
         schedule.load_state_dict(state)
@@ -196,7 +198,7 @@ def _rl_loop(engine: Engine, cfg, resume) -> dict:
         print(f"{engine.describe()}, {loader.num_packs} prompts, {int(cfg.train.global_batch)} per step x "
               f"{s.group_size} samples, GRPO steps {engine.step}..{engine.total}"
               + (f", one step off-policy{' (rollouts overlapped with updates)' if schedule.pool else ''}"
-                 if s.off_policy else ""), flush=True)
+                 if s.rollout["off_policy"] else ""), flush=True)
     last = {"reward_mean": float("nan")}
     try:
         while engine.step < engine.total:
