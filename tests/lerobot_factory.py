@@ -1,4 +1,5 @@
-"""A tiny LeRobot v3.0 dataset written by hand, following the format line by line.
+"""A tiny LeRobot v3.0 dataset with values tests can predict, written by the package's writer
+(omniweave/data/sources/lerobot_write.py), whose file layout it pins down.
 
 Three episodes of unequal length (7, 4, 9 frames at 10 fps). The data parquet files hold several
 episodes each (episodes 0 and 1 in data/chunk-000/file-000, episode 2 in file-001), and so do the
@@ -10,14 +11,13 @@ grey of level ``colour(g)``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
-import av
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from omniweave.data.sources.lerobot_write import plan_dataset, write_tables
 
 FPS = 10
 LENGTHS = (7, 4, 9)
@@ -29,8 +29,6 @@ CAMERAS = {  # camera -> its video files' episodes
     "observation.images.wrist": ((0, 1, 2),),
 }
 SIZE = 16
-DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
-VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
 
 
 def colour(g: int) -> int:
@@ -42,69 +40,15 @@ def starts() -> list[int]:
     return [int(s) for s in np.cumsum((0,) + LENGTHS[:-1])]
 
 
-def frame_rows() -> list[dict]:
-    rows = []
+def episodes() -> list[dict]:
+    out = []
     for ep, (length, start) in enumerate(zip(LENGTHS, starts())):
-        for t in range(length):
-            g = start + t
-            rows.append({"observation.state": [float(g), g + 0.5], "action": [10.0 * g, 10.0 * g + 1, 10.0 * g + 2],
-                         "timestamp": t / FPS, "frame_index": t, "episode_index": ep, "index": g,
-                         "task_index": EPISODE_TASKS[ep]})
-    return rows
-
-
-def info() -> dict:
-    video = {"dtype": "video", "shape": [SIZE, SIZE, 3], "names": ["height", "width", "channels"],
-             "info": {"video.fps": FPS, "video.codec": "h264", "video.pix_fmt": "yuv420p"}}
-    scalar = {"shape": [1], "names": None}
-    return {
-        "codebase_version": "v3.0", "robot_type": "toy", "total_episodes": len(LENGTHS),
-        "total_frames": sum(LENGTHS), "total_tasks": len(TASKS), "chunks_size": 1000,
-        "data_files_size_in_mb": 100, "video_files_size_in_mb": 200, "fps": FPS,
-        "splits": {"train": f"0:{len(LENGTHS)}"}, "data_path": DATA_PATH, "video_path": VIDEO_PATH,
-        "features": {
-            **{key: video for key in CAMERAS},
-            "observation.state": {"dtype": "float32", "shape": [2], "names": ["x", "y"]},
-            "action": {"dtype": "float32", "shape": [3], "names": ["a", "b", "c"]},
-            "timestamp": {"dtype": "float32", **scalar}, "frame_index": {"dtype": "int64", **scalar},
-            "episode_index": {"dtype": "int64", **scalar}, "index": {"dtype": "int64", **scalar},
-            "task_index": {"dtype": "int64", **scalar},
-        },
-    }
-
-
-def episode_rows() -> list[dict]:
-    rows = []
-    for ep, (length, start) in enumerate(zip(LENGTHS, starts())):
-        file = next(i for i, eps in enumerate(DATA_FILES) if ep in eps)
-        row = {"episode_index": ep, "tasks": [TASKS[EPISODE_TASKS[ep]]], "length": length,
-               "data/chunk_index": 0, "data/file_index": file,
-               "dataset_from_index": start, "dataset_to_index": start + length}
-        for key, files in CAMERAS.items():
-            vfile = next(i for i, eps in enumerate(files) if ep in eps)
-            before = sum(LENGTHS[e] for e in files[vfile] if e < ep)
-            row.update({f"videos/{key}/chunk_index": 0, f"videos/{key}/file_index": vfile,
-                        f"videos/{key}/from_timestamp": before / FPS,
-                        f"videos/{key}/to_timestamp": (before + length) / FPS})
-        row.update({"meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0})
-        rows.append(row)
-    return rows
-
-
-def write_video(path: Path, global_indices: list[int]) -> None:
-    """One frame per global index, pts = its position in the file (time base 1/fps)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), mode="w") as out:
-        stream = out.add_stream("libx264", rate=FPS)
-        stream.width = stream.height = SIZE
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "0", "g": "1"}
-        for g in global_indices:
-            frame = av.VideoFrame.from_ndarray(np.full((SIZE, SIZE, 3), colour(g), np.uint8), format="rgb24")
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
+        g = np.arange(start, start + length, dtype=np.float32)
+        grey = np.stack([np.full((SIZE, SIZE, 3), colour(int(x)), np.uint8) for x in g])
+        out.append({"task": TASKS[EPISODE_TASKS[ep]], "state": np.stack([g, g + 0.5], 1),
+                    "action": np.stack([10 * g, 10 * g + 1, 10 * g + 2], 1),
+                    "images": {key: grey for key in CAMERAS}})
+    return out
 
 
 def write_dataset(root: Path, *, edit_frames: Callable[[list[dict]], None] | None = None,
@@ -113,28 +57,13 @@ def write_dataset(root: Path, *, edit_frames: Callable[[list[dict]], None] | Non
                   videos: bool = True) -> Path:
     """Write the dataset under ``root``; the ``edit_*`` hooks change the rows / info in place first
     (to make bad inputs). ``stats``: written as meta/stats.json when given."""
-    frames, episodes, meta = frame_rows(), episode_rows(), info()
-    for hook, arg in ((edit_frames, frames), (edit_episodes, episodes), (edit_info, meta)):
+    tables = plan_dataset(episodes(), fps=FPS, files=DATA_FILES, video_files=CAMERAS, robot_type="toy",
+                          names={"observation.state": ["x", "y"], "action": ["a", "b", "c"]})
+    # action as a variable-length list (lerobot writes fixed-size ones): the reader's general path
+    action = tables.schema.get_field_index("action")
+    tables.schema = tables.schema.set(action, pa.field("action", pa.list_(pa.float32())))
+    tables.stats = stats
+    for hook, arg in ((edit_frames, tables.frames), (edit_episodes, tables.episodes), (edit_info, tables.info)):
         if hook:
             hook(arg)
-    (root / "meta" / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
-    (root / "meta" / "info.json").write_text(json.dumps(meta, indent=2))
-    # lerobot writes pandas with the task text as the (named) index: a "task" column in the file
-    pq.write_table(pa.table({"task_index": pa.array(range(len(TASKS)), pa.int64()), "task": list(TASKS)}),
-                   root / "meta" / "tasks.parquet")
-    pq.write_table(pa.Table.from_pylist(episodes), root / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
-    schema = pa.schema([("observation.state", pa.list_(pa.float32(), 2)), ("action", pa.list_(pa.float32())),
-                        ("timestamp", pa.float32()), ("frame_index", pa.int64()), ("episode_index", pa.int64()),
-                        ("index", pa.int64()), ("task_index", pa.int64())])
-    for file, eps in enumerate(DATA_FILES):
-        path = root / DATA_PATH.format(chunk_index=0, file_index=file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.Table.from_pylist([r for r in frames if r["episode_index"] in eps], schema=schema), path)
-    if stats is not None:
-        (root / "meta" / "stats.json").write_text(json.dumps(stats))
-    if videos:
-        for key, files in CAMERAS.items():
-            for file, eps in enumerate(files):
-                indices = [starts()[e] + t for e in eps for t in range(LENGTHS[e])]
-                write_video(root / VIDEO_PATH.format(video_key=key, chunk_index=0, file_index=file), indices)
-    return root
+    return write_tables(root, tables, videos=videos)
