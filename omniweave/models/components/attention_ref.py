@@ -134,8 +134,9 @@ class _TrailingCausal(torch.autograd.Function):
         cut = k.shape[2] - q.shape[2]
         o1, l1 = _CPU_FLASH(q, k[:, :, :cut], v[:, :, :cut], 0.0, False, scale=scale)
         o2, l2 = _CPU_FLASH(q, k[:, :, cut:], v[:, :, cut:], 0.0, True, scale=scale)
-        lse = torch.logaddexp(l1.float(), l2.float())
-        out = (o1.float() * (l1 - lse).exp()[..., None] + o2.float() * (l2 - lse).exp()[..., None]).to(q.dtype)
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 merge, fp64 for fp64 inputs (the kernel's lse dtype)
+        lse = torch.logaddexp(l1.to(acc), l2.to(acc))
+        out = (o1.to(acc) * (l1 - lse).exp()[..., None] + o2.to(acc) * (l2 - lse).exp()[..., None]).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.cut = scale, cut
         return out
