@@ -4,6 +4,7 @@ Raw (``RAW/.nv-meta`` + shards): samples by modality (text-only / image / video 
 turns per conversation, media sizes (bytes, and pixel sizes / frames / audio durations, sample
 rates and channels read from the headers),
 the reject summary of ``convert_report.json``, and a few rendered samples.
+VLA shards (``convert --format lerobot``, ``.nv-meta`` sample_type omniweave_vla): ``inspect_vla``.
 Packed (``PATH/manifest.json``): handed to ``omniweave.data.packing.inspect``.
 """
 
@@ -39,18 +40,23 @@ def run(args) -> int:
             return 2
         return int(inspect_packed(path, color=color) or 0)
     try:
-        from omniweave.data.sources.shards import RawDataset
+        from omniweave.data.sources.shards import META_DIR, VLA_SAMPLE_TYPE, RawDataset
 
         ds = RawDataset(path)
     except (FileNotFoundError, ValueError) as e:
+        message = str(e)
         report = path / "convert_report.json"
         rep = json.loads(report.read_text()) if report.is_file() else None
         if rep is not None and not rep["written"]:  # a convert that kept nothing
             reasons = ", ".join(f"{k}: {v}" for k, v in rep["rejected_by_reason"].items())
-            e = (f"{path}: convert kept no sample: every one of its {rep['input']} row(s) was rejected ({reasons}); "
-                 f"each row and its reason is in {path / 'rejects.jsonl'}")
-        print(f"omniweave data inspect: {e}", file=sys.stderr)
+            unit = "frame" if rep.get("kind") == "vla" else "row"
+            message = (f"{path}: convert kept no sample: every one of its {rep['input']} {unit}(s) was rejected "
+                       f"({reasons}); each {unit} and its reason is in {path / 'rejects.jsonl'}")
+        print(f"omniweave data inspect: {message}", file=sys.stderr)
         return 2
+    meta = path / META_DIR / "dataset.yaml"
+    if meta.is_file() and f"sample_type: {VLA_SAMPLE_TYPE}" in meta.read_text(errors="replace"):
+        return inspect_vla(ds, show=args.show, max_scan=args.max_scan, color=color)
     return inspect_raw(ds, show=args.show, max_scan=args.max_scan, color=color)
 
 
@@ -167,4 +173,59 @@ def inspect_raw(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -
             print(f"    {'':>11}  [{name}: {len(sample.media[name]):,} bytes]")
     print(f"inspect: {total:,} samples, {len(ds.shards)} shard(s), "
           + ", ".join(f"{k} {modality[k]:,}" for k in MODALITIES))
+    return 0
+
+
+def inspect_vla(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -> int:
+    """Per-frame robot samples: episodes, tasks, cameras, horizon, action padding, drops."""
+    from omniweave.data.sources.shards import parse_sample_bytes
+
+    total, scanned = len(ds), min(len(ds), max_scan)
+    episodes, tasks, cameras, padded = set(), Counter(), Counter(), []
+    horizons, state_dims, action_dims = Counter(), Counter(), Counter()
+    samples = {}
+    picks = set(np.linspace(0, total - 1, min(show, total)).round().astype(int).tolist() if show > 0 and total else [])
+    for i in range(scanned):
+        s = json.loads(parse_sample_bytes(ds.read_bytes(i))[1]["vla.json"])
+        episodes.add(s["episode_index"])
+        tasks[s["task"]] += 1
+        cameras.update(list(s["cameras"]))
+        horizons[len(s["actions"])] += 1
+        state_dims[len(s["state"])] += 1
+        action_dims[len(s["actions"][0])] += 1
+        padded.append(sum(s["action_is_pad"]))
+        if i in picks:
+            samples[i] = s
+    bold = lambda t: _c(t, "1", color)  # noqa: E731
+    rep_file = ds.root / "convert_report.json"
+    rep = json.loads(rep_file.read_text()) if rep_file.is_file() else {}
+    print(bold(f"raw VLA dataset {ds.root}") + (f"  (from {rep['source']})" if rep.get("source") else ""))
+    print(f"  {total:,} samples in {len(ds.shards)} shard(s), {sum(s.bytes for s in ds.shards) / 1e6:,.1f} MB"
+          + (f"; statistics over the first {scanned:,}" if scanned < total else ""))
+    show_counts = lambda c: ", ".join(f"{k}: {n:,}" for k, n in sorted(c.items()))  # noqa: E731
+    print(f"  episodes {len(episodes):,}; horizon {show_counts(horizons)}; stride {rep.get('stride', '?')}; "
+          f"state dim {show_counts(state_dims)}; action dim {show_counts(action_dims)}")
+    print(f"  padded action steps per sample {_stats(padded)}")
+    print(bold("  tasks"))
+    for task, n in tasks.most_common(10):
+        print(f"    {n:>8,}  {task}")
+    if len(tasks) > 10:
+        print(f"    ... and {len(tasks) - 10} more")
+    print(bold("  cameras") + " " + (show_counts(cameras) or "none"))
+    if rep:
+        print(bold("  convert report"))
+        print(f"    input {rep['input']:,} frames: written {rep['written']:,}, dropped {rep['rejected']:,}; "
+              f"{rep.get('video_files', 0)} video file(s), {rep.get('video_bytes', 0) / 1e6:,.1f} MB")
+        for reason, n in rep.get("rejected_by_reason", {}).items():
+            print(_c(f"      {reason:<28} {n:,}", "31", color))
+        if rep["rejected"]:
+            print(f"    details: {ds.root / 'rejects.jsonl'}")
+    for i, s in sorted(samples.items()):
+        print(bold(f"  sample {i}") + f"  episode {s['episode_index']} frame {s['frame_index']} "
+              f"(index {s['index']}, t={s['timestamp']:.3f}s): {s['task']}")
+        print(f"    state {s['state']}; actions[0] {s['actions'][0]}; padded {sum(s['action_is_pad'])}")
+        for key, cam in s["cameras"].items():
+            print(f"    {key}: {cam['file']} @ {cam['timestamp']:.3f}s")
+    print(f"inspect: {total:,} VLA samples, {len(ds.shards)} shard(s), {len(episodes):,} episode(s), "
+          f"{len(tasks):,} task(s), {len(cameras)} camera(s)")
     return 0

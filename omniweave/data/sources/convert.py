@@ -5,6 +5,8 @@
         [--max-media-size BYTES] [--max-image-pixels N]
     omniweave data convert --dataset-info data/dataset_info.json --dataset a,b --output RAW   (LLaMA-Factory's
         registry: each entry's files with its own formatting / columns / tags, data/sources/dataset_info.py)
+    omniweave data convert --format lerobot --input DATASET_DIR --output RAW [--horizon H] [--stride S]
+        (a LeRobot v3.0 dataset -> one VLA sample per frame: data/sources/lerobot_convert.py)
 
 Every input row is either written (sample key ``s{global_row:09d}``, the row's 0-based position
 across all inputs) or rejected with a reason into ``RAW/rejects.jsonl``; ``RAW/convert_report.json``
@@ -36,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omniweave.data.sources import dataset_info as registry
+from omniweave.data.sources import lerobot_convert
 from omniweave.data.sources import shards as sh
 from omniweave.data.sources.formats import FormatError, decode_row, parse_row
 from omniweave.data.sources.mapping import COLUMN_FIELDS, FORMATS, TAG_FIELDS, Mapping, detect_format, mapping_from_yaml
@@ -68,7 +71,7 @@ def parse_size(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from omniweave.argtypes import integer
 
-    p.add_argument("--input", nargs="+", help="JSON array or JSONL file(s) of conversations")
+    p.add_argument("--input", nargs="+", help="JSON / JSONL file(s) of conversations (--format lerobot: a dataset dir)")
     p.add_argument("--dataset-info", metavar="PATH", help="a LLaMA-Factory dataset_info.json (instead of --input and "
                    "the mapping flags): convert the --dataset entries, each with its own formatting/columns/tags")
     p.add_argument("--dataset", metavar="NAME[,NAME...]", help="the --dataset-info entries to convert into one output")
@@ -83,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                    help=f"reject an image or video frame with more pixels (image_too_large; at most {IMAGE_PIXELS_CEILING})")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any row is rejected")
-    p.add_argument("--format", choices=("auto", *FORMATS), default="auto")
+    p.add_argument("--format", choices=("auto", *FORMATS, "lerobot"), default="auto")
+    lerobot_convert.add_arguments(p)
     p.add_argument("--mapping", help="YAML with formatting/columns/tags (LLaMA-Factory dataset_info style)")
     p.add_argument("--auto-placeholders", action="store_true",
                    help="rows with media but no <image>/<video>/<audio> at all get them prepended to the first "
@@ -304,6 +308,9 @@ def _clear_output(out: Path, keep_work: bool) -> None:
 
 
 def run(args) -> int:
+    if args.format == "lerobot":
+        return lerobot_convert.run(args)
+    lerobot_convert.refuse_lerobot_flags(args)
     t0 = time.perf_counter()
     out = Path(args.output)
     registry.check_flags(args)
@@ -408,7 +415,7 @@ def _finish(args, out: Path, work: Path, jobs: list[Job], done: dict, files: lis
     total_bytes = sum(s["bytes"] for s in shard_records)
     seconds = time.perf_counter() - t0
     report = {
-        "input": n_rows, "written": written, "rejected": len(rejects), "rejected_by_reason": by_reason,
+        "kind": "conversation", "input": n_rows, "written": written, "rejected": len(rejects), "rejected_by_reason": by_reason,
         "bytes": total_bytes, "media_bytes": media_bytes, "media_items": dict(media_items),
         "unused_columns": {f: dict(sorted(c.items())) for f, c in unused.items()}, "seconds": round(seconds, 3),
         "inputs": files, "workers": args.workers, "maxcount": args.maxcount, "maxsize": args.maxsize,

@@ -17,7 +17,8 @@ that file) -- pixels are decoded later, by whoever needs them. Past the episode 
 is repeated and ``action_is_pad`` is True there, as lerobot's reader does (``lerobot_dataset.py``
 clamps the query indices and flags them ``{key}_is_pad``); the loss is meant to mask those steps.
 
-Every frame that is not yielded is counted in ``dropped`` with its reason (``DROP_REASONS``).
+Every frame that is not yielded is counted in ``dropped`` with its reason (``DROP_REASONS``) and listed
+in ``drops`` as (episode, frame, reason).
 Not read yet: ``image``-dtype features (stored inside the data parquet; listed in ``image_keys``),
 v2.1 datasets (one file per episode), per-episode ``stats/...`` columns.
 """
@@ -67,6 +68,7 @@ class LeRobotDataset:
         self.drop_short_episodes = drop_short_episodes
         self.tolerance_s = tolerance_s
         self.dropped: Counter = Counter()  # reason -> frames not yielded, of the latest frames() pass
+        self.drops: list[tuple[int, int, str]] = []  # (episode, frame, reason) of each of those frames
         self.stats_source: str | None = None  # set by quantile_stats()
         self.info = self._read_info()
         self.fps = float(self.info["fps"])
@@ -137,6 +139,7 @@ class LeRobotDataset:
         if horizon < 1 or stride < 1:
             raise UserError(f"horizon and stride must be >= 1, got horizon={horizon}, stride={stride}")
         self.dropped.clear()
+        self.drops.clear()
         return self._frames(horizon, stride)
 
     def _frames(self, horizon: int, stride: int) -> Iterator[dict[str, Any]]:
@@ -167,17 +170,16 @@ class LeRobotDataset:
         rows = np.flatnonzero(cols["episode_index"] == ep["episode_index"])
         rows = rows[np.argsort(cols["frame_index"][rows], kind="stable")]
         n = len(rows)
-        kept = -(-n // stride)  # the examples this episode gives: every stride-th frame
         if n != ep["length"] or not np.array_equal(cols["frame_index"][rows], np.arange(n)):
             # action chunks are slices by position: frames missing or doubled would shift them
-            self.dropped["episode_frames_mismatch"] += -(-max(n, ep["length"]) // stride)
+            self._drop("episode_frames_mismatch", ep, range(0, max(n, ep["length"]), stride))
             return
         if self.drop_short_episodes and n < horizon:
-            self.dropped["episode_shorter_than_horizon"] += kept
+            self._drop("episode_shorter_than_horizon", ep, range(0, n, stride))
             return
         videos = self._episode_videos(ep)
         if videos is None:
-            self.dropped["missing_camera"] += kept
+            self._drop("missing_camera", ep, range(0, n, stride))
             return
         state, action = cols["state"][rows], cols["action"][rows]
         bad_action = np.isnan(action).any(axis=1)
@@ -185,7 +187,7 @@ class LeRobotDataset:
             r = rows[t]
             reason = self._frame_problem(cols, r, state[t], bad_action[t:t + horizon])
             if reason:
-                self.dropped[reason] += 1
+                self._drop(reason, ep, (t,))
                 continue
             idx = np.minimum(np.arange(t, t + horizon), n - 1)  # past the end: the last action again
             ts = float(cols["timestamp"][r])
@@ -193,12 +195,18 @@ class LeRobotDataset:
                 "episode_index": int(ep["episode_index"]),
                 "frame_index": t,
                 "index": int(cols["index"][r]),
+                "timestamp": ts,
                 "task": self.tasks[int(cols["task_index"][r])],
                 "state": state[t].copy(),
                 "actions": action[idx],
                 "action_is_pad": np.arange(t, t + horizon) >= n,
                 "cameras": {k: (path, start + ts) for k, (path, start) in videos.items()},
             }
+
+    def _drop(self, reason: str, ep: dict, frames) -> None:
+        frames = list(frames)
+        self.dropped[reason] += len(frames)
+        self.drops.extend((int(ep["episode_index"]), int(t), reason) for t in frames)
 
     def _frame_problem(self, cols, r: int, state: np.ndarray, bad_actions: np.ndarray) -> str | None:
         """The drop reason of data row ``r`` (None: keep). ``bad_actions`` covers the real (unpadded)

@@ -4,10 +4,12 @@ Layout of a raw dataset directory RAW::
 
     RAW/shard-000000.tar        WebDataset samples, key ``s{global_index:09d}``; parts
                                 ``json`` (Conversation.to_json(), images/videos/audios = part names),
-                                ``img{i}.{ext}`` / ``vid{i}.{ext}`` (original file bytes)
+                                ``img{i}.{ext}`` / ``vid{i}.{ext}`` (original file bytes); VLA shards
+                                (``--format lerobot``, lerobot_convert.py): one part ``vla.json``
     RAW/shard-000000.tar.idx    little-endian uint64 byte offset of each sample's first tar
                                 header, plus the end offset of the last sample (Energon format)
     RAW/.nv-meta/dataset.yaml   Energon crude dataset, subflavor sample_type=omniweave_conversation
+                                (omniweave_vla for VLA shards)
     RAW/.nv-meta/split.yaml     every shard in the ``train`` split
     RAW/.nv-meta/.info.json     per-shard sample counts (Energon ``WebdatasetInfo``)
     RAW/.nv-meta/index.sqlite   Energon's random-access index (samples, sample_parts)
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 
 META_DIR = ".nv-meta"
 SAMPLE_TYPE = "omniweave_conversation"
+VLA_SAMPLE_TYPE = "omniweave_vla"  # per-frame robot samples (data/sources/lerobot_convert.py)
 BLOCK, RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE  # 512, 10240
 ENERGON_VERSION = "7.4.1"  # the version whose on-disk format these files follow
 
@@ -150,7 +153,7 @@ def finalize_shard(writer: ShardWriter, final_path: str | Path) -> dict:
     }
 
 
-def write_metadata(root: str | Path, shards: list[dict]) -> None:
+def write_metadata(root: str | Path, shards: list[dict], sample_type: str = SAMPLE_TYPE) -> None:
     """Energon metadata for ``shards`` (records from ``finalize_shard``, in dataset order)."""
     meta = Path(root) / META_DIR
     meta.mkdir(parents=True, exist_ok=True)
@@ -158,7 +161,7 @@ def write_metadata(root: str | Path, shards: list[dict]) -> None:
     _atomic_text(
         meta / "dataset.yaml",
         "__module__: megatron.energon\n__class__: CrudeWebdataset\nsubflavors:\n"
-        f"  sample_type: {SAMPLE_TYPE}\n",
+        f"  sample_type: {sample_type}\n",
     )
     _atomic_text(meta / "split.yaml", "split_parts:\n  train:\n" + "".join(f"  - {n}\n" for n in names) + "exclude: []\n")
     info = {"energon_version": ENERGON_VERSION, "shard_counts": {s["name"]: s["count"] for s in shards}}
