@@ -44,12 +44,14 @@ need no change; the no-media dummy pass covers the DeepStack mergers too.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from omniweave.models.components.deepstack import DeepStack, split_levels
-from omniweave.models.registry import MODALITIES, MODEL_SECTIONS, Modality
+from omniweave.models.components.prefix_attention import PrefixLayout
+from omniweave.models.registry import ENCODER_SECTIONS, MODALITIES, Modality
 from omniweave.models.text import LMHeadMixin, _cu_seqlens, _positions
 
 
@@ -86,9 +88,9 @@ class OmniModel(LMHeadMixin, nn.Module):
         """``components``: encoders and projectors by their section names (``image_encoder=…,
         projector=…``, ``audio_encoder=…, audio_projector=…``); a modality needs both or neither."""
         super().__init__()
-        unknown = sorted(set(components) - set(MODEL_SECTIONS))
+        unknown = sorted(set(components) - set(ENCODER_SECTIONS))
         if unknown:
-            raise TypeError(f"OmniModel: unknown component(s) {unknown}; known: {', '.join(MODEL_SECTIONS[1:])}")
+            raise TypeError(f"OmniModel: unknown component(s) {unknown}; known: {', '.join(ENCODER_SECTIONS)}")
         self.foundation = foundation
         self.modalities: tuple[Modality, ...] = ()  # the modalities this model encodes, in MODALITIES order
         for m in MODALITIES:
@@ -251,7 +253,31 @@ class OmniModel(LMHeadMixin, nn.Module):
     # ------------------------------------------------------------------ the model contract
 
     def hidden(self, batch: dict) -> torch.Tensor:
+        return self.prefix(batch).hidden
+
+    def prefix(self, batch: dict, keep_kv: bool = False) -> "Prefix":
+        """The foundation over the row. With ``prefix_lens [D]`` in the batch each document's first
+        ``prefix_lens[d]`` tokens attend bidirectionally (PaliGemma's prefix-LM, a VLA frame's
+        observation; components/prefix_attention.py) and the rest causally; ``keep_kv`` keeps every
+        layer's keys / values in the returned layout (an action expert reads them)."""
         inputs = self.foundation_inputs(batch)
         L, device = inputs["inputs_embeds"].shape[0], inputs["inputs_embeds"].device
-        return self.foundation(**inputs, position_ids=_positions(batch, L, device), cu_seqlens=_cu_seqlens(batch, L, device),
-                               token_valid=batch.get("token_valid"))
+        cu, positions = _cu_seqlens(batch, L, device), _positions(batch, L, device)
+        prefix_lens, layout = batch.get("prefix_lens"), None
+        if prefix_lens is not None or keep_kv:
+            if prefix_lens is None:
+                prefix_lens = torch.zeros(cu.shape[0] - 1, dtype=torch.long, device=device)
+            layout = PrefixLayout(cu, prefix_lens, keep_kv=keep_kv)
+        hidden = self.foundation(**inputs, position_ids=positions, cu_seqlens=cu, kv_cache=layout,
+                                 token_valid=batch.get("token_valid"))
+        return Prefix(hidden, layout, positions)
+
+
+class Prefix(NamedTuple):
+    """The foundation's pass over a row: final-norm hidden states [L, D], the attention layout
+    (None: plain causal documents; with kept keys / values for an action expert) and the row's
+    positions."""
+
+    hidden: torch.Tensor
+    layout: PrefixLayout | None
+    position_ids: torch.Tensor

@@ -75,7 +75,10 @@ def modality_of(kind: str) -> Modality:
     raise ValueError(f"no modality encodes media of kind {kind!r}; known: {[k for m in MODALITIES for k in m.kinds]}")
 
 
-MODEL_SECTIONS = ("foundation", *(s for m in MODALITIES for s in (m.encoder, m.projector)))
+# the action expert (vision-language-action models, models/vla.py) sits beside the encoders: it
+# reads the backbone's keys and values instead of feeding it
+MODEL_SECTIONS = ("foundation", *(s for m in MODALITIES for s in (m.encoder, m.projector)), "action_expert")
+ENCODER_SECTIONS = MODEL_SECTIONS[1:-1]
 
 KINDS = (*MODEL_SECTIONS, "hf", "reward")
 
@@ -121,6 +124,7 @@ COMPONENT_MODULES = [
     "omniweave.models.components.audio_projector",
     "omniweave.models.hf.qwen2_audio",
     "omniweave.models.hf.qwen2_5_omni",
+    "omniweave.models.components.action_expert",
     "omniweave.rl.rewards",
 ]
 
@@ -235,9 +239,10 @@ def component_modules(model: nn.Module) -> dict[str, nn.Module]:
 def build_model(model_cfg: Any, adapters: bool = True) -> nn.Module:
     """The recipe's ``model:`` section -> a model implementing the trainer's model contract.
 
-    With any encoder (:data:`MODALITIES`) it is ``OmniModel(foundation, **encoders and their
-    projectors)`` (``omniweave.models.omni``); otherwise a text-only
-    :class:`~omniweave.models.text.CausalLM`. ``adapters``: add the components' ``lora:`` adapters
+    With an ``action_expert`` it is a :class:`~omniweave.models.vla.VLAModel` (the encoders read
+    the observation, the expert denoises action chunks); with any encoder (:data:`MODALITIES`)
+    ``OmniModel(foundation, **encoders and their projectors)`` (``omniweave.models.omni``);
+    otherwise a text-only :class:`~omniweave.models.text.CausalLM`. ``adapters``: add the components' ``lora:`` adapters
     (models/lora.py); the trainer passes False and adds them after tensor parallelism.
     """
     cfg = _as_dict(model_cfg)
@@ -257,7 +262,11 @@ def build_model(model_cfg: Any, adapters: bool = True) -> nn.Module:
             parts[m.projector] = build_component(m.projector, cfg[m.projector])
         elif cfg.get(m.projector):
             raise KeyError(f"model: a '{m.projector}' without an '{m.encoder}' has nothing to project")
-    if parts:
+    if cfg.get("action_expert"):
+        from omniweave.models.vla import VLAModel
+
+        model = VLAModel(foundation, build_component("action_expert", cfg["action_expert"]), **parts)
+    elif parts:
         from omniweave.models.omni import OmniModel
 
         model = OmniModel(foundation=foundation, **parts)

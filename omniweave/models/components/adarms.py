@@ -49,8 +49,9 @@ class AdaRMSNorm(nn.Module):
         if extra < 0:
             raise ValueError(f"cond {tuple(cond.shape)} has more dims than x {tuple(x.shape)}")
         modulation = modulation.reshape(modulation.shape[0], *([1] * extra), modulation.shape[-1])
-        scale, shift, gate = modulation.float().chunk(3, dim=-1)
-        xf = x.float()
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs: tests)
+        scale, shift, gate = modulation.to(acc).chunk(3, dim=-1)
+        xf = x.to(acc)
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         y = normed * (1.0 + scale) + shift
         return y.to(x.dtype), gate.to(x.dtype)

@@ -111,26 +111,32 @@ class FlowLoss(NamedTuple):
 
 
 def flow_matching_loss(
-    v_pred: Tensor, u_t: Tensor, action_is_pad: Tensor | None = None, action_dim: int | None = None
+    v_pred: Tensor, u_t: Tensor, action_is_pad: Tensor | None = None, action_dim: int | Tensor | None = None
 ) -> FlowLoss:
-    """Mean squared error between the predicted and target velocities [B, H, D_max], in float32.
+    """Mean squared error between the predicted and target velocities [B, H, D_max], in float32
+    (float64 for float64 inputs).
 
     ``action_dim`` keeps only the first (real) action columns: the chunk is zero-padded to the
-    model's ``max_action_dim``, and the padded columns are not scored (as lerobot truncates).
-    ``action_is_pad`` [B, H] (True: a step past the episode's end, which the LeRobot reader fills
-    by repeating the last frame) excludes those steps. lerobot 0.4.4 does *not* mask them (nor
-    does LoongForge), so it trains on the repeated frames; we mask them, as issue 37 asks, so a
-    loss here differs from lerobot's on chunks that cross an episode's end.
+    model's ``max_action_dim``, and the padded columns are not scored (as lerobot truncates). An
+    int holds for the batch; a tensor [B] gives each sample its own (datasets of different robots
+    in one row). ``action_is_pad`` [B, H] (True: a step past the episode's end, which the LeRobot
+    reader fills by repeating the last frame) excludes those steps. lerobot 0.4.4 does *not* mask
+    them (nor does LoongForge), so it trains on the repeated frames; we mask them, as issue 37
+    asks, so a loss here differs from lerobot's on chunks that cross an episode's end.
     """
-    if action_dim is not None:
+    if isinstance(action_dim, int):
         v_pred, u_t = v_pred[..., :action_dim], u_t[..., :action_dim]
-    sq = (v_pred.float() - u_t.float()).pow(2)  # [B, H, D]
-    if action_is_pad is None:
-        total, count = sq.sum(), torch.tensor(sq.numel(), device=sq.device)
-    else:
-        keep = ~action_is_pad.to(device=sq.device, dtype=torch.bool)  # [B, H]
-        total = (sq * keep[..., None]).sum()  # multiply, not index: no host sync, same graph
-        count = keep.sum() * sq.shape[-1]
+    acc = torch.promote_types(v_pred.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
+    sq = (v_pred.to(acc) - u_t.to(acc)).pow(2)  # [B, H, D]
+    keep = torch.ones(sq.shape[:-1], dtype=torch.bool, device=sq.device)  # [B, H]
+    if action_is_pad is not None:
+        keep = ~action_is_pad.to(device=sq.device, dtype=torch.bool)
+    columns = torch.ones(sq.shape[0], sq.shape[-1], dtype=torch.bool, device=sq.device)  # [B, D]
+    if isinstance(action_dim, Tensor):
+        columns = torch.arange(sq.shape[-1], device=sq.device)[None] < action_dim.to(sq.device).reshape(-1, 1)
+    scored = keep[..., None] & columns[:, None, :]  # [B, H, D]
+    total = (sq * scored).sum()  # multiply, not index: no host sync, same graph
+    count = scored.sum()
     return FlowLoss(total / count.clamp_min(1), total, count)
 
 
