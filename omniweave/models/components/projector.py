@@ -9,6 +9,9 @@
                   tower as ``visual.merger``; our parameter names are the same, ``ln_q`` / ``mlp.0`` / ``mlp.2``.)
 ``mlp_adapter``   a plain Linear → GELU → Linear per patch, no merging (N = P), e.g. for
                   encoders whose tokens are already few.
+``linear``        one Linear with bias per patch, no merging (N = P): PaliGemma's
+                  ``multi_modal_projector.linear`` (hf/paligemma.py). Its output goes into the
+                  embeddings unscaled (transformers 5 scales only looked-up token embeddings).
 
 ``out_dim`` is the foundation's hidden size and ``in_dim`` the encoder's; recipes set both with
 interpolation (``${model.foundation.hidden_size}``) so one projector YAML serves every size.
@@ -39,6 +42,12 @@ class MLPAdapterConfig:
     in_dim: int = 1280
     out_dim: int = 3584
     hidden_dim: int | None = None  # default: out_dim
+
+
+@dataclass
+class LinearProjectorConfig:
+    in_dim: int = 1152  # vision hidden size
+    out_dim: int = 2048  # foundation hidden size
 
 
 class PatchMerger(nn.Module):
@@ -93,5 +102,25 @@ class MLPAdapter(nn.Module):
         return self.mlp(hidden)
 
 
+class LinearProjector(nn.Module):
+    def __init__(self, cfg: LinearProjectorConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.out_dim = cfg.out_dim
+        self.linear = nn.Linear(cfg.in_dim, cfg.out_dim, bias=True)
+
+    def init_weights(self, std: float = 0.02) -> None:
+        from omniweave.models.components.vit import _init
+
+        _init(self, std)
+
+    def num_tokens(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        return grid_thw.to(torch.long).prod(-1)
+
+    def forward(self, hidden: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        return self.linear(hidden)
+
+
 register("projector", "patch_merger", PatchMergerConfig)(PatchMerger)
 register("projector", "mlp_adapter", MLPAdapterConfig)(MLPAdapter)
+register("projector", "linear", LinearProjectorConfig)(LinearProjector)

@@ -1,4 +1,4 @@
-"""SigLIP's vision tower (``siglip_vit``), the encoder of LLaVA-OneVision, run varlen over all tiles.
+"""SigLIP's vision tower (``siglip_vit``), the encoder of LLaVA-OneVision and PaliGemma, run varlen over all tiles.
 
     encoder(pixel_values [P, C·p·p], grid_thw [M, 3]) -> [P, D]
 
@@ -16,7 +16,9 @@ the end, ``-1`` the last block's output WITHOUT ``post_layernorm``, which is wha
 ``vision_feature_layer: -1`` reads). Only the blocks up to it run; blocks after it would get no
 gradient, so build the tower with ``depth`` = the blocks the model uses (LLaVA-OneVision's 26).
 ``post_layernorm: true`` holds and applies transformers' ``post_layernorm`` (its
-``last_hidden_state``; needs the last block's output): for models that read that, not LLaVA-OneVision.
+``last_hidden_state``; needs the last block's output): PaliGemma reads that (one 224 px image =
+one tile, no pooling head), LLaVA-OneVision does not; the flag also picks the family a model with
+this tower exports as.
 
 Tiles of another size than the table's are an error: transformers' SigLIP adds the table without
 interpolation unless asked (``interpolate_pos_encoding=False`` by default, and LLaVA-OneVision never
@@ -117,7 +119,9 @@ class SiglipViT(nn.Module):
     def __init__(self, cfg: SiglipViTConfig):
         super().__init__()
         self.cfg = cfg
-        self.hf_model_type = "llava_onevision"  # the family it exports as (hf/llava_onevision.py)
+        # the family it exports as: PaliGemma reads last_hidden_state (post_layernorm applied,
+        # hf/paligemma.py), LLaVA-OneVision the last block's output without it (hf/llava_onevision.py)
+        self.hf_model_type = "paligemma" if cfg.post_layernorm else "llava_onevision"
         self.out_dim = cfg.hidden_size
         self.merge_size = 1  # the projector maps each patch row on its own
         self.patch_embed = nn.Conv2d(cfg.in_channels, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size)

@@ -18,6 +18,10 @@ runs the same conversation through both, printing max|Δ| for every stage:
     position_ids  ours (data/text/rope_index.py) vs the model's get_rope_index
     logits        OmniModel.logits vs transformers' forward (fp32)
 
+PaliGemma (``verify_paligemma.py``): two documents, each an image and a bidirectional prefix,
+packed against each alone, logits with the prefix-LM mask (``prefix_lens`` vs ``token_type_ids``)
+and without.
+
 Audio-language models (an ``audio_config`` and no ``vision_config``: Qwen2-Audio) are checked by
 ``verify_audio.py`` (audio token counts, mel features, logits), the Qwen2.5-Omni thinker by
 ``verify_omni.py`` (also ``--use-audio-in-video``: the videos' own sound tracks as audio inputs;
@@ -355,6 +359,10 @@ def verify(args) -> int:
         from omniweave.models.hf.verify_internvl import verify_internvl
 
         return verify_internvl(args, hf_dir, hf_cfg, _report)
+    if hf_cfg.get("model_type") == "paligemma" and not args.audio:
+        from omniweave.models.hf.verify_paligemma import verify_paligemma
+
+        return verify_paligemma(args, hf_dir, hf_cfg, _report)
     if hf_cfg.get("model_type") == "llava_onevision" and not args.audio:
         from omniweave.models.hf.verify_llava_onevision import verify_llava_onevision
 
