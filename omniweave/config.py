@@ -83,6 +83,7 @@ class DataSchema:
     rope: str = "mrope"
     vision: Any = field(default_factory=lambda: _vision_schema()())
     audio: Any = field(default_factory=lambda: _audio_schema()())
+    vla: Optional[Any] = None  # train.phase=vla: {prompt, state_bins, cameras} (data/packing/vla.py)
 
 
 @dataclass
@@ -116,6 +117,11 @@ class KTOSchema:  # train.phase=kto (docs/dpo.md)
 
 
 @dataclass
+class VLATrainSchema:  # train.phase=vla (docs/vla.md)
+    text_weight: float = 0.0  # co-training: the labelled text tokens' cross-entropy, weighted against action values
+
+
+@dataclass
 class TrainSchema:
     phase: str = "sft"
     steps: int = MISSING
@@ -146,6 +152,7 @@ class TrainSchema:
     orpo: ORPOSchema = field(default_factory=ORPOSchema)
     simpo: SimPOSchema = field(default_factory=SimPOSchema)
     kto: KTOSchema = field(default_factory=KTOSchema)
+    vla: VLATrainSchema = field(default_factory=VLATrainSchema)
 
 
 @dataclass

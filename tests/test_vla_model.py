@@ -231,20 +231,31 @@ def test_fresh_expert_starts_as_plain_norms_with_closed_gates():
 
 def test_flow_objective_runs_through_the_forward_head():
     """FlowMatchingObjective through ``model(batch, head=...)`` (what the engine's executors call):
-    the loss equals the model's flow loss sum, count() equals the real action values (38), and
+    row_inputs pads the chunks to the expert's width (3 -> 5 columns) and draws noise / time per
+    chunk from (seed, step, sample index) -- the same for the same triple, new at another step; the
+    loss equals the model's flow loss sum on that row, count() the real action values (30), and
     co-training adds text_weight × the labelled tokens' cross-entropy sum."""
     from omniweave.vla.objective import FlowMatchingObjective, action_values
 
-    model, batch = tiny_vla(), vla_batch()
-    objective = FlowMatchingObjective()
+    model, batch = tiny_vla(), vla_batch(dims=(3, 3, 3))
+    batch = {k: v for k, v in batch.items() if k not in ("action_noise", "action_time")}
+    batch.update(actions=batch["actions"][..., :3], action_samples=torch.tensor([11, 12, 13]))
+    step = [5]
+    objective = FlowMatchingObjective(seed=7, step=lambda: step[0])
     row = objective.row_inputs(model, batch)
+    assert row["actions"].shape == (3, H, A) and (row["actions"][..., 3:] == 0).all()
+    again = objective.row_inputs(model, batch)
+    assert torch.equal(again["action_noise"], row["action_noise"]) and torch.equal(again["action_time"], row["action_time"])
+    step[0] = 6
+    assert not torch.equal(objective.row_inputs(model, batch)["action_noise"], row["action_noise"])
+    assert ((row["action_time"] >= 0.001) & (row["action_time"] <= 1.0)).all()
     loss, stats = model(batch, head=objective.head(row))
-    ref = model.flow_loss(model.prefix(batch), batch)
-    assert loss.item() == ref.sum.item()
-    assert objective.count([batch]) == action_values(batch) == int(ref.count) == 38
+    ref = model.flow_loss(model.prefix(batch), row)
+    assert loss.item() == pytest.approx(ref.sum.item(), rel=1e-12)
+    assert objective.count([batch]) == action_values(batch) == int(ref.count) == 3 * 10
     assert objective.metrics({k: v.item() for k, v in stats.items()})["flow_loss"] == pytest.approx(ref.mean.item())
     labelled = dict(batch, labels=batch["input_ids"].roll(-1))
-    co_loss, co_stats = model(labelled, head=FlowMatchingObjective(text_weight=0.5).head(row))
+    co_loss, co_stats = model(labelled, head=FlowMatchingObjective(text_weight=0.5, step=lambda: 6).head(row))
     text = model.loss_sum(model.prefix(labelled).hidden, labelled["labels"])
     assert co_loss.item() == pytest.approx(ref.sum.item() + 0.5 * text.item(), rel=1e-12)
     assert co_stats["text_tokens"].item() == batch["input_ids"].shape[0]

@@ -32,6 +32,7 @@ class Traits:
     token_sum: bool = True
     reference_forward: str | None = None  # the keys that ask for a frozen reference's forward per row
     sums_over_cp: bool = False
+    action_chunks: bool = False  # VLA: an action expert's chunks read every layer's prefix keys / values (models/vla.py)
 
 
 @dataclass(frozen=True)
@@ -86,12 +87,21 @@ def traits(cfg) -> Traits:
         kl, gspo = float(rl.kl_coef), rl.importance_sampling == "sequence"
         return Traits(f"train.phase=grpo (rl.kl_coef={kl:g}{', rl.importance_sampling=sequence' if gspo else ''})",
                       token_sum=not gspo, reference_forward="rl.kl_coef > 0" if kl > 0 else None, sums_over_cp=gspo)
+    if phase == "vla":
+        return Traits("train.phase=vla", action_chunks=True)
     return Traits(f"train.phase={phase}")
 
 
 def refusals(mode: Traits, lay: Layout) -> list[str]:
     """Why ``mode`` cannot run under ``lay``: one clause per reason, naming the keys ([]: it runs)."""
     out = []
+    if mode.action_chunks:  # the chunks' attention reads whole rows' keys / values of whole heads, on one rank
+        for key, value in (("parallel.cp", lay.cp), ("parallel.seq_chunks", lay.seq_chunks), ("parallel.pp", lay.pp),
+                           ("model.foundation.tp", lay.tp)):
+            if value > 1:
+                out.append(f"{mode.mode} with {key}={value}: the action expert reads every layer's keys and values "
+                           "of whole prefixes on one rank; not supported yet (use dp / FSDP)")
+        return out
     if lay.seq_chunks > 1:
         n = f"parallel.seq_chunks={lay.seq_chunks}"
         if lay.cp > 1:
@@ -141,7 +151,8 @@ MODES = {"SFT / pretraining": Traits("train.phase=sft"),
          "GRPO, `rl.kl_coef: 0`": Traits("train.phase=grpo (rl.kl_coef=0)"),
          "GRPO, `rl.kl_coef > 0`": Traits("train.phase=grpo (rl.kl_coef=0.1)", reference_forward="rl.kl_coef > 0"),
          "GSPO (`rl.importance_sampling: sequence`)": Traits("train.phase=grpo (rl.importance_sampling=sequence)",
-                                                            token_sum=False, sums_over_cp=True)}
+                                                            token_sum=False, sums_over_cp=True),
+         "VLA (flow matching)": Traits("train.phase=vla", action_chunks=True)}
 LAYOUTS = {"dp (FSDP)": Layout(), "cp": Layout(cp=2), "tp": Layout(tp=2), "seq_chunks": Layout(seq_chunks=2),
            "pp": Layout(pp=2), "pp × cp": Layout(pp=2, cp=2), "pp × tp": Layout(pp=2, tp=2),
            "pp × seq_chunks": Layout(pp=2, seq_chunks=2, pp_schedule="gpipe")}

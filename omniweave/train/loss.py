@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 # dpo, orpo, simpo: pairs of answers, their labels as packed, their own losses (train/dpo.py, train/preference.py)
-PHASES = ("sft", "pretrain", "dpo", "orpo", "simpo", "kto")
+PHASES = ("sft", "pretrain", "dpo", "orpo", "simpo", "kto", "vla")
 PAIR_PHASES = ("dpo", "orpo", "simpo")
 ANSWER_PHASES = (*PAIR_PHASES, "kto")  # labelled on the final answers by data pack, kept as packed
+AS_PACKED = ("sft", *ANSWER_PHASES, "vla")  # the packs' own labels (vla: none, or co-trained text)
 
 
 def pretrain_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, ignore_ids: tuple[int, ...] = ()) -> torch.Tensor:
@@ -32,7 +33,7 @@ def apply_phase(packs: list[dict], phase: str, ignore_ids: tuple[int, ...]) -> l
     """The micro-batches with the labels (and loss-token counts) of ``phase``."""
     if phase not in PHASES:
         raise ValueError(f"train.phase={phase!r}; choose one of {PHASES}")
-    if phase == "sft" or phase in ANSWER_PHASES:
+    if phase in AS_PACKED:
         return packs
     out = []
     for p in packs:
@@ -51,7 +52,8 @@ def drop_skipped_docs(packs: list[dict], skips: list[dict]) -> list[dict]:
     tokens stay (every rank keeps its shapes, the step runs); after the phase's labels, so
     ``pretrain`` drops them too. Per-token ``token_data`` (DPO's ``pair_slot``) is zeroed there as
     well: a pair whose media failed adds nothing to the log-prob sums, and DPO leaves it out of its
-    loss, statistics and pair normaliser (``dpo.live_pairs``)."""
+    loss, statistics and pair normaliser (``dpo.live_pairs``). A robot frame's action chunk (train.phase
+    vla) is marked padded: it scores nothing and leaves the normaliser."""
     out = list(packs)
     for skip in skips:
         p = out[skip["row"]]
@@ -59,6 +61,12 @@ def drop_skipped_docs(packs: list[dict], skips: list[dict]) -> list[dict]:
         labels = p["labels"].clone()
         labels[start:end] = -100
         out[skip["row"]] = {**p, "labels": labels, "num_loss_tokens": int((labels != -100).sum())}
+        if "action_docs" in p:  # a robot frame whose camera image did not decode: its chunk scores nothing
+            doc = int(torch.searchsorted(p["cu_seqlens"].to(torch.long), torch.tensor(start), right=True)) - 1
+            pad = p["action_is_pad"].clone()
+            pad[p["action_docs"] == doc] = True
+            out[skip["row"]]["action_is_pad"] = pad
+            out[skip["row"]]["num_action_values"] = int(((~pad).sum(1) * p["action_dims"]).sum())
         if "token_data" in p:
             out[skip["row"]]["token_data"] = {k: v.clone().index_fill_(0, torch.arange(start, end), 0)
                                               for k, v in p["token_data"].items()}

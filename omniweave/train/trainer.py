@@ -72,7 +72,7 @@ def listed(args: argparse.Namespace) -> bool:
 
 
 def phase_kind(cfg) -> str:
-    """The packed data a ``train.phase`` trains on (SFT packs or preference pairs); its settings
+    """The packed data a ``train.phase`` trains on (SFT packs, preference pairs, VLA frames…); its settings
     (``train.dpo.*``) checked before any rank starts."""
     from omniweave.data.packing.prompts import dataset_kind
 
@@ -240,7 +240,8 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
 
 def build_objective(cfg, engine: Engine, fault_hook=None):
     """The objective of ``train.phase`` (train/objective.py): token cross-entropy (sft, pretrain),
-    DPO's pair loss, ORPO's / SimPO's (train/preference.py) or KTO's (train/kto.py); ``fault_hook(step, loss_sum)`` (tests) corrupts its losses."""
+    DPO's pair loss, ORPO's / SimPO's (train/preference.py), KTO's (train/kto.py) or flow matching
+    (vla/objective.py); ``fault_hook(step, loss_sum)`` (tests) corrupts its losses."""
     from omniweave.train.objective import TokenCrossEntropy, WithFault
 
     phase = section(cfg, "train").phase
@@ -256,6 +257,11 @@ def build_objective(cfg, engine: Engine, fault_hook=None):
         from omniweave.train.kto import KTOObjective
 
         objective = KTOObjective(cfg, engine)
+    elif phase == "vla":
+        from omniweave.vla.objective import FlowMatchingObjective
+
+        tc = section(cfg, "train")
+        objective = FlowMatchingObjective(int(tc.seed), lambda: engine.step, float(tc.vla.text_weight))
     else:
         objective = TokenCrossEntropy()
     if fault_hook is not None:

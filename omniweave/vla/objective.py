@@ -4,9 +4,10 @@
     count = Σ_chunks (unpadded steps × real action columns)     (the global normaliser)
 
 so the step's loss is the mean squared velocity error over every real action value of the global
-batch, whatever the layout. The chunks' actions, padding, widths and the flow-matching draw (noise,
-time) ride in the row (models/vla.py ACTION_KEYS); the row is built with them, seeded per sample,
-so every layout scores the same draw. Co-training (``text_weight`` > 0) adds the cross-entropy of
+batch, whatever the layout. The chunks' actions, padding and widths ride in the row with each chunk's sample index
+(``action_samples``: the frame's index in the raw dataset); the flow-matching draw (noise at the
+expert's width, time ~ Beta) comes from a generator seeded by (train.seed, step, sample index), so
+every layout, rank count and resume scores the same draw, and a frame seen again later gets a new one. Co-training (``text_weight`` > 0) adds the cross-entropy of
 labelled tokens in the same rows (a causal tail after a prefix, or text-only documents) on the
 same normaliser: a sum over tokens weighted against the action values, not a second mean.
 """
@@ -16,8 +17,33 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from omniweave.models.vla import ACTION_KEYS
+from collections.abc import Callable
+
+import numpy as np
+
+from omniweave.models.components.flow import sample_flow_time
 from omniweave.train.objective import Objective, Target
+
+ROW_KEYS = ("action_docs", "actions", "action_is_pad", "action_dims", "action_samples")  # what the loader puts in a row
+
+
+def draw_seed(seed: int, step: int, sample: int) -> int:
+    """A well-mixed 63-bit seed of (run seed, step, sample index) (numpy's SeedSequence hash)."""
+    return int(np.random.SeedSequence([seed, step, sample]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def flow_draw(samples: torch.Tensor, seed: int, step: int, horizon: int, width: int, alpha: float = 1.5,
+              beta: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(noise float32 [N, horizon, width], time float32 [N]) of each chunk, from its own generator
+    (:func:`draw_seed` of its sample index), on the CPU: the same numbers on any device and layout."""
+    noise, time = [], []
+    for sample in samples.tolist():
+        g = torch.Generator().manual_seed(draw_seed(seed, step, int(sample)))
+        noise.append(torch.randn(horizon, width, generator=g))
+        time.append(sample_flow_time(1, g, alpha, beta))
+    if not noise:
+        return torch.zeros(0, horizon, width), torch.zeros(0)
+    return torch.stack(noise), torch.cat(time)
 
 
 def action_values(pack: dict) -> int:
@@ -32,20 +58,33 @@ class FlowMatchingObjective(Objective):
     name = "flow_matching"
     stat_keys = ("flow_sse", "action_values", "text_loss_sum", "text_tokens")
 
-    def __init__(self, text_weight: float = 0.0):
+    def __init__(self, seed: int = 0, step: Callable[[], int] = lambda: 0, text_weight: float = 0.0):
+        """``step()``: the optimizer step being computed (the engine's), part of every draw's seed."""
         if text_weight < 0:
             raise ValueError(f"text_weight must be >= 0, got {text_weight}")
-        self.text_weight = float(text_weight)
+        self.seed, self.step, self.text_weight = int(seed), step, float(text_weight)
 
     def count(self, packs: list[dict]) -> float:
         return float(sum(action_values(p) for p in packs))
 
     def row_inputs(self, model, mb: dict) -> dict[str, Tensor]:
-        missing = [k for k in ACTION_KEYS if k not in mb]
+        """The row's chunks at the expert's width (zero columns added) and their flow draw."""
+        missing = [k for k in ROW_KEYS if k not in mb]
         if missing:
             raise ValueError(f"train.phase=vla needs rows with action chunks; this row lacks {', '.join(missing)} "
                              "(pack a LeRobot conversion with a VLA recipe: docs/vla.md)")
-        return {k: mb[k] for k in ACTION_KEYS}
+        cfg = model.action_expert.config
+        actions = mb["actions"]
+        if actions.shape[1:] != (cfg.horizon, actions.shape[2]) or actions.shape[2] > cfg.action_dim:
+            raise ValueError(f"action chunks of shape {tuple(actions.shape[1:])} do not fit the expert "
+                             f"(horizon {cfg.horizon}, action_dim {cfg.action_dim}): repack with data.vla.horizon "
+                             f"= {cfg.horizon}, or widen model.action_expert.action_dim")
+        actions = torch.nn.functional.pad(actions, (0, cfg.action_dim - actions.shape[2]))
+        noise, time = flow_draw(mb["action_samples"], self.seed, self.step(), cfg.horizon, cfg.action_dim,
+                                cfg.time_alpha, cfg.time_beta)
+        return {"action_docs": mb["action_docs"], "actions": actions, "action_is_pad": mb["action_is_pad"],
+                "action_dims": mb["action_dims"], "action_noise": noise.to(actions.device, actions.dtype),
+                "action_time": time.to(actions.device, actions.dtype)}
 
     def loss(self, model, prefix, target: Target) -> tuple[Tensor, dict[str, Tensor]]:
         flow = model.flow_loss(prefix, target.row)
@@ -55,6 +94,11 @@ class FlowMatchingObjective(Objective):
         if self.text_weight:
             text = model.loss_sum(prefix.hidden, target.labels)
             loss = loss + self.text_weight * text
+        else:  # 0 × the LM loss of one token: the backbone's last layers and the LM head, off the flow loss's
+            # path, get (zero) gradients every step, so every rank's optimizer holds state for every
+            # parameter and checkpoints restore whole (as run_encoder_always does for idle encoders)
+            first = torch.zeros(1, dtype=torch.long, device=loss.device)
+            loss = loss + 0.0 * model.loss_sum(prefix.hidden[:1], first)
         return loss, {"flow_sse": flow.sum.detach(), "action_values": flow.count.to(torch.float32),
                       "text_loss_sum": text.detach(), "text_tokens": text_tokens.to(torch.float32)}
 

@@ -169,6 +169,10 @@ def collate_pack(pack: dict, data_cfg: dict, skips: list | None = None) -> dict:
         from omniweave.train.kto import kto_token_data
 
         extra["token_data"], extra["num_kto"] = kto_token_data(labels, cu_seqlens, pack["docs"])
+    if pack["docs"] and any("vla" in d for d in pack["docs"]):  # robot frames (data/packing/vla.py, models/vla.py)
+        from omniweave.data.packing.vla import vla_rows
+
+        extra.update(vla_rows(pack))
     if any("loss_weights" in d for d in pack["docs"]):  # fractional per-turn weights (a turn's loss_weight)
         extra.setdefault("token_data", {})["loss_weight"] = pack_loss_weights(pack, int(labels.shape[0]))
     encoded = [m for m in pack["media"] if "same_as" not in m]  # shared items: bytes and features once
@@ -258,12 +262,13 @@ def _as_list(batch: list) -> list:
 
 
 def check_kind(manifest: dict, kind: str, where: str, key: str = "data.path") -> None:
-    """SFT packs, RL prompts (``data/packing/prompts.py``), preference pairs (``data/packing/pairs.py``) and KTO
-    completions (``data/packing/kto.py``) are not interchangeable."""
+    """SFT packs, RL prompts (``data/packing/prompts.py``), preference pairs (``data/packing/pairs.py``), KTO
+    completions (``data/packing/kto.py``) and VLA frames (``data/packing/vla.py``) are not interchangeable."""
     have = manifest.get("kind", "sft")
     if have != kind:
         what = {"sft": "training packs (train.phase sft / pretrain)", "prompts": "RL prompts (train.phase grpo)",
-                "pairs": "preference pairs (train.phase dpo / orpo / simpo)", "kto": "KTO completions (train.phase kto)"}
+                "pairs": "preference pairs (train.phase dpo / orpo / simpo)", "kto": "KTO completions (train.phase kto)",
+                "vla": "robot frames with action chunks (train.phase vla)"}
         raise UserError(f"{key}={where} holds {what.get(have, have)}, but this run needs {what.get(kind, kind)}; "
                         "pack the data with the recipe of this run (`omniweave data pack … --recipe R`)")
 

@@ -34,7 +34,9 @@ import numpy as np
 from tqdm import tqdm
 
 from omniweave.data.packing import bins as packing
-from omniweave.data.packing.packed import FORMAT, MANIFEST, PackedShardWriter, atomic_write_json, fingerprint_diff, pack_shard_name
+from omniweave.data.packing.packed import (
+    FORMAT, MANIFEST, PackedShardWriter, atomic_write_bytes, atomic_write_json, fingerprint_diff, pack_shard_name,
+)
 from omniweave.data.packing.stats import build_stats, plot_lengths
 from omniweave.data.sources.shards import META_DIR
 from omniweave.errors import UserError
@@ -119,7 +121,12 @@ def _init_worker(raw_root: str, data_cfg: dict, kind: str, media_kinds: list[str
     from omniweave.data.sources.shards import RawDataset
     from omniweave.data.text.tokenize import SampleProcessor
 
-    _W["ds"] = RawDataset(raw_root)
+    if kind == "vla":  # a LeRobot conversion: frames read as observation prompts (data/packing/vla.py)
+        from omniweave.data.packing.vla import VLARawDataset, VLASettings
+
+        _W["ds"] = VLARawDataset(raw_root, VLASettings.from_mapping(data_cfg.get("vla")))
+    else:
+        _W["ds"] = RawDataset(raw_root)
     _W["proc"] = SampleProcessor(data_cfg)
     _W["kind"] = kind
     _W["media_kinds"] = media_kinds
@@ -130,8 +137,8 @@ def _init_worker(raw_root: str, data_cfg: dict, kind: str, media_kinds: list[str
 
 def _tokenize(raw) -> list[tuple]:
     """[(tokenized document, extra doc info)]: an SFT sample, an RL prompt with its answer, the
-    two documents of a preference pair (packed as one item, so they stay together) or a KTO
-    completion."""
+    two documents of a preference pair (packed as one item, so they stay together), a KTO
+    completion or a VLA frame (its observation, its action chunk)."""
     from omniweave.data.packing.kto import tokenize_kto
     from omniweave.data.packing.pairs import tokenize_pair
     from omniweave.data.packing.prompts import KIND_KTO, KIND_PAIRS, KIND_PROMPTS, tokenize_rl_prompt
@@ -149,6 +156,10 @@ def _tokenize(raw) -> list[tuple]:
         return tokenize_pair(_W["proc"], raw)
     if _W["kind"] == KIND_KTO:
         return tokenize_kto(_W["proc"], raw)
+    if _W["kind"] == "vla":
+        from omniweave.data.packing.vla import tokenize_vla
+
+        return tokenize_vla(_W["proc"], raw)
     if conv.meta.get("kto_tag") is False:  # an undesirable answer is no SFT target (KTO trains on it)
         raise SampleRejected("kto_undesirable", "the row's KTO tag marks its answer undesirable")
     return [(_W["proc"].tokenize(raw), {})]
@@ -361,6 +372,13 @@ def run(args) -> int:
     if not (Path(args.input) / META_DIR).is_dir():
         raise UserError(f"--input {args.input}: not a raw dataset (no {META_DIR}/); make one with "
                         "`omniweave data convert --input F.jsonl --output RAW`")
+    from omniweave.data.packing.vla import check_raw_kind
+
+    check_raw_kind(args.input, kind)
+    if kind == "vla":  # the policy undoes the normalisation from the packed dataset's copy (vla/policy.py)
+        from omniweave.data.packing.vla import STATS_FILE
+
+        atomic_write_bytes(out / STATS_FILE, (Path(args.input) / STATS_FILE).read_bytes())
     fingerprint = SampleProcessor(data_cfg).fingerprint()
     raw = RawDataset(args.input)
     source = [{"name": s.name, "count": s.count, "bytes": s.bytes} for s in raw.shards]
@@ -385,7 +403,8 @@ def run(args) -> int:
                       f"{s['capacity']} tokens), dropped {s['dropped'] or 0} -> {out} ({time.time() - t0:.1f}s)")
             else:
                 what = ("preference pairs (2 documents each, kept together)" if kind == "pairs" else
-                        "KTO completions (and as many KL documents)" if kind == "kto" else "samples")
+                        "KTO completions (and as many KL documents)" if kind == "kto" else
+                        "robot frames (observation + action chunk)" if kind == "vla" else "samples")
                 print(f"packed {s['samples_packed']}/{s['samples']} {what} into {s['packs']} packs of {s['capacity']} "
                       f"tokens, efficiency {s['efficiency']:.2%}, dropped {s['dropped'] or 0} -> {out} "
                       f"({time.time() - t0:.1f}s)")

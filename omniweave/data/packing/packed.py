@@ -15,6 +15,8 @@
                                            ``same_as``: the index of an earlier descriptor of
                                            the pack whose bytes and features this one reuses,
                                            no bytes of its own: a preference pair's 2nd side)
+                                         and per document its arrays (a VLA frame's action chunk:
+                                           ``arrays: {name: {offset, dtype, shape}}``, raw bytes)
 
 Labels are stored shifted: ``labels[i]`` is the target of position i, -100 on the last token of
 every document (it predicts nothing) and wherever the unshifted label was -100.
@@ -84,6 +86,14 @@ def _kind_fields(span) -> dict:
             "frame_indices": span.frame_indices, "second_per_grid": span.second_per_grid}
 
 
+def media_descriptor(span, doc: int, sample: int, doc_start: int) -> dict:
+    """A media item's descriptor in a pack whose document ``doc`` starts at ``doc_start``: kind,
+    part, where its placeholder tokens sit in the row, its grid (bytes located by the caller)."""
+    return {"kind": span.kind, "part": span.part, "doc": doc, "sample": sample, **_kind_fields(span),
+            "start": doc_start + span.start, "length": span.length,
+            **({"pieces": [[doc_start + a, n] for a, n in span.pieces]} if span.pieces else {})}
+
+
 def _shared_media(docs: list, of_doc: list[list[int]], d: int, same_as: int | None) -> list[int] | None:
     """Descriptor indices of the earlier document whose media doc ``d`` reuses (``same_media_as``:
     a relative doc offset, e.g. -1 for a preference pair's rejected side), or None. The two docs'
@@ -121,24 +131,32 @@ class PackedShardWriter:
             for k, span in enumerate(sample.media):
                 data = b"" if shared else media_bytes[span.part]
                 of_doc[-1].append(len(media))
-                media.append({
-                    "kind": span.kind, "part": span.part, "doc": d, "sample": info["index"],
-                    **_kind_fields(span), "start": doc_start + span.start,
-                    "length": span.length, "offset": self._file.tell(), "size": len(data),
-                    **({"pieces": [[doc_start + a, n] for a, n in span.pieces]} if span.pieces else {}),
-                    **({"same_as": shared[k]} if shared else {}),
-                })
+                media.append({**media_descriptor(span, d, info["index"], doc_start),
+                              "offset": self._file.tell(), "size": len(data),
+                              **({"same_as": shared[k]} if shared else {})})
                 self._file.write(data)
+        doc_arrays = [self._write_arrays(info.get("arrays")) for _, _, info in docs]
         record = {
             "offset": offset, "length": L, "rows": R,
             "cu_seqlens": arrays["cu_seqlens"].tolist(),
-            "docs": [{"id": s.id, **info, "length": len(s), "truncated": bool(s.truncated), **shifted_weights(s)}
-                     for s, _, info in docs],
+            "docs": [{"id": s.id, **{k: v for k, v in info.items() if k != "arrays"}, "length": len(s),
+                      "truncated": bool(s.truncated), **shifted_weights(s), **({"arrays": a} if a else {})}
+                     for (s, _, info), a in zip(docs, doc_arrays)],
             "media": media,
             "num_loss_tokens": int((arrays["labels"] != IGNORE_INDEX).sum()),
         }
         self.records.append(record)
         return record
+
+    def _write_arrays(self, arrays: dict | None) -> dict:
+        """A document's named arrays as raw little-endian bytes; their descriptors."""
+        out = {}
+        for name, value in (arrays or {}).items():
+            value = np.ascontiguousarray(value)
+            dtype = value.dtype.newbyteorder("<")
+            out[name] = {"offset": self._file.tell(), "dtype": dtype.str, "shape": list(value.shape)}
+            self._file.write(value.astype(dtype).tobytes())
+        return out
 
     def close(self) -> dict:
         self._file.flush()
@@ -208,13 +226,28 @@ class PackedDataset:
             for m in rec["media"]:
                 f.seek(m["offset"])
                 media.append({**m, "bytes": f.read(m["size"])})
+            doc_arrays = [self._read_arrays(f, i, rec, doc.get("arrays", {})) for doc in rec["docs"]]
         self._check_pack(i, rec, flat, media)
         return {
             "input_ids": flat[:L], "labels": flat[L : 2 * L], "position_ids": flat[2 * L :].reshape(R, L),
             "cu_seqlens": np.asarray(rec["cu_seqlens"], np.int32), "media": media, "docs": rec["docs"],
+            "doc_arrays": doc_arrays,
             "num_loss_tokens": rec["num_loss_tokens"], "index": i, "shard": rec["shard"],
         }
 
+
+    def _read_arrays(self, f, i: int, rec: dict, arrays: dict) -> dict[str, np.ndarray]:
+        out = {}
+        for name, d in arrays.items():
+            dtype = np.dtype(d["dtype"])
+            size = dtype.itemsize * int(np.prod(d["shape"]))
+            f.seek(d["offset"])
+            data = f.read(size)
+            if len(data) != size:
+                raise PackedDamaged(f"packed dataset {self.root}: pack {i} ({rec['shard']}.bin) is cut short in its "
+                                    f"{name} array: the dataset is damaged; repack it")
+            out[name] = np.frombuffer(data, dtype=dtype).reshape(d["shape"])
+        return out
 
     def _check_pack(self, i: int, rec: dict, flat: np.ndarray, media: list[dict]) -> None:
         """What a damaged pack cannot pass (cheap, every read): its bytes all there, token ids not

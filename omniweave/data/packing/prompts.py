@@ -17,14 +17,18 @@ from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
 RL_PHASES = ("grpo",)
 PREFERENCE_PHASES = ("dpo", "orpo", "simpo")  # pairs of answers (train/loss.py PAIR_PHASES)
 KTO_PHASES = ("kto",)  # unpaired completions tagged desirable or not (data/packing/kto.py)
-KIND_SFT, KIND_PROMPTS, KIND_PAIRS, KIND_KTO = "sft", "prompts", "pairs", "kto"
+VLA_PHASES = ("vla",)  # robot frames: observation prompt + action chunk (data/packing/vla.py)
+KIND_SFT, KIND_PROMPTS, KIND_PAIRS, KIND_KTO, KIND_VLA = "sft", "prompts", "pairs", "kto", "vla"
 
 
 def dataset_kind(phase: str | None) -> str:
     """What ``data pack`` writes for a recipe's ``train.phase``: training packs, RL prompts or
-    preference pairs (data/packing/pairs.py) or KTO completions (data/packing/kto.py)."""
+    preference pairs (data/packing/pairs.py), KTO completions (data/packing/kto.py) or VLA frames
+    (data/packing/vla.py)."""
     if phase in KTO_PHASES:
         return KIND_KTO
+    if phase in VLA_PHASES:
+        return KIND_VLA
     return KIND_PROMPTS if phase in RL_PHASES else KIND_PAIRS if phase in PREFERENCE_PHASES else KIND_SFT
 
 

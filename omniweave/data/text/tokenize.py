@@ -117,6 +117,11 @@ class SampleProcessor:
         self.rope = str(cfg["rope"])
         self.special_tokens_in_text = str(cfg["special_tokens_in_text"])
         self.mask_history, self.train_on_prompt = bool(cfg["mask_history"]), bool(cfg["train_on_prompt"])
+        self.vla = None  # data.vla: how a robot frame becomes a prompt (data/packing/vla.py)
+        if cfg.get("vla"):
+            from omniweave.data.packing.vla import VLASettings
+
+            self.vla = VLASettings.from_mapping(_plain(cfg["vla"]))
         if self.truncation not in TRUNCATION_POLICIES:
             raise ValueError(f"data.truncation={self.truncation!r}; choose one of {TRUNCATION_POLICIES}")
         if self.special_tokens_in_text not in SPECIAL_TOKEN_POLICIES:
@@ -163,6 +168,7 @@ class SampleProcessor:
             "truncation": self.truncation,
             "special_tokens_in_text": self.special_tokens_in_text,
             "loss": {"mask_history": self.mask_history, "train_on_prompt": self.train_on_prompt},
+            **({"vla": self.vla.spec()} if self.vla is not None else {}),
         }
 
     # ------------------------------------------------------------------ metadata-only path

@@ -1,0 +1,217 @@
+"""VLA frames: what ``omniweave data pack`` stores when the recipe's ``train.phase`` is ``vla``.
+
+The input is a LeRobot conversion (``data convert --format lerobot``: one ``vla.json`` per frame,
+the videos it references, ``lerobot_stats.json``). Each frame becomes one document:
+
+    <image> per camera + the prompt   e.g. "Task: pick up the cube, State: 131 87 140;\\nAction: "
+                                      rendered by the recipe's chat template as a user turn plus the
+                                      assistant header, every token bidirectional (prefix_len = all)
+    action chunk                      [H, A] normalised (quantiles: 2 (x − q01) / (q99 − q01) − 1),
+                                      stored as float32 beside the pack's media, with its padding flags
+
+The state goes into the prompt as Pi0.5 writes it: normalised, then ``np.digitize`` into
+``data.vla.state_bins`` bins over [−1, 1] (bin −1 below −1, ``bins − 1`` above, as openpi's copy
+does, no clipping); ``state_bins: 0`` leaves it out (and ``{state}`` must then leave the prompt).
+Pi0.5 zero-pads the state to 32 dims first; here the dataset's own dims are written.
+
+Camera frames are decoded from the referenced videos at their timestamps (lerobot's rule: the
+frame nearest in time, within ``TOLERANCE_S``) and stored in the pack as PNG (lossless: the
+pixels the loader decodes equal the video decoder's), so training never seeks in a video. A frame
+that cannot be decoded, a camera the sample lacks, a prompt over ``data.max_len``: counted drops
+with their reasons, like every other pack reject.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from omniweave.data.packing.prompts import KIND_VLA
+from omniweave.data.sample import IMAGE_PLACEHOLDER, Conversation, Message, RawSample
+from omniweave.data.sources.lerobot import TOLERANCE_S, normalize
+from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
+from omniweave.errors import UserError
+
+STATS_FILE = "lerobot_stats.json"
+
+
+@dataclass(frozen=True)
+class VLASettings:
+    """``data.vla``: how a frame becomes a prompt (part of the packs' fingerprint)."""
+
+    prompt: str = "Task: {task}, State: {state};\nAction: "
+    state_bins: int = 256  # 0: no state tokens
+    cameras: tuple[str, ...] | None = None  # which cameras, in this order (None: the dataset's, all)
+
+    @classmethod
+    def from_mapping(cls, cfg: dict | None) -> "VLASettings":
+        cfg = dict(cfg or {})
+        unknown = sorted(set(cfg) - {"prompt", "state_bins", "cameras"})
+        if unknown:
+            raise UserError(f"data.vla: unknown key(s) {unknown}; valid: prompt, state_bins, cameras")
+        if cfg.get("cameras") is not None:
+            cfg["cameras"] = tuple(cfg["cameras"])
+        settings = cls(**cfg)
+        if settings.state_bins < 0:
+            raise UserError(f"data.vla.state_bins must be >= 0, got {settings.state_bins}")
+        if "{task}" not in settings.prompt:
+            raise UserError(f"data.vla.prompt {settings.prompt!r} must hold {{task}}")
+        if ("{state}" in settings.prompt) != (settings.state_bins > 0):
+            raise UserError("data.vla: the prompt holds {state} exactly when state_bins > 0")
+        return settings
+
+    def spec(self) -> dict:
+        return {"prompt": self.prompt, "state_bins": self.state_bins,
+                "cameras": list(self.cameras) if self.cameras is not None else None}
+
+
+def state_tokens(state: np.ndarray, bins: int) -> str:
+    """Pi0.5's discretised state: ``digitize(state, linspace(−1, 1, bins + 1)[:-1]) − 1`` as
+    space-separated ints (no clipping: below −1 is −1, above 1 is ``bins − 1``)."""
+    edges = np.linspace(-1.0, 1.0, bins + 1)[:-1]
+    return " ".join(str(int(b)) for b in np.digitize(np.asarray(state, np.float64), edges) - 1)
+
+
+def decode_frame_png(path: Path, timestamp: float, tolerance: float = TOLERANCE_S) -> bytes:
+    """The video frame at ``timestamp`` seconds as PNG bytes: the decoded frame nearest in time,
+    which must lie within ``tolerance`` (lerobot raises FrameTimestampError otherwise)."""
+    import av
+    from PIL import Image
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        container.seek(max(int(timestamp / stream.time_base), 0), stream=stream, backward=True, any_frame=False)
+        best, best_gap = None, float("inf")
+        for frame in container.decode(stream):
+            gap = abs(float(frame.time) - timestamp)
+            if gap < best_gap:
+                best, best_gap = frame, gap
+            if frame.time > timestamp + tolerance:
+                break
+    if best is None or best_gap >= tolerance:
+        raise SampleRejected("frame_timestamp_mismatch", f"{path.name}: no frame within {tolerance}s of {timestamp}s "
+                             f"(nearest {best_gap:.6f}s away)")
+    out = io.BytesIO()
+    Image.fromarray(best.to_ndarray(format="rgb24")).save(out, format="PNG")
+    return out.getvalue()
+
+
+@lru_cache(maxsize=8)
+def read_stats(root: str) -> dict:
+    path = Path(root) / STATS_FILE
+    if not path.is_file():
+        raise UserError(f"{root}: no {STATS_FILE}; a VLA recipe packs the output of "
+                        "`omniweave data convert --format lerobot`")
+    stats = json.loads(path.read_text())
+    for key in ("state", "action"):
+        stats[key] = {k: np.asarray(v, np.float64) for k, v in stats[key].items()}
+    return stats
+
+
+class VLARawDataset:
+    """A LeRobot conversion read as RawSamples: each frame's observation as a one-turn
+    conversation (its camera frames as the images), its normalised action chunk in ``meta``."""
+
+    def __init__(self, root: str | Path, settings: VLASettings):
+        from omniweave.data.sources.shards import RawDataset
+
+        self.root, self.settings = Path(root), settings
+        self.raw = RawDataset(root)
+        self.stats = read_stats(str(root))
+        self.cameras = list(settings.cameras if settings.cameras is not None else self.stats["cameras"])
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, i: int) -> RawSample:
+        from omniweave.data.sources.shards import parse_sample_bytes
+
+        key, parts = parse_sample_bytes(self.raw.read_bytes(i))
+        if "vla.json" not in parts:
+            raise SampleRejected("not_a_vla_sample", f"sample {key} has no vla.json (a conversation shard?)")
+        frame = json.loads(parts["vla.json"])
+        images = {}
+        for camera in self.cameras:
+            ref = frame["cameras"].get(camera)
+            if ref is None:
+                raise SampleRejected("missing_camera", f"sample {key} has no {camera}")
+            images[camera] = decode_frame_png(self.root / ref["file"], float(ref["timestamp"]))
+        state = normalize(np.asarray(frame["state"], np.float64), self.stats["state"])
+        actions = normalize(np.asarray(frame["actions"], np.float64), self.stats["action"]).astype(np.float32)
+        meta = {"vla": {"actions": actions, "is_pad": [bool(p) for p in frame["action_is_pad"]],
+                        "frame": int(frame["index"])}}
+        return observation_sample(key, images, state, frame["task"], self.settings, meta)
+
+
+def observation_sample(key: str, images: dict[str, bytes], state: np.ndarray, task: str, settings: VLASettings,
+                       meta: dict | None = None) -> RawSample:
+    """One observation as a one-turn conversation: an ``<image>`` per camera (``images``, encoded
+    files in camera order), then ``settings.prompt`` with the task and the normalised ``state``
+    discretised. Packing and the policy (vla/policy.py) build their prompts here, so they agree."""
+    fields = {"task": str(task).replace("_", " ").strip()}
+    if settings.state_bins:
+        fields["state"] = state_tokens(state, settings.state_bins)
+    text = IMAGE_PLACEHOLDER * len(images) + settings.prompt.format(**fields)
+    return RawSample(key, Conversation(id=key, messages=[Message("user", text)], images=list(images),
+                                       meta=dict(meta or {})), dict(images))
+
+
+def tokenize_vla(proc: SampleProcessor, raw: RawSample) -> list[tuple]:
+    """[(the frame's document, its doc info)]: the observation as a generation prompt, all of it
+    the bidirectional prefix; the action chunk as a float32 array stored with the pack."""
+    sample = proc.tokenize_prompt(raw, bounded=True)
+    if len(sample) > proc.max_len:
+        raise SampleRejected("too_long", f"the observation takes {len(sample)} tokens > data.max_len {proc.max_len}")
+    vla = raw.conversation.meta["vla"]
+    return [(sample, {"vla": {"is_pad": vla["is_pad"], "frame": vla["frame"], "prefix_len": len(sample)},
+                      "arrays": {"actions": vla["actions"]}})]
+
+
+def raw_kind(root: str | Path) -> str:
+    """``vla`` for a LeRobot conversion, else ``conversation`` (convert_report.json's kind)."""
+    report = Path(root) / "convert_report.json"
+    if report.is_file():
+        return json.loads(report.read_text()).get("kind", "conversation")
+    return KIND_VLA if (Path(root) / STATS_FILE).is_file() else "conversation"
+
+
+def check_raw_kind(root: str | Path, kind: str) -> None:
+    """A VLA recipe packs LeRobot conversions only, every other recipe conversations only."""
+    have = raw_kind(root)
+    if (kind == KIND_VLA) != (have == KIND_VLA):
+        if kind == KIND_VLA:
+            raise UserError(f"--input {root} holds conversations; train.phase=vla packs a LeRobot conversion "
+                            "(`omniweave data convert --format lerobot`)")
+        raise UserError(f"--input {root} holds robot frames (a LeRobot conversion); pack it with a VLA recipe "
+                        "(train.phase: vla, e.g. `--recipe demo_vla`)")
+
+
+def vla_rows(pack: dict) -> dict:
+    """A pack's VLA keys (models/vla.py): ``prefix_lens [D]`` of every document (0: a causal text
+    document) and, per frame document, its chunk: ``action_docs [N]``, ``actions [N, H, a]``,
+    ``action_is_pad [N, H]``, ``action_dims [N]`` and ``action_samples [N]`` (the raw sample
+    index, which seeds the chunk's flow draw), plus ``num_action_values`` (unpadded steps × a)."""
+    import torch
+
+    frames = [(d, doc) for d, doc in enumerate(pack["docs"]) if "vla" in doc]
+    if not frames:
+        return {}
+    actions = [np.asarray(pack["doc_arrays"][d]["actions"], np.float32) for d, _ in frames]
+    if len({a.shape for a in actions}) != 1:
+        raise ValueError(f"pack {pack.get('index')}: action chunks of different shapes {sorted({a.shape for a in actions})}")
+    is_pad = torch.tensor([doc["vla"]["is_pad"] for _, doc in frames], dtype=torch.bool)
+    dims = torch.full((len(frames),), actions[0].shape[1], dtype=torch.int64)
+    return {
+        "prefix_lens": torch.tensor([doc.get("vla", {}).get("prefix_len", 0) for doc in pack["docs"]], dtype=torch.int64),
+        "action_docs": torch.tensor([d for d, _ in frames], dtype=torch.int64),
+        "actions": torch.from_numpy(np.stack(actions)),
+        "action_is_pad": is_pad,
+        "action_dims": dims,
+        "action_samples": torch.tensor([int(doc["index"]) for _, doc in frames], dtype=torch.int64),
+        "num_action_values": int(((~is_pad).sum(1) * dims).sum()),
+    }
