@@ -121,6 +121,7 @@ COMPONENT_MODULES = [
     "omniweave.models.components.llava_projector",
     "omniweave.models.hf.llava_onevision",
     "omniweave.models.hf.paligemma",
+    "omniweave.models.hf.pi05",
     "omniweave.models.components.audio_encoder",
     "omniweave.models.components.audio_projector",
     "omniweave.models.hf.qwen2_audio",

@@ -33,6 +33,8 @@ _INDEX_KEYS = {"image_token_id": "image_token_index", "video_token_id": "video_t
 def hf_model_type(model: nn.Module) -> str:
     """HF model_type of a model: its own ``hf_model_type()`` or its foundation's family (Qwen3.5:
     ``qwen3_5_text`` / ``qwen3_5_moe_text``, transformers' text-only model types)."""
+    if getattr(model, "action_expert", None) is not None:  # a VLA model: lerobot's Pi0.5 layout (pi05.py)
+        return "pi05"
     if hasattr(model, "hf_model_type"):
         return model.hf_model_type()
     cfg = model.foundation.config
@@ -115,6 +117,10 @@ def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dty
     ``weights=False``: everything but the weights (an engine that gets them in memory: vLLM's)."""
     from safetensors.torch import save_file
 
+    if hf_model_type(model) == "pi05":  # no transformers class: lerobot's policy directory (no processor files)
+        from omniweave.models.hf.pi05 import export_pi05
+
+        return export_pi05(model, out_dir, dtype)
     tensors = hf_tensors(model, dtype) if weights else None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -211,6 +217,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LoRA runs: write OUTPUT/adapter (a PEFT adapter) and OUTPUT/base (the base model; "
                              "skipped when the run started from a HF directory, train.init_from), instead of "
                              "merging the adapters into the weights")  # fmt: skip
+    parser.add_argument("--format", choices=["auto", "hf", "lerobot"], default="auto",
+                        help="hf: a transformers directory; lerobot: a lerobot Pi0.5 policy directory (config.json + "
+                             "model.safetensors, VLA models only); auto (default): lerobot for a VLA model, else hf")
     parser.add_argument("--force", action="store_true",
                         help="write into an --output directory that is not empty (files of the same name are replaced)")
 
@@ -249,6 +258,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"exported the LoRA adapter of a {hf_model_type(model)} model to {out / 'adapter'} (PEFT), base: "
               + (f"{base} (train.init_from)" if base else str(out / "base")))
         return 0
+    is_vla = hf_model_type(model) == "pi05"
+    if args.format != "auto" and (args.format == "lerobot") != is_vla:
+        from omniweave.errors import UserError
+
+        raise UserError(f"--format {args.format}: this checkpoint is " + ("a VLA model; only --format lerobot "
+                        "writes it" if is_vla else "not a VLA model (no action expert); use --format hf"))
     merged = merge_adapters(model)
     out = export_hf(model, model_cfg, args.output, dtype, data_cfg=data_cfg)
     if merged:
@@ -257,7 +272,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"exported {hf_model_type(model)} model ({n / 1e6:.1f}M parameters) to {out}: " + ", ".join(written)
           + (f"; left as they were: {len(set(before) - set(written))} other file(s) already there"
              if set(before) - set(written) else ""))  # fmt: skip
-    if not data_cfg:
+    if is_vla:
+        print("note: a lerobot policy directory holds the weights and config.json only; lerobot's pre/post-processor "
+              "files (normalisation statistics, tokenizer) come from its own dataset tooling")
+    elif not data_cfg:
         print("note: no recipe data section next to the checkpoint, so no tokenizer, chat template or processor "
               "configs: AutoProcessor cannot load this directory")  # fmt: skip
     return 0

@@ -28,6 +28,18 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def config_model_type(hf_cfg: dict) -> str:
+    """The adapter key of a config.json: HF's ``model_type``, else lerobot's policy ``type`` (pi05.py)."""
+    return str(hf_cfg.get("model_type") or hf_cfg.get("type") or "?")
+
+
+def check_names(adapter, hf_names, model: nn.Module) -> None:
+    """An adapter's own strictness over the checkpoint's keys against the model (Pi0.5: every key
+    must land somewhere), where it has one."""
+    if hasattr(adapter, "check_checkpoint_names"):
+        adapter.check_checkpoint_names(list(hf_names), model)
+
+
 def adapter_for(model_type: str):
     """The registered ``hf`` adapter instance of a HF ``model_type``."""
     try:
@@ -92,10 +104,11 @@ def _is_tied(model: nn.Module, head_name: str) -> bool:
 def load_hf(hf_dir: str | Path, dtype: torch.dtype | None = torch.float32, device="cpu") -> tuple[nn.Module, dict]:
     """(model, model_cfg) from a HF directory; model_cfg is the recipe ``model:`` section."""
     hf_cfg = read_hf_config(hf_dir)
-    adapter = adapter_for(hf_cfg.get("model_type", "?"))
+    adapter = adapter_for(config_model_type(hf_cfg))
     model_cfg = adapter.model_config(hf_cfg)
     with torch.device("meta"):
         model = build_model(model_cfg)
+    check_names(adapter, _weight_files(Path(hf_dir)), model)
     tensors: dict[str, torch.Tensor] = {}
     unused = []
     for hf_name, t in iter_safetensors(hf_dir, device):
@@ -165,9 +178,10 @@ def load_hf_into(model: nn.Module, hf_dir: str | Path) -> int:
 
     hf_dir = Path(hf_dir)
     hf_cfg = read_hf_config(hf_dir)
-    adapter = adapter_for(hf_cfg.get("model_type", "?"))
+    adapter = adapter_for(config_model_type(hf_cfg))
     adapter.model_config(hf_cfg)  # an adapter whose tensor layout depends on the sizes reads them (Qwen3-Next)
     where = _weight_files(hf_dir)
+    check_names(adapter, where, model)
     log_unused(adapter, where)
     skip = adapter.skip_on_export(model) if hasattr(adapter, "skip_on_export") else set()
     tensors = {n: p for n, p in model.named_parameters() if not is_adapter_name(n)}  # LoRA: a HF dir is the base
