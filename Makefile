@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install demo demo-moe demo-omni demo-rl demo-dpo test test-cuda-env venv-vllm test-vllm demo-rl-vllm bench clean
+.PHONY: install demo demo-moe demo-omni demo-rl demo-dpo demo-vla test test-cuda-env venv-vllm test-vllm demo-rl-vllm bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ test-vllm: venv-vllm
 # DPO from scratch on the demo's preference pairs: held-out preferred-answer rate before / after (docs/dpo.md)
 demo-dpo: install
 	$(VENV)/bin/omniweave demo --dpo --out runs/demo_dpo
+
+# a vision-language-action policy (action expert, flow matching) on a synthetic reaching task, closed loop (docs/vla.md)
+demo-vla: install
+	$(VENV)/bin/omniweave demo --vla --out runs/demo_vla
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

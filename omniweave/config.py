@@ -67,6 +67,14 @@ def _audio_schema():
 
 
 @dataclass
+class VLADataSchema:  # data.vla: how a robot frame becomes a prompt (data/packing/vla.py, docs/vla.md)
+    prompt: str = "Task: {task}, State: {state};\nAction: "
+    state_bins: int = 256
+    action_bins: int = 0
+    cameras: Optional[List[str]] = None
+
+
+@dataclass
 class DataSchema:
     path: Optional[str] = MISSING  # packed dataset (omniweave data pack); null with data.mix
     mix: Optional[List[Any]] = None  # or several: [{path, weight | epochs, name}] (data/loading/mix.py)
@@ -83,7 +91,7 @@ class DataSchema:
     rope: str = "mrope"
     vision: Any = field(default_factory=lambda: _vision_schema()())
     audio: Any = field(default_factory=lambda: _audio_schema()())
-    vla: Optional[Any] = None  # train.phase=vla: {prompt, state_bins, cameras} (data/packing/vla.py)
+    vla: Any = field(default_factory=lambda: VLADataSchema())  # train.phase=vla (data/packing/vla.py)
 
 
 @dataclass

@@ -63,7 +63,7 @@ def model_keys() -> set[str]:
 
     for kind in registry.MODEL_SECTIONS:  # keys every component takes (lora: models/lora.py)
         keys |= {f"model.{kind}.{k}" for k in registry.COMMON_KEYS} | {f"model.{kind}.lora.{k}" for k in LORA_KEYS}
-    for kind in ("foundation", "image_encoder", "projector"):
+    for kind in ("foundation", "image_encoder", "projector", "action_expert"):
         for name in registry.names(kind):
             config_cls = registry.lookup(kind, name)[1]
             if config_cls is not None:

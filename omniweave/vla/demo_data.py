@@ -21,13 +21,13 @@ ACTION_KEY = "action"
 FPS = 10
 
 
-def expert_episodes(episodes: int, seed: int = 0, image_size: int = 32) -> list[dict]:
+def expert_episodes(episodes: int, seed: int = 0, image_size: int = 32, layout: str = "free") -> list[dict]:
     """``episodes`` successful expert episodes as the writer takes them (plus each one's ``seed``)."""
     out, episode_seed = [], seed
     while len(out) < episodes:
         if episode_seed - seed > 2 * episodes + 100:
             raise RuntimeError(f"the expert failed too often: {len(out)} successes in {episode_seed - seed} seeds")
-        sim = ReachSim(episode_seed, image_size=image_size)
+        sim = ReachSim(episode_seed, image_size=image_size, layout=layout)
         images, states, actions = [], [], []
         while not sim.done:
             images.append(sim.render())
@@ -42,10 +42,10 @@ def expert_episodes(episodes: int, seed: int = 0, image_size: int = 32) -> list[
 
 
 def write_reach_dataset(root: str | Path, episodes: int = 200, seed: int = 0, image_size: int = 32,
-                        episodes_per_file: int = 50) -> Path:
-    """Write ``expert_episodes(episodes, seed, image_size)`` under ``root`` (``image_size`` even:
-    the video's yuv420p needs it); reads back with ``LeRobotDataset(root).frames(horizon)``."""
-    recorded = expert_episodes(episodes, seed, image_size)
+                        episodes_per_file: int = 50, layout: str = "free") -> Path:
+    """Write ``expert_episodes(episodes, seed, image_size, layout)`` under ``root`` (``image_size``
+    even: the video's yuv420p needs it); reads back with ``LeRobotDataset(root).frames(horizon)``."""
+    recorded = expert_episodes(episodes, seed, image_size, layout)
     return write_dataset(root, recorded, fps=FPS, state_key=STATE_KEY, action_key=ACTION_KEY,
                          files=consecutive_files(len(recorded), episodes_per_file), robot_type="reach_sim_2d",
                          names={STATE_KEY: ["x", "y"], ACTION_KEY: ["vx", "vy"]})

@@ -7,6 +7,9 @@ A policy is any callable ``policy(observation) -> actions [h, 2]`` with the obse
 ``{"images": {"observation.images.top": uint8 [S, S, 3]}, "state": float32 [2], "task": str}``
 (``ReachSim.observation``). Its chunk is executed open loop for its first ``action_steps``
 actions, then the policy is asked again (receding horizon), until success or ``max_steps``.
+The episodes run in lockstep: a policy with a ``sample(observations) -> [chunks]`` method (the
+trained VLA's ``vla/policy.Policy``) is asked once per round for every running episode, in one
+batch; any other callable once per episode.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ Policy = Callable[[dict], np.ndarray]
 
 def run_episodes(policy: Policy, episodes: int, seed: int = EVAL_SEED, *, blank_images: bool = False,
                  swap_instruction: bool = False, action_steps: int = 4, max_steps: int = MAX_STEPS,
-                 image_size: int = 32) -> dict:
+                 image_size: int = 32, layout: str = "free") -> dict:
     """Run episodes with seeds ``seed .. seed + episodes - 1``. ``swap_instruction``: the policy is
     told to reach the other disc while success still means reaching the episode's own one.
     Returns success_rate, mean_steps (ticks per episode: to success, else max_steps), seconds,
@@ -33,20 +36,20 @@ def run_episodes(policy: Policy, episodes: int, seed: int = EVAL_SEED, *, blank_
     if episodes < 1 or action_steps < 1:
         raise ValueError(f"episodes and action_steps must be >= 1, got {episodes}, {action_steps}")
     start = time.perf_counter()
-    successes, steps, calls = [], [], 0
-    for i in range(episodes):
-        sim = ReachSim(seed + i, image_size=image_size, max_steps=max_steps)
-        task = instruction(sim.other) if swap_instruction else sim.instruction
-        while not sim.done:
-            chunk = _checked(policy(sim.observation(task=task, blank_images=blank_images)))
-            calls += 1
-            for action in chunk[:action_steps]:
-                sim.step(action)
-                if sim.done:
+    sims = [ReachSim(seed + i, image_size=image_size, max_steps=max_steps, layout=layout) for i in range(episodes)]
+    tasks = [instruction(sim.other) if swap_instruction else sim.instruction for sim in sims]
+    ask = getattr(policy, "sample", None) or (lambda observations: [policy(o) for o in observations])
+    calls = 0
+    while running := [i for i, sim in enumerate(sims) if not sim.done]:
+        chunks = ask([sims[i].observation(task=tasks[i], blank_images=blank_images) for i in running])
+        calls += len(running)
+        for i, chunk in zip(running, chunks, strict=True):
+            for action in _checked(chunk)[:action_steps]:
+                sims[i].step(action)
+                if sims[i].done:
                     break
-        successes.append(sim.success)
-        steps.append(sim.steps)
-    return {"success_rate": float(np.mean(successes)), "mean_steps": float(np.mean(steps)),
+    successes = [sim.success for sim in sims]
+    return {"success_rate": float(np.mean(successes)), "mean_steps": float(np.mean([sim.steps for sim in sims])),
             "seconds": time.perf_counter() - start, "episodes": episodes, "policy_calls": calls,
             "successes": successes}
 

@@ -41,9 +41,9 @@ class Policy:
         self.model = model.eval()
         self.data_cfg = {k: v for k, v in cfg["data"].items() if k not in ("path", "mix", "num_workers", "balance",
                                                                            "balance_refit")}
+        if getattr(model, "action_expert", None) is None:
+            raise UserError("this checkpoint's model has no action_expert: not a VLA run")
         self.proc = SampleProcessor(self.data_cfg)
-        if self.proc.vla is None:
-            raise UserError("this checkpoint's recipe has no data.vla section: not a VLA run")
         self.settings: VLASettings = self.proc.vla
         self.stats = stats
         self.cameras = list(self.settings.cameras if self.settings.cameras is not None else stats["cameras"])

@@ -6,9 +6,14 @@ is comes in the state (and the image). Each episode is one integer seed: it fixe
 positions, the effector's start and which colour is instructed, so any policy can be scored on the
 same episodes again.
 
-The layout is sampled so that a policy cannot succeed by accident: the discs are ``MIN_SEPARATION``
-apart and from the start, and the instructed disc stays ``PATH_CLEARANCE`` away from the straight
-path to the other one (heading for the wrong disc never brushes the right one).
+Two layouts (``layout=``): ``free`` samples the discs and the start anywhere, so that a policy
+cannot succeed by accident: the discs are ``MIN_SEPARATION`` apart and from the start, and the
+instructed disc stays ``PATH_CLEARANCE`` away from the straight path to the other one (heading for
+the wrong disc never brushes the right one). ``ring`` puts the discs on two of ``RING_SLOTS``
+slots of a circle of radius ``RING_RADIUS`` around the centre and the start near the centre
+(within ``RING_JITTER``): which way to go is then one of eight, read from the image by the colour
+the text names -- the layout a tiny model learns from a few hundred demonstrations on a CPU (the
+VLA demo's), with the same guarantees (heading for the wrong slot never passes the right one).
 
 Image convention: column j shows x = (j + 0.5) / S, row i shows y = (i + 0.5) / S.
 """
@@ -28,6 +33,8 @@ EFFECTOR_HALF_SIZE = 0.04  # drawn: a square of side 2 x this
 MARGIN = 0.1  # discs and start stay this far inside the arena
 MIN_SEPARATION = 0.35
 PATH_CLEARANCE = 0.15
+LAYOUTS = ("free", "ring")
+RING_SLOTS, RING_RADIUS, RING_JITTER = 8, 0.36, 0.04
 
 
 def instruction(colour: str) -> str:
@@ -53,13 +60,15 @@ class ReachSim:
     ``success_radius`` of the instructed disc and stays True; ``done`` at success or ``max_steps``."""
 
     def __init__(self, seed: int, *, image_size: int = 32, max_steps: int = MAX_STEPS, max_step: float = MAX_STEP,
-                 success_radius: float = SUCCESS_RADIUS):
-        self.seed, self.image_size = int(seed), int(image_size)
+                 success_radius: float = SUCCESS_RADIUS, layout: str = "free"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: choose from {', '.join(LAYOUTS)}")
+        self.seed, self.image_size, self.layout = int(seed), int(image_size), layout
         self.max_steps, self.max_step, self.success_radius = max_steps, max_step, success_radius
         rng = np.random.default_rng(self.seed)
         self.goal = ("red", "blue")[int(rng.integers(2))]
         self.other = "blue" if self.goal == "red" else "red"
-        self.targets, start = _layout(rng, self.goal, self.other)
+        self.targets, start = (_ring_layout if layout == "ring" else _layout)(rng, self.goal, self.other)
         self.effector = start
         self.noise_rng = np.random.default_rng([self.seed, 1])  # the expert's noise: its own stream
         self.steps, self.success = 0, False
@@ -143,6 +152,15 @@ def _layout(rng: np.random.Generator, goal: str, other: str) -> tuple[dict[str, 
         far_apart = min(np.hypot(*(g - o)), np.hypot(*(g - start)), np.hypot(*(o - start))) >= MIN_SEPARATION
         if far_apart and _segment_distance(g, start, o) >= PATH_CLEARANCE:
             return {c: (g if c == goal else o) for c in COLOURS}, start
+
+
+def _ring_layout(rng: np.random.Generator, goal: str, other: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Two different slots of the ring for the discs, the start near the centre."""
+    slots = rng.choice(RING_SLOTS, size=2, replace=False)
+    angles = 2 * np.pi * slots / RING_SLOTS
+    g, o = (0.5 + RING_RADIUS * np.array([np.cos(a), np.sin(a)]) for a in angles)
+    start = 0.5 + rng.uniform(-RING_JITTER, RING_JITTER, 2)
+    return {c: (g if c == goal else o) for c in COLOURS}, start
 
 
 def _segment_distance(p: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:

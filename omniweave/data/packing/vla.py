@@ -14,6 +14,13 @@ The state goes into the prompt as Pi0.5 writes it: normalised, then ``np.digitiz
 does, no clipping); ``state_bins: 0`` leaves it out (and ``{state}`` must then leave the prompt).
 Pi0.5 zero-pads the state to 32 dims first; here the dataset's own dims are written.
 
+Discrete action tokens (``data.vla.action_bins`` > 0; Pi0.5's and knowledge insulation's
+co-training signal for the backbone, FAST tokens there, plain bins here): the chunk's normalised
+unpadded actions, digitized like the state, become the assistant's answer after the prompt. The
+answer is the document's causal tail with loss labels (``train.vla.text_weight`` weighs it); the
+prefix ends where the labels start, so the action expert never sees it. At sampling time the prompt
+alone is the document (vla/policy.py), with the same prefix tokens.
+
 Camera frames are decoded from the referenced videos at their timestamps (lerobot's rule: the
 frame nearest in time, within ``TOLERANCE_S``) and stored in the pack as PNG (lossless: the
 pixels the loader decodes equal the video decoder's), so training never seeks in a video. A frame
@@ -46,19 +53,22 @@ class VLASettings:
 
     prompt: str = "Task: {task}, State: {state};\nAction: "
     state_bins: int = 256  # 0: no state tokens
+    action_bins: int = 0  # > 0: the chunk as discrete action tokens, the answer the backbone learns (co-training)
     cameras: tuple[str, ...] | None = None  # which cameras, in this order (None: the dataset's, all)
 
     @classmethod
     def from_mapping(cls, cfg: dict | None) -> "VLASettings":
-        cfg = dict(cfg or {})
-        unknown = sorted(set(cfg) - {"prompt", "state_bins", "cameras"})
+        cfg = {k: v for k, v in dict(cfg or {}).items() if v is not None or k != "cameras"}
+        fields = ("prompt", "state_bins", "action_bins", "cameras")
+        unknown = sorted(set(cfg) - set(fields))
         if unknown:
-            raise UserError(f"data.vla: unknown key(s) {unknown}; valid: prompt, state_bins, cameras")
+            raise UserError(f"data.vla: unknown key(s) {unknown}; valid: {', '.join(fields)}")
         if cfg.get("cameras") is not None:
             cfg["cameras"] = tuple(cfg["cameras"])
         settings = cls(**cfg)
-        if settings.state_bins < 0:
-            raise UserError(f"data.vla.state_bins must be >= 0, got {settings.state_bins}")
+        if settings.state_bins < 0 or settings.action_bins < 0:
+            raise UserError(f"data.vla.state_bins / action_bins must be >= 0, got {settings.state_bins} / "
+                            f"{settings.action_bins}")
         if "{task}" not in settings.prompt:
             raise UserError(f"data.vla.prompt {settings.prompt!r} must hold {{task}}")
         if ("{state}" in settings.prompt) != (settings.state_bins > 0):
@@ -66,7 +76,7 @@ class VLASettings:
         return settings
 
     def spec(self) -> dict:
-        return {"prompt": self.prompt, "state_bins": self.state_bins,
+        return {"prompt": self.prompt, "state_bins": self.state_bins, "action_bins": self.action_bins,
                 "cameras": list(self.cameras) if self.cameras is not None else None}
 
 
@@ -143,32 +153,41 @@ class VLARawDataset:
             images[camera] = decode_frame_png(self.root / ref["file"], float(ref["timestamp"]))
         state = normalize(np.asarray(frame["state"], np.float64), self.stats["state"])
         actions = normalize(np.asarray(frame["actions"], np.float64), self.stats["action"]).astype(np.float32)
-        meta = {"vla": {"actions": actions, "is_pad": [bool(p) for p in frame["action_is_pad"]],
-                        "frame": int(frame["index"])}}
-        return observation_sample(key, images, state, frame["task"], self.settings, meta)
+        is_pad = [bool(p) for p in frame["action_is_pad"]]
+        meta = {"vla": {"actions": actions, "is_pad": is_pad, "frame": int(frame["index"])}}
+        answer = None
+        if self.settings.action_bins:  # the unpadded steps, digitized: the backbone's co-training answer
+            answer = state_tokens(actions[~np.asarray(is_pad)].reshape(-1), self.settings.action_bins)
+        return observation_sample(key, images, state, frame["task"], self.settings, meta, answer)
 
 
 def observation_sample(key: str, images: dict[str, bytes], state: np.ndarray, task: str, settings: VLASettings,
-                       meta: dict | None = None) -> RawSample:
+                       meta: dict | None = None, answer: str | None = None) -> RawSample:
     """One observation as a one-turn conversation: an ``<image>`` per camera (``images``, encoded
     files in camera order), then ``settings.prompt`` with the task and the normalised ``state``
-    discretised. Packing and the policy (vla/policy.py) build their prompts here, so they agree."""
+    discretised; ``answer`` (discrete action tokens) as the assistant's turn. Packing and the
+    policy (vla/policy.py) build their prompts here, so they agree."""
     fields = {"task": str(task).replace("_", " ").strip()}
     if settings.state_bins:
         fields["state"] = state_tokens(state, settings.state_bins)
     text = IMAGE_PLACEHOLDER * len(images) + settings.prompt.format(**fields)
-    return RawSample(key, Conversation(id=key, messages=[Message("user", text)], images=list(images),
-                                       meta=dict(meta or {})), dict(images))
+    messages = [Message("user", text)] + ([Message("assistant", answer)] if answer is not None else [])
+    return RawSample(key, Conversation(id=key, messages=messages, images=list(images), meta=dict(meta or {})),
+                     dict(images))
 
 
 def tokenize_vla(proc: SampleProcessor, raw: RawSample) -> list[tuple]:
     """[(the frame's document, its doc info)]: the observation as a generation prompt, all of it
-    the bidirectional prefix; the action chunk as a float32 array stored with the pack."""
-    sample = proc.tokenize_prompt(raw, bounded=True)
-    if len(sample) > proc.max_len:
+    the bidirectional prefix, or, with an answer (discrete action tokens), the prompt as the prefix
+    and the labelled answer as the causal tail; the action chunk as a float32 array of the pack."""
+    answered = any(m.role == "assistant" for m in raw.conversation.messages)
+    sample = proc.tokenize(raw) if answered else proc.tokenize_prompt(raw, bounded=True)
+    if len(sample) > proc.max_len or sample.truncated:
         raise SampleRejected("too_long", f"the observation takes {len(sample)} tokens > data.max_len {proc.max_len}")
+    labelled = np.flatnonzero(sample.labels != -100)
+    prefix_len = int(labelled[0]) if len(labelled) else len(sample)
     vla = raw.conversation.meta["vla"]
-    return [(sample, {"vla": {"is_pad": vla["is_pad"], "frame": vla["frame"], "prefix_len": len(sample)},
+    return [(sample, {"vla": {"is_pad": vla["is_pad"], "frame": vla["frame"], "prefix_len": prefix_len},
                       "arrays": {"actions": vla["actions"]}})]
 
 

@@ -117,11 +117,9 @@ class SampleProcessor:
         self.rope = str(cfg["rope"])
         self.special_tokens_in_text = str(cfg["special_tokens_in_text"])
         self.mask_history, self.train_on_prompt = bool(cfg["mask_history"]), bool(cfg["train_on_prompt"])
-        self.vla = None  # data.vla: how a robot frame becomes a prompt (data/packing/vla.py)
-        if cfg.get("vla"):
-            from omniweave.data.packing.vla import VLASettings
+        from omniweave.data.packing.vla import VLASettings
 
-            self.vla = VLASettings.from_mapping(_plain(cfg["vla"]))
+        self.vla = VLASettings.from_mapping(_plain(cfg.get("vla")))  # data.vla: a robot frame's prompt (packing/vla.py)
         if self.truncation not in TRUNCATION_POLICIES:
             raise ValueError(f"data.truncation={self.truncation!r}; choose one of {TRUNCATION_POLICIES}")
         if self.special_tokens_in_text not in SPECIAL_TOKEN_POLICIES:
@@ -158,6 +156,8 @@ class SampleProcessor:
 
     def fingerprint(self) -> dict:
         """What decides the token stream; a pack built with another fingerprint is not ours."""
+        from omniweave.data.packing.vla import VLASettings
+
         return {
             "tokenizer_sha256": self.tokenizer.sha256(),
             "template": self.template.spec(),
@@ -168,7 +168,9 @@ class SampleProcessor:
             "truncation": self.truncation,
             "special_tokens_in_text": self.special_tokens_in_text,
             "loss": {"mask_history": self.mask_history, "train_on_prompt": self.train_on_prompt},
-            **({"vla": self.vla.spec()} if self.vla is not None else {}),
+            # data.vla only where it differs from the defaults: packs of other kinds never depend on it,
+            # and packs built before it existed keep matching
+            **({"vla": self.vla.spec()} if self.vla != VLASettings() else {}),
         }
 
     # ------------------------------------------------------------------ metadata-only path
