@@ -1,7 +1,8 @@
 """Apply activation checkpointing and FSDP2 from outside the model (torchtitan's order: AC, then FSDP).
 
-The blocks are the foundation's decoder layers (``model.foundation.layers``) and each encoder's
-repeated blocks (the ViT's ``blocks``, the audio tower's ``layers``); the root ``fully_shard``
+The blocks are the foundation's decoder layers (``model.foundation.layers``), each encoder's
+repeated blocks (the ViT's ``blocks``, the audio tower's ``layers``) and a VLA model's action
+expert layers (``model.action_expert.layers``); the root ``fully_shard``
 wraps the whole model, so the embeddings, final norm, LM head (the chunked loss reads
 ``foundation.lm_head.weight`` directly) and the projectors are sharded with the root.
 """
@@ -22,9 +23,16 @@ def _encoder_blocks(encoder: nn.Module) -> nn.ModuleList:
     return blocks if blocks is not None else encoder.layers
 
 
+def _expert_layers(model: nn.Module) -> list[nn.ModuleList]:
+    """A VLA model's action expert layers (models/vla.py), or none."""
+    expert = getattr(model, "action_expert", None)
+    return [expert.layers] if expert is not None else []
+
+
 def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
-    """The repeated blocks AC and FSDP wrap one by one: decoder layers, then each encoder's blocks."""
-    return [model.foundation.layers, *(_encoder_blocks(e) for e, _ in _encoders(model))]
+    """The repeated blocks AC and FSDP wrap one by one: decoder layers, each encoder's blocks, the
+    action expert's layers."""
+    return [model.foundation.layers, *(_encoder_blocks(e) for e, _ in _encoders(model)), *_expert_layers(model)]
 
 
 def _replace_blocks(model: nn.Module, wrap) -> None:
@@ -74,7 +82,7 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
     from torch.distributed.fsdp import fully_shard
 
     extra = _shard_experts(experts, experts_mesh, _policies(precision, offload, pin_memory))
-    for block in model.foundation.layers:
+    for block in (*model.foundation.layers, *(b for layers in _expert_layers(model) for b in layers)):
         fully_shard(block, mesh=mesh, **extra)
     for encoder, projector in _encoders(model):
         for block in _encoder_blocks(encoder):
