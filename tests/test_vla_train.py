@@ -140,3 +140,26 @@ def test_layouts_the_expert_cannot_run_under_are_refused():
     for key in ("parallel.cp", "parallel.seq_chunks", "parallel.pp", "model.foundation.tp"):
         with pytest.raises(LayoutError, match=f"train.phase=vla with {key}=2"):
             check(load_recipe("demo_vla", [f"{key}=2"]))
+
+
+def test_a_trained_run_samples_chunks_for_recorded_frames_and_live_observations(vla_data, tmp_path, capsys):
+    """``omniweave vla sample`` on a 2-step run: one JSONL line per frame with an [H, 2] finite chunk
+    in the dataset's units and the recorded one, the MSE summary; the Policy API on a live
+    observation gives the same shape, and a camera the policy needs but the observation lacks is
+    one clear error."""
+    from omniweave.vla.policy import Policy
+    from omniweave.vla.sim import ReachSim
+
+    _run(vla_data, tmp_path / "run", steps=2)
+    out = tmp_path / "chunks.jsonl"
+    assert cli(["vla", "sample", str(tmp_path / "run"), "--frames", str(vla_data["raw"]), "--count", "5",
+                "--batch", "2", "--output", str(out)]) == 0
+    assert "vla sample: 5 chunks of 4 actions (0 frames unreadable); MSE vs recorded" in capsys.readouterr().out
+    lines = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [ln["index"] for ln in lines] == list(range(5))
+    assert all(np.isfinite(ln["chunk"]).all() and np.shape(ln["chunk"]) == (H, 2) for ln in lines)
+    policy = Policy.load(tmp_path / "run")
+    obs = ReachSim(3).observation()
+    assert policy(obs).shape == (H, 2)
+    with pytest.raises(UserError, match="lacks camera"):
+        policy({**obs, "images": {}})
