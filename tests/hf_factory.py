@@ -124,3 +124,20 @@ def save_tiny(family: str, path, tied: bool = False, seed: int = 0, max_shard_si
     kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kw)
     return model
+
+
+def saved_perturbed_pair(model_cls, config, path, scale: float = 0.05):
+    """A random ``model_cls(config)`` with every weight nudged by ``scale`` noise (so norms and
+    biases are not at their init), saved to ``path`` and read back eagerly, and our model loaded
+    from the same directory: ``(hf, ours)``, both in eval mode (the VLM families' parity pairs)."""
+    from omniweave.models.hf.loading import load_hf
+
+    torch.manual_seed(0)
+    hf = model_cls(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    hf.save_pretrained(path)
+    hf = model_cls.from_pretrained(path, attn_implementation="eager").eval()
+    ours, _ = load_hf(path)
+    return hf, ours.eval()

@@ -17,11 +17,13 @@ import json
 
 import pytest
 import torch
+
+from tests.hf_factory import saved_perturbed_pair
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from omniweave.models.hf.export import export_hf
-from omniweave.models.hf.loading import adapter_for, load_hf
+from omniweave.models.hf.loading import adapter_for
 from omniweave.models.hf.verify_paligemma import patches
 
 IMAGE, SIZE, PATCH, N_IMAGE, V, BOS = 290, 42, 14, 9, 301, 2
@@ -42,16 +44,9 @@ def _config(**over):
 def pair(tmp_path_factory):
     from transformers import PaliGemmaForConditionalGeneration
 
-    torch.manual_seed(0)
-    hf = PaliGemmaForConditionalGeneration(_config())
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
     path = tmp_path_factory.mktemp("paligemma") / "hf"
-    hf.save_pretrained(path)
-    hf = PaliGemmaForConditionalGeneration.from_pretrained(path, attn_implementation="eager").eval()
-    ours, _ = load_hf(path)
-    return path, hf, ours.eval()
+    hf, ours = saved_perturbed_pair(PaliGemmaForConditionalGeneration, _config(), path)
+    return path, hf, ours
 
 
 def make_doc(n_prompt: int, n_suffix: int, seed: int):

@@ -13,6 +13,7 @@ import torch
 from omniweave.data.media.anyres import AnyresConfig, anyres_grid
 from omniweave.models.hf.export import export_hf
 from omniweave.models.hf.loading import adapter_for, load_hf
+from tests.hf_factory import saved_perturbed_pair
 
 TILE, PATCH, SIDE = 30, 6, 5
 PINPOINTS = [[h, w] for h in (30, 60, 90) for w in (30, 60, 90)]
@@ -37,16 +38,9 @@ def _config():
 def pair(tmp_path_factory):
     from transformers import LlavaOnevisionForConditionalGeneration
 
-    torch.manual_seed(0)
-    hf = LlavaOnevisionForConditionalGeneration(_config()).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
     path = tmp_path_factory.mktemp("llava_ov") / "hf"
-    hf.save_pretrained(path)
-    hf = LlavaOnevisionForConditionalGeneration.from_pretrained(path, attn_implementation="eager").eval()
-    ours, _ = load_hf(path)
-    return path, hf, ours.eval()
+    hf, ours = saved_perturbed_pair(LlavaOnevisionForConditionalGeneration, _config(), path)
+    return path, hf, ours
 
 
 def patches(tiles: torch.Tensor) -> torch.Tensor:
