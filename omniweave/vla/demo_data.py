@@ -42,10 +42,12 @@ def expert_episodes(episodes: int, seed: int = 0, image_size: int = 32, layout: 
 
 
 def write_reach_dataset(root: str | Path, episodes: int = 200, seed: int = 0, image_size: int = 32,
-                        episodes_per_file: int = 50, layout: str = "free") -> Path:
+                        episodes_per_file: int = 50, layout: str = "free", pix_fmt: str = "yuv444p") -> Path:
     """Write ``expert_episodes(episodes, seed, image_size, layout)`` under ``root`` (``image_size``
-    even: the video's yuv420p needs it); reads back with ``LeRobotDataset(root).frames(horizon)``."""
+    even: H.264 needs it); reads back with ``LeRobotDataset(root).frames(horizon)``. The videos keep
+    full chroma (yuv444p) by default: the policy is evaluated on rendered images, and yuv420p's
+    subsampled colour around the small discs would put it on other pixels than it trained on."""
     recorded = expert_episodes(episodes, seed, image_size, layout)
     return write_dataset(root, recorded, fps=FPS, state_key=STATE_KEY, action_key=ACTION_KEY,
                          files=consecutive_files(len(recorded), episodes_per_file), robot_type="reach_sim_2d",
-                         names={STATE_KEY: ["x", "y"], ACTION_KEY: ["vx", "vy"]})
+                         names={STATE_KEY: ["x", "y"], ACTION_KEY: ["vx", "vy"]}, pix_fmt=pix_fmt)

@@ -10,8 +10,9 @@ them. A caller may edit the tables in between (tests make broken datasets that w
 An episode is a dict: ``task`` (text), ``state`` float [T, d], ``action`` float [T, a] and
 ``images`` {camera key: uint8 [T, H, W, 3]}. Several episodes share a data file and a video file
 (``files`` / ``video_files``: file index -> its episodes, in order); everything is chunk 0.
-Videos are H.264 yuv420p through PyAV, one key frame per frame by default (exact seeks, tiny
-files); ``crf`` 0 is lossless in luma, the chroma is still subsampled.
+Videos are H.264 through PyAV, one key frame per frame by default (exact seeks, tiny files);
+``crf`` 0 is lossless in luma; ``pix_fmt`` yuv420p (lerobot's default) subsamples the chroma,
+yuv444p keeps it (H.264 High 4:4:4), so the decoded frames equal the images but for YUV rounding.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class LeRobotTables:
     videos: dict[str, np.ndarray] = field(default_factory=dict)
     stats: dict | None = None
     crf: int = 0
+    pix_fmt: str = "yuv420p"
 
 
 def consecutive_files(n_episodes: int, per_file: int) -> list[list[int]]:
@@ -61,7 +63,7 @@ def plan_dataset(episodes: Sequence[dict], *, fps: int, state_key: str = "observ
                  action_key: str = "action", files: Sequence[Sequence[int]] | None = None,
                  video_files: Mapping[str, Sequence[Sequence[int]]] | None = None,
                  names: Mapping[str, list[str]] | None = None, robot_type: str = "synthetic",
-                 crf: int = 0) -> LeRobotTables:
+                 crf: int = 0, pix_fmt: str = "yuv420p") -> LeRobotTables:
     """The tables of ``episodes``. ``files``: data file -> episodes (default: all in one file);
     ``video_files``: camera -> (video file -> episodes) (default: the data layout); ``names``:
     feature key -> its dimension names in info.json."""
@@ -104,9 +106,9 @@ def plan_dataset(episodes: Sequence[dict], *, fps: int, state_key: str = "observ
     widths = {state_key: np.shape(episodes[0]["state"])[1], action_key: np.shape(episodes[0]["action"])[1]}
     schema = pa.schema([(k, pa.list_(pa.float32(), w)) for k, w in widths.items()] + [(k, pa.type_for_alias(t)) for k, t in SCALARS.items()])
     return LeRobotTables(
-        info=_info(episodes, fps, widths, cameras, len(tasks), names or {}, robot_type), tasks=tasks,
+        info=_info(episodes, fps, widths, cameras, len(tasks), names or {}, robot_type, pix_fmt), tasks=tasks,
         frames=frames, episodes=rows, schema=schema, data_files=files, videos=videos,
-        stats=_stats(episodes, frames, widths, cameras), crf=crf)
+        stats=_stats(episodes, frames, widths, cameras), crf=crf, pix_fmt=pix_fmt)
 
 
 def write_tables(root: str | Path, tables: LeRobotTables, *, videos: bool = True) -> Path:
@@ -127,7 +129,7 @@ def write_tables(root: str | Path, tables: LeRobotTables, *, videos: bool = True
         (root / "meta" / "stats.json").write_text(json.dumps(tables.stats))
     if videos:
         for rel, frames in tables.videos.items():
-            write_video(root / rel, frames, fps=tables.info["fps"], crf=tables.crf)
+            write_video(root / rel, frames, fps=tables.info["fps"], crf=tables.crf, pix_fmt=tables.pix_fmt)
     return root
 
 
@@ -136,16 +138,17 @@ def write_dataset(root: str | Path, episodes: Sequence[dict], **plan) -> Path:
     return write_tables(root, plan_dataset(episodes, **plan))
 
 
-def write_video(path: Path, frames: np.ndarray, *, fps: int, crf: int = 0, gop: int = 1) -> None:
+def write_video(path: Path, frames: np.ndarray, *, fps: int, crf: int = 0, gop: int = 1,
+                pix_fmt: str = "yuv420p") -> None:
     """Frames uint8 [N, H, W, 3] (H, W even) as H.264; frame i at pts i (time base 1/fps)."""
     height, width = frames.shape[1:3]
     if height % 2 or width % 2:
-        raise ValueError(f"yuv420p needs an even frame size, got {height}x{width}")
+        raise ValueError(f"H.264 needs an even frame size, got {height}x{width}")
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), mode="w") as out:
         stream = out.add_stream("libx264", rate=fps)
         stream.width, stream.height = width, height
-        stream.pix_fmt = "yuv420p"
+        stream.pix_fmt = pix_fmt
         stream.options = {"crf": str(crf), "g": str(gop)}
         for image in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")):
@@ -159,10 +162,10 @@ def _file_of(layout: list[list[int]], episode: int) -> int:
 
 
 def _info(episodes, fps: int, widths: dict[str, int], cameras: list[str], n_tasks: int,
-          names: Mapping[str, list[str]], robot_type: str) -> dict:
+          names: Mapping[str, list[str]], robot_type: str, pix_fmt: str = "yuv420p") -> dict:
     height, width = episodes[0]["images"][cameras[0]].shape[1:3] if cameras else (0, 0)
     video = {"dtype": "video", "shape": [height, width, 3], "names": ["height", "width", "channels"],
-             "info": {"video.fps": fps, "video.codec": "h264", "video.pix_fmt": "yuv420p"}}
+             "info": {"video.fps": fps, "video.codec": "h264", "video.pix_fmt": pix_fmt}}
     total = sum(len(ep["state"]) for ep in episodes)
     scalar = {"shape": [1], "names": None}
     return {
