@@ -24,6 +24,7 @@ from pathlib import Path
 from omniweave.demo import _cli, _recipe_threads, platform_info
 
 RECIPE = "demo_vla"
+LAYOUT, IMAGE_SIZE = "ring", 56  # the simulator's layout and camera size (vla/sim.py), for data and evaluation alike
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,8 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def random_policy(seed: int, horizon: int):
     import numpy as np
 
+    from omniweave.vla.sim import MAX_STEP
+
     rng = np.random.default_rng(seed)
-    return lambda obs: rng.uniform(-0.08, 0.08, size=(horizon, 2))
+    return lambda obs: rng.uniform(-MAX_STEP, MAX_STEP, size=(horizon, 2))
 
 
 def closed_loop(policy, episodes: int, action_steps: int, horizon: int, seed: int) -> dict:
@@ -46,8 +49,9 @@ def closed_loop(policy, episodes: int, action_steps: int, horizon: int, seed: in
 
     runs = {"success_rate": {}, "control_success_rate": {"blank_images": True},
             "wrong_instruction_success_rate": {"swap_instruction": True}}
-    out = {name: run_episodes(policy, episodes, action_steps=action_steps, **kw) for name, kw in runs.items()}
-    out["random_success_rate"] = run_episodes(random_policy(seed, horizon), episodes, action_steps=action_steps)
+    common = {"action_steps": action_steps, "layout": LAYOUT, "image_size": IMAGE_SIZE}
+    out = {name: run_episodes(policy, episodes, **common, **kw) for name, kw in runs.items()}
+    out["random_success_rate"] = run_episodes(random_policy(seed, horizon), episodes, **common)
     return out
 
 
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     horizon = int(cfg.model.action_expert.horizon)
     t0 = time.perf_counter()
     print(f"recording {args.vla_episodes} expert episodes in {out / 'dataset'}", flush=True)
-    write_reach_dataset(out / "dataset", episodes=args.vla_episodes, seed=args.seed)
+    write_reach_dataset(out / "dataset", episodes=args.vla_episodes, seed=args.seed, layout=LAYOUT, image_size=IMAGE_SIZE)
     w = str(args.workers)
     _cli("data", "convert", "--format", "lerobot", "--input", str(out / "dataset"), "--output", str(out / "raw"),
          "--horizon", str(horizon), "--strict", "--no-progress")

@@ -149,11 +149,24 @@ class SiglipViT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """Fresh weights (after ``to_empty`` from the meta device)."""
+        """Fresh weights (after ``to_empty`` from the meta device), as transformers' SigLIP draws
+        them (``SiglipPreTrainedModel._init_weights``): LeCun-normal patch embedding, position
+        embeddings N(0, 1/width) -- large enough that a tower trained from scratch tells its patches'
+        places apart --, Xavier-uniform attention and MLP weights (q, k, v each on its own), MLP
+        biases N(0, 1e-6), the rest zero / LayerNorm identity. ``std`` is kept for callers that
+        pass the family's initializer range; the draws follow transformers' rules instead."""
         _init(self, std)
-        nn.init.normal_(self.patch_embed.weight, std=std)
+        fan_in = self.patch_embed.weight[0].numel()  # in_channels x p x p
+        nn.init.trunc_normal_(self.patch_embed.weight, std=(1.0 / fan_in) ** 0.5 / 0.87962566103423978)
         nn.init.zeros_(self.patch_embed.bias)
-        nn.init.normal_(self.position_embedding.weight, std=std)
+        nn.init.normal_(self.position_embedding.weight, std=self.cfg.hidden_size ** -0.5)
+        for block in self.blocks:
+            for part in block.attn.qkv.weight.chunk(3, dim=0):
+                nn.init.xavier_uniform_(part)
+            nn.init.xavier_uniform_(block.attn.proj.weight)
+            for fc in (block.mlp.fc1, block.mlp.fc2):
+                nn.init.xavier_uniform_(fc.weight)
+                nn.init.normal_(fc.bias, std=1e-6)
 
     def dummy_input(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The smallest valid item (one tile of the table's size, zero pixels), for rows without media."""
