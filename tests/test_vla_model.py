@@ -261,3 +261,30 @@ def test_flow_objective_runs_through_the_forward_head():
     assert co_stats["text_tokens"].item() == batch["input_ids"].shape[0]
     with pytest.raises(ValueError, match="lacks actions"):
         objective.row_inputs(model, {k: v for k, v in batch.items() if k != "actions"})
+
+
+def test_a_vision_language_directory_initialises_the_backbone_and_leaves_the_expert_fresh(tmp_path, caplog):
+    """train.init_from of a VLM's HF directory (here the demo's Qwen2.5-VL-shaped model) into the
+    VLA of the same backbone (demo_vla): every backbone tensor equals the directory's, the expert's
+    keep their fresh values, and the log says so once (Pi0.5 starts from PaliGemma this way)."""
+    import logging
+
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.models.hf.export import export_hf
+    from omniweave.models.hf.loading import load_hf_into
+
+    torch.manual_seed(1)
+    vlm = build_model(to_dict(load_recipe("demo").model))
+    vlm.init_weights()
+    export_hf(vlm, to_dict(load_recipe("demo").model), tmp_path / "vlm")
+    torch.manual_seed(2)
+    vla = build_model(to_dict(load_recipe("demo_vla").model))
+    vla.init_weights()
+    fresh = {n: p.detach().clone() for n, p in vla.named_parameters() if n.startswith("action_expert.")}
+    with caplog.at_level(logging.WARNING, logger="omniweave.hf"):
+        load_hf_into(vla, tmp_path / "vlm")
+    assert "the action expert's" in caplog.text
+    source = dict(vlm.named_parameters())
+    backbone = [n for n, _ in vla.named_parameters() if not n.startswith("action_expert.")]
+    assert backbone and all(torch.equal(dict(vla.named_parameters())[n], source[n]) for n in backbone)
+    assert all(torch.equal(p, fresh[n]) for n, p in vla.named_parameters() if n.startswith("action_expert."))

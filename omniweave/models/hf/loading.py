@@ -40,6 +40,19 @@ def check_names(adapter, hf_names, model: nn.Module) -> None:
         adapter.check_checkpoint_names(list(hf_names), model)
 
 
+def fresh_action_expert(model: nn.Module, adapter, hf_dir) -> set[str]:
+    """The parameters a directory leaves at their initialisation: a VLM directory (PaliGemma,
+    Qwen2.5-VL…) initialising a VLA model (models/vla.py) gives the backbone; the action expert
+    keeps its fresh weights, as Pi0.5 starts from PaliGemma (said once in the log). A Pi0.5
+    directory (``holds_action_expert``) gives everything."""
+    if getattr(model, "action_expert", None) is None or getattr(adapter, "holds_action_expert", False):
+        return set()
+    names = {n for n, _ in model.named_parameters() if n.startswith("action_expert.")}
+    log.warning("%s: a vision-language model's directory initialises the backbone; the action expert's %d "
+                "tensors keep their fresh initialisation", hf_dir, len(names))
+    return names
+
+
 def adapter_for(model_type: str):
     """The registered ``hf`` adapter instance of a HF ``model_type``."""
     try:
@@ -184,7 +197,9 @@ def load_hf_into(model: nn.Module, hf_dir: str | Path) -> int:
     check_names(adapter, where, model)
     log_unused(adapter, where)
     skip = adapter.skip_on_export(model) if hasattr(adapter, "skip_on_export") else set()
-    tensors = {n: p for n, p in model.named_parameters() if not is_adapter_name(n)}  # LoRA: a HF dir is the base
+    fresh = fresh_action_expert(model, adapter, hf_dir)
+    tensors = {n: p for n, p in model.named_parameters()  # LoRA: a HF dir is the base
+               if not is_adapter_name(n) and n not in fresh}
     persistent = model.state_dict(keep_vars=True)  # checkpointed buffers (DeepSeek-V3's e_score_correction_bias)
     tensors.update({n: b for n, b in model.named_buffers() if n in persistent})
     missing = []

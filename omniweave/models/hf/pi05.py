@@ -172,6 +172,7 @@ def _unprefixed(name: str) -> str:
 
 @register("hf", "pi05")
 class Pi05Adapter:
+    holds_action_expert = True  # its directories carry the expert (a VLM directory leaves it fresh: loading.py)
     """The whole-model adapter interface of loading.py / export.py for lerobot's layout; the
     PaliGemma part goes through :class:`PaliGemmaAdapter` (both of its HF layouts)."""
 
