@@ -95,3 +95,19 @@ def test_rl_demo_runs_sft_then_grpo_and_writes_its_report(tmp_path):
     assert set(report["accuracy_by_task_rl"]) <= {"color", "shape", "position", "count", "motion", "which_red"}
     rows = [json.loads(line) for line in (out / "rl" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all("reward_mean" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_vla_demo_runs_both_stages_and_writes_its_report(tmp_path):
+    """omniweave demo --vla at toy sizes: the VLM stage (demo recipe, HF export), the VLA stage
+    initialised from it, and the closed-loop report with its four measures in [0, 1]."""
+    out = tmp_path / "vla"
+    code = main(["demo", "--vla", "--out", str(out), "--samples", "60", "--steps", "2", "--vla-vlm-steps", "2",
+                 "--vla-episodes", "10", "--vla-eval-episodes", "3", "--workers", "1", "train.save_interval=0"])
+    assert code == 0
+    report = json.loads((out / "vla_report.json").read_text())
+    assert report["steps"] == 2 and report["vlm_steps"] == 2 and report["eval_episodes"] == 3
+    for key in ("success_rate", "control_success_rate", "wrong_instruction_success_rate", "random_success_rate"):
+        assert 0.0 <= report[key] <= 1.0
+    assert (out / "vlm" / "run" / "hf" / "config.json").exists()
+    assert len((out / "run" / "metrics.jsonl").read_text().splitlines()) == 2

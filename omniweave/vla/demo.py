@@ -1,8 +1,14 @@
 """``omniweave demo --vla [--out DIR]``: a tiny VLA learns to reach the target its instruction names.
 
+    the SFT demo's vision-language model (recipe demo: synthetic image / video QA, exported with
+    train.save_hf -> DIR/vlm/run/hf), as Pi0.5 starts from a pretrained VLM
     expert episodes in ReachSim (vla/sim.py) -> DIR/dataset (LeRobot v3.0: camera video, state,
-    action, task) -> data convert --format lerobot -> data pack (demo_vla) -> train (DIR/run)
+    action, task) -> data convert --format lerobot -> data pack (demo_vla) -> train (DIR/run,
+    train.init_from = the VLM: the backbone from it, the action expert fresh)
     -> closed-loop episodes in the same simulator -> DIR/vla_report.json
+
+``--vla-vlm-steps 0`` trains the VLA from scratch instead: the tiny backbone then does not learn
+to read the image from the flow loss alone in this budget (docs/vla.md, "The demo").
 
 The report's measures, each over the same held-out episodes (seeds never in the dataset):
 
@@ -32,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vla-episodes", type=int, default=400, help="--vla: expert episodes to record (default 400)")
     p.add_argument("--vla-eval-episodes", type=int, default=100,
                    help="--vla: closed-loop episodes per measure (default 100)")
+    p.add_argument("--vla-vlm-steps", type=int, default=600,
+                   help="--vla: SFT steps of the vision-language model the VLA starts from (default 600; 0: from scratch)")
 
 
 def random_policy(seed: int, horizon: int):
@@ -55,6 +63,23 @@ def closed_loop(policy, episodes: int, action_steps: int, horizon: int, seed: in
     return out
 
 
+def pretrain_vlm(out: Path, steps: int, seed: int, workers: str, samples: int = 4000) -> Path:
+    """The SFT demo's model (recipe demo) trained ``steps`` steps on its synthetic QA and exported
+    as a HF directory: the VLA's backbone (the same components as demo_vla's)."""
+    from omniweave.config import recipe_path
+    from omniweave.data.demo import generate
+
+    print(f"pretraining the vision-language backbone: {steps} SFT steps of the demo recipe in {out}", flush=True)
+    generate(out / "data", samples=samples, eval_samples=0, seed=seed)
+    _cli("data", "convert", "--input", str(out / "data" / "train.jsonl"), "--media-dir", str(out / "data" / "media"),
+         "--output", str(out / "raw"), "--workers", workers, "--strict", "--no-progress")
+    _cli("data", "pack", "--input", str(out / "raw"), "--output", str(out / "packed"), "--recipe",
+         str(recipe_path("demo")), "--workers", workers)
+    _cli("train", str(recipe_path("demo")), f"data.path={out / 'packed'}", f"output_dir={out / 'run'}",
+         f"train.steps={steps}", "train.save_hf=true", "train.save_interval=0")
+    return out / "run" / "hf"
+
+
 def run(args: argparse.Namespace) -> int:
     from omniweave.config import load_recipe, recipe_path
     from omniweave.vla.demo_data import write_reach_dataset
@@ -76,7 +101,11 @@ def run(args: argparse.Namespace) -> int:
     run_dir = out / "run"
     steps = [f"train.steps={args.steps}"] if args.steps else []
     t_train = time.perf_counter()
-    _cli("train", str(recipe), f"data.path={out / 'packed'}", f"output_dir={run_dir}", *steps, *args.overrides)
+    init = []
+    if args.vla_vlm_steps > 0:
+        vlm = pretrain_vlm(out / "vlm", args.vla_vlm_steps, args.seed, w, args.samples or 4000)
+        init = [f"train.init_from={vlm}"]
+    _cli("train", str(recipe), f"data.path={out / 'packed'}", f"output_dir={run_dir}", *init, *steps, *args.overrides)
     train_seconds = time.perf_counter() - t_train
     _recipe_threads(cfg)
     policy = Policy.load(run_dir, seed=args.seed)
@@ -85,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
           f"{horizon} actions executed before the next query", flush=True)
     measures = closed_loop(policy, args.vla_eval_episodes, action_steps, horizon, args.seed)
     report = {"recipe": RECIPE, "episodes": args.vla_episodes, "eval_episodes": args.vla_eval_episodes,
+              "vlm_steps": args.vla_vlm_steps,
               "steps": args.steps or int(cfg.train.steps), "train_seconds": round(train_seconds, 1),
               **{name: m["success_rate"] for name, m in measures.items()},
               "mean_steps": measures["success_rate"]["mean_steps"],
