@@ -35,7 +35,7 @@ LAYOUT, IMAGE_SIZE = "ring", 56  # the simulator's layout and camera size (vla/s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags ``omniweave demo`` adds for ``--vla``."""
-    p.add_argument("--vla-episodes", type=int, default=400, help="--vla: expert episodes to record (default 400)")
+    p.add_argument("--vla-episodes", type=int, default=1500, help="--vla: expert episodes to record (default 1500)")
     p.add_argument("--vla-eval-episodes", type=int, default=100,
                    help="--vla: closed-loop episodes per measure (default 100)")
     p.add_argument("--vla-vlm-steps", type=int, default=600,
