@@ -13,7 +13,6 @@ import torch
 from omniweave.data.media.anyres import AnyresConfig, anyres_grid
 from omniweave.models.hf.export import export_hf
 from omniweave.models.hf.loading import adapter_for, load_hf
-from tests.hf_factory import saved_perturbed_pair
 
 TILE, PATCH, SIDE = 30, 6, 5
 PINPOINTS = [[h, w] for h in (30, 60, 90) for w in (30, 60, 90)]
@@ -37,6 +36,8 @@ def _config():
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     from transformers import LlavaOnevisionForConditionalGeneration
+
+    from tests.hf_factory import saved_perturbed_pair  # here: tests/dist ranks import this module without the torchvision shim
 
     path = tmp_path_factory.mktemp("llava_ov") / "hf"
     hf, ours = saved_perturbed_pair(LlavaOnevisionForConditionalGeneration, _config(), path)
