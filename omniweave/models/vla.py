@@ -70,7 +70,8 @@ class VLAModel(OmniModel):
         self.action_expert.init_weights()
 
     def prefix(self, batch: dict, keep_kv: bool = True) -> Prefix:
-        """The backbone over the row (prefix-LM by ``prefix_lens``), keeping its keys / values."""
+        """The backbone over the row (prefix-LM by ``prefix_lens``), always keeping its keys / values
+        (the expert reads them; ``keep_kv`` is OmniModel's signature, not a choice here)."""
         return super().prefix(batch, keep_kv=True)
 
     def forward(self, batch: dict, token_logprobs: bool = False, temperature: float = 1.0, head=None):

@@ -15,7 +15,6 @@ Several observations go in one row (``sample``), each its own document with its 
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +104,3 @@ class Policy:
     def __call__(self, observation: dict) -> np.ndarray:
         return self.sample([observation])[0]
 
-
-def describe(stats: dict) -> str:
-    return json.dumps({k: stats[k] for k in ("fps", "horizon", "state_dim", "action_dim", "cameras") if k in stats})
