@@ -25,6 +25,10 @@ column-wise and fc2 | down row-wise, attention and MLP each ending in an all-red
 (PatchMerger) stay replicated plain tensors: every rank computes them on the same inputs with
 the same full gradients, so their parameters and gradients are identical across tp ranks.
 
+Action expert (VLA, ``model.action_expert``): sharded over the foundation's tp mesh with the
+backbone's head split (its chunk queries read the backbone's local keys / values; ``expert_plan``),
+activations replicated like the ViT's.
+
 Hand-off encoder -> decoder (``OmniModel``): the projected features ``[N, D]`` are replicated
 plain tensors, but each rank's embeddings are only its rows ``[r·L/tp, (r+1)·L/tp)``. A forward
 pre-hook gives the batch ``feature_rows`` for those rows (``sequence_parallel_row``) so each
@@ -209,6 +213,27 @@ def audio_plan(cfg, tp: int) -> dict:
     return {f"layers.*.{name}": style for name, style in layer.items()}
 
 
+def check_expert_tp(cfg, tp: int) -> None:
+    """An action expert (components/action_expert.py) is sharded over the foundation's tp mesh:
+    its queries attend with the backbone's local key/value heads, so its heads split the same way."""
+    kv_head_layout(cfg.num_heads, cfg.num_kv_heads, tp)
+    _divisible("action_expert intermediate_size", cfg.intermediate_size, tp)
+
+
+def expert_plan(cfg, tp: int) -> dict:
+    """The action expert's plan (Megatron TP, its activations ``[N·H, W]`` replicated as the ViT's):
+    q column-wise, k / v as the backbone's (split or each rank's own replicated KV head, so a rank's
+    chunk queries meet the prefix keys of the same heads), o_proj row-wise; gate / up column-wise,
+    down row-wise. adaRMS norms, time MLP and action projections stay replicated plain tensors."""
+    check_expert_tp(cfg, tp)
+    kv = ColwiseParallel() if kv_head_layout(cfg.num_heads, cfg.num_kv_heads, tp) == "split" \
+        else ReplicatedKVHeads(cfg.num_kv_heads, cfg.head_dim)
+    layer = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": kv, "self_attn.v_proj": kv,
+             "self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+             "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}  # fmt: skip
+    return {f"layers.*.{name}": style for name, style in layer.items()}
+
+
 # per modality (registry.MODALITIES): (layout check, parallelize_module plan) of its encoder
 ENCODER_TP = {"vision": (check_vit_tp, vit_plan), "audio": (check_audio_tp, audio_plan)}
 
@@ -275,8 +300,11 @@ def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None, features
     modalities = getattr(model, "modalities", ())
     if encoder_mesh is not None and not modalities:
         raise ValueError("encoder_mesh given but the model has no encoder")
+    expert = getattr(model, "action_expert", None)
     if foundation_mesh is not None:
         check_decoder_tp(model.foundation.config, foundation_mesh.size())
+        if expert is not None:
+            check_expert_tp(expert.config, foundation_mesh.size())
     if encoder_mesh is not None:
         for m in modalities:
             ENCODER_TP[m.name][0](getattr(model, m.encoder).cfg, encoder_mesh.size())
@@ -285,6 +313,8 @@ def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None, features
             parallelize_module(encoder, encoder_mesh, ENCODER_TP[m.name][1](encoder.cfg, encoder_mesh.size()))
     if foundation_mesh is not None:
         parallelize_decoder(model.foundation, foundation_mesh)
+        if expert is not None:  # the same mesh: its attention reads the foundation's local heads
+            parallelize_module(expert, foundation_mesh, expert_plan(expert.config, foundation_mesh.size()))
         model.ce_sum = partial(vocab_parallel_ce_sum, mesh=foundation_mesh)
         model.ce_tokens = partial(vocab_parallel_ce_tokens, mesh=foundation_mesh)
         model.register_forward_pre_hook(partial(_sequence_parallel_hook, foundation_mesh))

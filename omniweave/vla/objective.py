@@ -94,11 +94,11 @@ class FlowMatchingObjective(Objective):
         if self.text_weight:
             text = model.loss_sum(prefix.hidden, target.labels)
             loss = loss + self.text_weight * text
-        else:  # 0 × the LM loss of one token: the backbone's last layers and the LM head, off the flow loss's
-            # path, get (zero) gradients every step, so every rank's optimizer holds state for every
-            # parameter and checkpoints restore whole (as run_encoder_always does for idle encoders)
-            first = torch.zeros(1, dtype=torch.long, device=loss.device)
-            loss = loss + 0.0 * model.loss_sum(prefix.hidden[:1], first)
+        else:  # the LM loss of no token (0 × the hidden states and the head): the backbone's last layers and
+            # the LM head, off the flow loss's path, get (zero) gradients every step, so every rank's
+            # optimizer holds state for every parameter and checkpoints restore whole (as
+            # run_encoder_always does for idle encoders); under tp the vocab-parallel loss takes it too
+            loss = loss + model.loss_sum(prefix.hidden, torch.full_like(target.labels, -100))
         return loss, {"flow_sse": flow.sum.detach(), "action_values": flow.count.to(torch.float32),
                       "text_loss_sum": text.detach(), "text_tokens": text_tokens.to(torch.float32)}
 
