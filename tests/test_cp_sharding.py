@@ -223,3 +223,27 @@ def test_property_any_document_lengths(doc_lens, cp):
     shards = [shard_batch(row, plan, r) for r in range(cp)]
     assert torch.equal(unshard_rows([s["position_ids"] for s in shards], plan, dim=1), row["position_ids"])
     assert sum(int((s["labels"] != -100).sum()) for s in shards) == row["num_loss_tokens"]
+
+
+def test_vla_rows_keep_their_prefixes_and_share_their_action_chunks():
+    """A VLA row (models/vla.py) under CP: ``prefix_lens`` passes through (pads sit at document
+    ends, after every prefix), the tp pad document gets prefix 0, and the action chunks are shared
+    contiguously over the ranks; a rank left without one runs chunk 0 with every step padded."""
+    from omniweave.parallel.context import shard_micro_batch
+
+    row = {"input_ids": torch.arange(1, 12), "labels": torch.full((11,), -100),
+           "cu_seqlens": torch.tensor([0, 6, 11], dtype=torch.int32), "prefix_lens": torch.tensor([4, 5]),
+           "action_docs": torch.tensor([0, 1, 1]), "actions": torch.arange(3.0)[:, None, None].expand(3, 2, 1),
+           "action_is_pad": torch.zeros(3, 2, dtype=torch.bool), "action_dims": torch.ones(3, dtype=torch.long),
+           "action_samples": torch.tensor([7, 8, 9]), "num_action_values": 6}  # fmt: skip
+    shards = [shard_micro_batch(row, 2, r) for r in range(2)]
+    assert [s["prefix_lens"].tolist() for s in shards] == [[4, 5], [4, 5]]
+    assert [s["action_samples"].tolist() for s in shards] == [[7, 8], [9]]
+    assert [s["action_docs"].tolist() for s in shards] == [[0, 1], [1]]
+    assert all(s["num_action_values"] == 6 for s in shards)
+    one = {**row, **{k: row[k][:1] for k in ("action_docs", "actions", "action_is_pad", "action_dims", "action_samples")}}
+    lonely = [shard_micro_batch(one, 2, r) for r in range(2)]
+    assert lonely[0]["action_is_pad"].tolist() == [[False, False]]
+    assert lonely[1]["action_samples"].tolist() == [7] and lonely[1]["action_is_pad"].tolist() == [[True, True]]
+    padded = shard_micro_batch(row, 1, 0, tp=2)  # 11 tokens -> a pad document of 1 for tp 2
+    assert padded["cu_seqlens"].tolist() == [0, 6, 11, 12] and padded["prefix_lens"].tolist() == [4, 5, 0]

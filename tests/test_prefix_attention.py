@@ -118,20 +118,25 @@ def test_chunk_positions_continue_after_each_prefix():
 
 
 def test_bad_layouts_are_refused():
-    """Prefix lengths that do not fit the documents, chunks of a document without a prefix, a
-    layout without kept keys, context-parallel hooks and linear-attention layers: clear errors."""
+    """Prefix lengths that do not fit the documents (at the first layer: under context parallelism
+    only the hook knows the whole row), chunks of a document without a prefix or before the
+    backbone ran, a layout without kept keys, an attention hook that is not context parallelism's
+    (chunked rows) and linear-attention layers: clear errors."""
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    q = torch.zeros(9, 2, 4)
     with pytest.raises(ValueError, match="within the documents"):
-        PrefixLayout(cu, torch.tensor([5, 1]))
+        PrefixLayout(cu, torch.tensor([5, 1])).attend(0, q, q, q, cu, None, "math")
     with pytest.raises(ValueError, match="2 documents"):
         PrefixLayout(cu, torch.tensor([1]))
     layout = PrefixLayout(cu, torch.tensor([4, 0]), keep_kv=True)
+    with pytest.raises(ValueError, match="has not run yet"):
+        ChunkLayout(layout, torch.tensor([0]), 2)
+    layout.attend(0, q, q, q, cu, None, "math")
     with pytest.raises(ValueError, match="without a prefix"):
         ChunkLayout(layout, torch.tensor([1]), 2)
     with pytest.raises(ValueError, match="keep_kv"):
         ChunkLayout(PrefixLayout(cu, torch.tensor([4, 0])), torch.tensor([0]), 2)
-    q = torch.zeros(9, 2, 4)
-    with pytest.raises(UserError, match="context parallelism"):
-        layout.attend(0, q, q, q, cu, None, "math", attn_fn=lambda *a: None)
+    with pytest.raises(UserError, match="chunked rows"):
+        PrefixLayout(cu, torch.tensor([4, 0])).attend(0, q, q, q, cu, None, "math", attn_fn=lambda *a: None)
     with pytest.raises(UserError, match="linear-attention"):
         layout.mix_linear(0, None, q, cu)

@@ -5,7 +5,7 @@ Checked: every packed frame holds its observation prompt (all of it the bidirect
 camera frame as the image and its action chunk normalised exactly as lerobot_stats.json says; the
 loader's micro-batch carries the VLA keys; packing refuses the wrong kind of raw data in one line;
 the flow loss falls; a resumed run equals an uninterrupted one bit for bit; two data-parallel
-ranks and foundation tp 2 equal one process (losses and grad norms within 1e-5 relative)."""
+ranks, foundation tp 2 and cp 2 equal one process (losses and grad norms within 1e-5 relative)."""
 
 from __future__ import annotations
 
@@ -117,29 +117,31 @@ def test_activation_checkpointing_changes_nothing(vla_data, tmp_path):
     assert np.allclose(np.array(full), np.array(plain), rtol=1e-6, atol=0)
 
 
-def test_data_and_tensor_parallel_ranks_equal_one_process(vla_data, tmp_path):
-    """dp 2 (FSDP2, gloo) and foundation tp 2 (the expert sharded with it) vs one process on the
-    same global batch: losses and grad norms within 1e-5 relative for 3 steps."""
+def test_data_tensor_and_context_parallel_ranks_equal_one_process(vla_data, tmp_path):
+    """dp 2 (FSDP2, gloo), foundation tp 2 (the expert sharded with it) and cp 2 (zigzag rows, the
+    prefix keys / values all-gathered, the chunks shared) vs one process on the same global batch:
+    losses and grad norms within 1e-5 relative for 3 steps."""
     runs = {}
-    for name, n, extra in (("one", 1, {}), ("dp2", 2, {}), ("tp2", 2, {"model__foundation__tp": 2})):
+    for name, n, extra in (("one", 1, {}), ("dp2", 2, {}), ("tp2", 2, {"model__foundation__tp": 2}),
+                           ("cp2", 2, {"parallel__cp": 2})):
         out = tmp_path / name / "run"
         res = train_subprocess(vla_data["packed"], out, nproc=n, steps=3, global_batch=4, recipe="demo_vla",
                                data__max_len=512, **extra)
         assert res.returncode == 0, res.stdout[-4000:]
         runs[name] = read_metrics(out)
-    for name in ("dp2", "tp2"):
+    for name in ("dp2", "tp2", "cp2"):
         assert [r["loss"] for r in runs[name]] == pytest.approx([r["loss"] for r in runs["one"]], rel=1e-5), name
         assert [r["grad_norm"] for r in runs[name]] == pytest.approx([r["grad_norm"] for r in runs["one"]], rel=1e-5)
 
 
 def test_layouts_the_expert_cannot_run_under_are_refused():
-    """cp / seq_chunks / pp with train.phase=vla: a LayoutError naming the key."""
+    """seq_chunks / pp with train.phase=vla: a LayoutError naming the key (tp and cp run)."""
     from omniweave.config import load_recipe
     from omniweave.train.layouts import LayoutError, check
 
     check(load_recipe("demo_vla"))
-    check(load_recipe("demo_vla", ["model.foundation.tp=2"]))
-    for key in ("parallel.cp", "parallel.seq_chunks", "parallel.pp"):
+    check(load_recipe("demo_vla", ["model.foundation.tp=2", "parallel.cp=2"]))
+    for key in ("parallel.seq_chunks", "parallel.pp"):
         with pytest.raises(LayoutError, match=f"train.phase=vla with {key}=2"):
             check(load_recipe("demo_vla", [f"{key}=2"]))
 

@@ -95,11 +95,11 @@ def traits(cfg) -> Traits:
 def refusals(mode: Traits, lay: Layout) -> list[str]:
     """Why ``mode`` cannot run under ``lay``: one clause per reason, naming the keys ([]: it runs)."""
     out = []
-    if mode.action_chunks:  # the chunks' attention reads whole rows' keys / values of whole heads, on one rank
-        for key, value in (("parallel.cp", lay.cp), ("parallel.seq_chunks", lay.seq_chunks), ("parallel.pp", lay.pp)):
+    if mode.action_chunks:  # the chunks' attention reads every layer's keys / values of whole prefixes
+        for key, value in (("parallel.seq_chunks", lay.seq_chunks), ("parallel.pp", lay.pp)):
             if value > 1:
-                out.append(f"{mode.mode} with {key}={value}: the action expert reads every layer's keys and values "
-                           "of whole prefixes on one rank; not supported yet (use dp / FSDP)")
+                out.append(f"{mode.mode} with {key}={value}: the action expert reads every backbone layer's keys "
+                           "and values of whole prefixes; not supported yet (use dp, tp or cp)")
         return out
     if lay.seq_chunks > 1:
         n = f"parallel.seq_chunks={lay.seq_chunks}"

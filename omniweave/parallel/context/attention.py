@@ -34,7 +34,8 @@ from omniweave.models.components.attention import autocast_inputs, resolve
 from omniweave.parallel.context.allgather import allgather_attention
 from omniweave.parallel.context.ring import ring_attention
 from omniweave.parallel.context.ulysses import hybrid_attention, ulysses_attention
-from omniweave.parallel.context.zigzag import zigzag_chunks
+from omniweave.parallel.context.allgather import gather_stacked
+from omniweave.parallel.context.zigzag import whole_row_index, zigzag_chunks
 
 MODES = ("ring", "allgather", "ulysses", "hybrid")
 
@@ -63,6 +64,25 @@ class CPContext:
     def __call__(self, q, k, v, cu_seqlens, window: int | None = None) -> torch.Tensor:
         """The decoder's ``attn_fn`` hook."""
         return cp_attention(q, k, v, cu_seqlens, self, window)
+
+    def row_map(self, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cu int32 [D+1] of the whole zigzag-padded row, int64 [local rows]: each local row's place
+        in it), for attention layouts that see the whole row (a VLA prefix: models/components/
+        prefix_attention.py); made once per micro-batch."""
+        n, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return self.memo(cu_seqlens, "row_map", lambda: tuple(
+            t.to(cu_seqlens.device) for t in whole_row_index(cu_seqlens.cpu(), n, me)))
+
+    def gather_row(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """``x`` [local rows, ...] of every CP rank -> [whole padded row, ...] in row order; the
+        backward sums each rank's share of the gradient back to it (all-gather / reduce-scatter)."""
+        n, rows = dist.get_world_size(self.group), x.shape[0]
+
+        def order():  # row g of the whole row = row order[g] of the ranks' rows stacked in rank order
+            held = torch.cat([whole_row_index(cu_seqlens.cpu(), n, r)[1] for r in range(n)])
+            return torch.argsort(held).to(x.device)
+
+        return gather_stacked(x, self.group).reshape(n * rows, *x.shape[1:])[self.memo(cu_seqlens, "row_order", order)]
 
     def memo(self, cu_seqlens: torch.Tensor, key, build: Callable):
         """``build()`` once per micro-batch: the row indices and kernel segments depend only on the

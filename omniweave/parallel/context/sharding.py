@@ -39,8 +39,12 @@ from omniweave.models.registry import MODALITIES
 _REWRITTEN_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "token_data", "token_valid",
                    *(k for m in MODALITIES for k in (m.spans, m.rows)))
 # a row's keys that are not per token, passed through unchanged (by CP shards and by chunks: seq_chunks.py)
-WHOLE_ROW_KEYS = ("num_loss_tokens", "num_pairs", "num_seqs", "num_kto", "pack_id",
+WHOLE_ROW_KEYS = ("num_loss_tokens", "num_pairs", "num_seqs", "num_kto", "pack_id", "num_action_values",
                   *(k for m in MODALITIES for k in (m.inputs, m.grid, m.sizes) if k))
+PER_DOCUMENT_KEYS = ("prefix_lens",)  # [D]: CP pads each document at its end, a pad document gets 0
+# items that attend to the row without being rows of it (a VLA frame's action chunks, models/vla.py),
+# dim 0 = the item: each CP rank takes its share of them (item_share)
+ITEM_KEYS = ("action_docs", "actions", "action_is_pad", "action_dims", "action_samples", "action_noise", "action_time")
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
     pads); pixel_values, grid_thw and num_loss_tokens (the pack's global count) unchanged, so the
     vision split decides who encodes.
     """
-    unknown = sorted(set(batch) - set(_REWRITTEN_KEYS) - set(WHOLE_ROW_KEYS))
+    unknown = sorted(set(batch) - set(_REWRITTEN_KEYS) - set(WHOLE_ROW_KEYS) - set(PER_DOCUMENT_KEYS) - set(ITEM_KEYS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to shard batch key(s) {unknown}")
     ids = batch["input_ids"]
@@ -196,8 +200,26 @@ def shard_batch(batch: dict, plan: CPShardPlan, rank: int, pad_id: int = 0) -> d
     valid = batch.get("token_valid")
     valid = torch.ones(plan.row_len, dtype=torch.bool, device=ids.device) if valid is None else valid
     out["token_valid"] = shard_rows(valid, plan, rank, fill=False)  # pads: no router statistics (MoE)
-    out.update({k: batch[k] for k in WHOLE_ROW_KEYS if k in batch})
+    out.update({k: batch[k] for k in (*WHOLE_ROW_KEYS, *PER_DOCUMENT_KEYS) if k in batch})
+    out.update(item_share({k: batch[k] for k in ITEM_KEYS if k in batch}, plan.cp, rank))
     return out
+
+
+def item_share(items: dict, cp: int, rank: int) -> dict:
+    """Rank ``rank``'s contiguous share of a row's items (``ITEM_KEYS``, dim 0). Their losses are sums
+    over items, so the shares add up to the row's; a rank left without one gets item 0 with every
+    step padded (``action_is_pad``), which runs the same modules and adds exactly nothing."""
+    if not items:
+        return {}
+    n = next(iter(items.values())).shape[0]
+    mine = torch.arange(n).tensor_split(cp)[rank]
+    if mine.numel() == 0:
+        if n == 0 or "action_is_pad" not in items:
+            raise ValueError(f"{n} items cannot be shared over {cp} CP ranks so that each runs one")
+        out = {k: v[:1] for k, v in items.items()}
+        out["action_is_pad"] = torch.ones_like(out["action_is_pad"])
+        return out
+    return {k: v[mine.to(v.device)] for k, v in items.items()}
 
 
 def pad_rows_for(cu_seqlens, cp: int, multiple: int) -> int:
@@ -239,4 +261,7 @@ def append_pad_document(batch: dict, length: int, pad_id: int = 0) -> dict:
     valid = batch.get("token_valid")
     valid = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device) if valid is None else valid
     out["token_valid"] = torch.cat([valid, valid.new_zeros(length)])
+    for key in PER_DOCUMENT_KEYS:  # the pad document: no prefix
+        if batch.get(key) is not None:
+            out[key] = torch.cat([batch[key], batch[key].new_zeros(1)])
     return out

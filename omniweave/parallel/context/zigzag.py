@@ -161,3 +161,15 @@ def plan_block(chunk_lens: list[int], q_chunks: tuple[int, ...], kv_chunks: tupl
             max_k=max(b - a for a, b in zip(seg_k[:-1], seg_k[1:])),
         ))  # fmt: skip
     return calls
+
+
+def whole_row_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu int32 [D+1] of the whole zigzag-padded row, int64 [local rows]: where each of rank
+    ``rank``'s local rows lies in it). Document ``d`` there has ``2·cp·c_d`` rows (pads at its end)."""
+    rows = int(cu_seqlens[-1])
+    chunk_lens = chunk_lengths(cu_seqlens, 2, rows)
+    whole = torch.tensor([0] + [2 * cp * c for c in chunk_lens], dtype=torch.int64).cumsum(0)
+    first, second = zigzag_chunks(cp, rank)
+    starts = [int(s) + j * c for s, c in zip(whole[:-1].tolist(), chunk_lens) for j in (first, second)]
+    lengths = [c for c in chunk_lens for _ in (first, second)]
+    return whole.to(torch.int32), rows_index(starts, lengths)
