@@ -14,12 +14,13 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from omniweave.cli import main as cli
 from omniweave.data.packing.packed import PackedDataset
 from omniweave.data.sources.lerobot import normalize
 from omniweave.errors import UserError
-from tests.train_factory import read_metrics, train_in_process, train_subprocess
+from tests.train_factory import final_state, read_metrics, train_in_process, train_subprocess
 
 H = 4
 
@@ -115,6 +116,29 @@ def test_activation_checkpointing_changes_nothing(vla_data, tmp_path):
     plain = _run(vla_data, tmp_path / "none", steps=2)
     full = _run(vla_data, tmp_path / "full", steps=2, train__ac="full")
     assert np.allclose(np.array(full), np.array(plain), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backbone", ["frozen", "lora"])
+def test_the_backbone_can_be_frozen_or_adapted_while_the_expert_trains(vla_data, tmp_path, backbone):
+    """model.foundation.freeze: the backbone's weights stay bit-identical from step 1 to step 2 while
+    every expert weight moves; model.foundation.lora: the base weights stay, the expert moves and
+    every adapter on the flow loss's path learns (its lora_B, zero at the start, moves) -- all but
+    the last layer's q_proj, whose queries feed only the text head (no text loss here; the chunks
+    read the backbone's keys and values): its lora_B stays zero."""
+    extra = ({"model__foundation__freeze": True} if backbone == "frozen"
+             else {"+model__foundation__lora": "{r: 4, alpha: 8, targets: [q_proj, v_proj]}"})
+    _run(vla_data, tmp_path / "run", steps=2, train__save_interval=1, train__lr=3e-3, train__keep_last=0, **extra)
+    before, after = (final_state(tmp_path / "run" / f"checkpoints/step_00000{s}") for s in (1, 2))
+    moved = {k for k in after if not torch.equal(before[k], after[k])}
+    foundation = {k for k in after if k.startswith("foundation.")}
+    adapters = {k for k in foundation if "lora_" in k}
+    assert foundation - adapters and not (foundation - adapters) & moved
+    learned = {k for k in adapters if "lora_B" in k}
+    off_path = {"foundation.layers.1.self_attn.q_proj.lora_B.weight"}
+    assert (backbone == "lora") == bool(adapters) and all(float(after[k].abs().max()) == 0 for k in off_path & learned)
+    assert learned - off_path <= moved and not off_path & moved
+    expert = {k for k in after if k.startswith("action_expert.")}
+    assert expert <= moved, sorted(expert - moved)[:5]
 
 
 def test_data_tensor_and_context_parallel_ranks_equal_one_process(vla_data, tmp_path):
