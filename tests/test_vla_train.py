@@ -191,3 +191,11 @@ def test_a_trained_run_samples_chunks_for_recorded_frames_and_live_observations(
     assert policy(obs).shape == (H, 2)
     with pytest.raises(UserError, match="lacks camera"):
         policy({**obs, "images": {}})
+
+
+def test_save_hf_of_a_model_without_a_lerobot_layout_is_refused_before_training(vla_data, tmp_path):
+    """train.save_hf=true on demo_vla (a Qwen2.5-shaped backbone: not one of lerobot's Pi0.5
+    layouts) fails at set-up in one line, not after the last step; no step is logged."""
+    with pytest.raises(UserError, match="train.save_hf=true: the final model cannot be exported: .*lerobot"):
+        _run(vla_data, tmp_path / "run", steps=2, train__save_hf=True)
+    assert read_metrics(tmp_path / "run") == []

@@ -192,6 +192,14 @@ class Engine:
         self.checkpointer = checkpoint.Checkpointer(self.ckpt_root, tc.keep_last, tc.async_save, timeout, self.device)
         self.eval_interval = tc.eval_interval
         self.save_hf, self.eval_path = tc.save_hf, section(cfg, "eval").path
+        if self.save_hf and self.pipeline is None:  # refuse now what the export would refuse after the run
+            from omniweave.models.hf.export import check_exportable
+
+            try:
+                check_exportable(self.model)
+            except ValueError as e:
+                raise UserError(f"train.save_hf=true: the final model cannot be exported: {e}; set "
+                                "train.save_hf=false (the run's checkpoints hold the weights)") from None
         self.log: MetricsLogger | None = None
 
     def _pipeline(self, cfg, rows_of) -> nn.Module:

@@ -108,6 +108,15 @@ def hf_tensors(model: nn.Module, dtype: torch.dtype | None = None, state: dict[s
     return tensors
 
 
+def check_exportable(model: nn.Module) -> None:
+    """ValueError now, naming why, for a model ``export_hf`` would refuse only at the end of a run
+    (``train.save_hf``): a VLA model whose sizes are not one of lerobot's Pi0.5 layouts."""
+    if hf_model_type(model) == "pi05":
+        from omniweave.models.hf.pi05 import config_to_lerobot
+
+        config_to_lerobot(model)
+
+
 def export_hf(model: nn.Module, model_cfg: dict | None, out_dir: str | Path, dtype: torch.dtype | None = None,
               data_cfg: dict | None = None, weights: bool = True) -> Path:
     """Write ``out_dir/config.json`` + ``out_dir/model.safetensors``; returns out_dir. With the

@@ -141,7 +141,8 @@ def config_to_lerobot(model: nn.Module, dtype: torch.dtype | None = None) -> dic
         raise ValueError("a lerobot Pi0.5 export needs a VLA model with an image encoder and an action expert")
     f, e, enc = model.foundation.config, model.action_expert.config, model.image_encoder.cfg
     v = PALIGEMMA["vision"]
-    tower = (enc.depth, enc.hidden_size, enc.num_heads, enc.intermediate_size, enc.patch_size, enc.image_size)
+    tower = tuple(getattr(enc, k, None) for k in ("depth", "hidden_size", "num_heads", "intermediate_size",
+                                                  "patch_size", "image_size"))  # None: another tower's config
     if tower != tuple(v[k] for k in ("depth", "hidden_size", "num_heads", "intermediate_size", "patch_size",
                                      "image_size")) or not getattr(enc, "post_layernorm", False):  # fmt: skip
         raise ValueError(f"a lerobot Pi0.5 export needs lerobot's SigLIP tower {v} with post_layernorm; this one "
