@@ -199,3 +199,21 @@ def test_save_hf_of_a_model_without_a_lerobot_layout_is_refused_before_training(
     with pytest.raises(UserError, match="train.save_hf=true: the final model cannot be exported: .*lerobot"):
         _run(vla_data, tmp_path / "run", steps=2, train__save_hf=True)
     assert read_metrics(tmp_path / "run") == []
+
+
+def test_tiny_pi05_packs_camera_frames_padded_to_its_tower_and_trains(vla_data, tmp_path):
+    """Recipe tiny_pi05 (PaliGemma-shaped backbone + Gemma expert, data.vision.tiling: pad): the
+    56 px camera frames reach the 42 px SigLIP tower resized with padding (grid 1 x 3 x 3, pixels
+    in [-1, 1]), and 3 training steps run with a finite, changing loss."""
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.data.loading.loader import collate_pack
+
+    packed = tmp_path / "packed"
+    assert cli(["data", "pack", "--input", str(vla_data["raw"]), "--output", str(packed), "--recipe", "tiny_pi05",
+                "--max-len", "512", "--workers", "1"]) == 0
+    mb = collate_pack(PackedDataset(packed)[0], to_dict(load_recipe("tiny_pi05").data))
+    assert mb["grid_thw"].tolist() == [[1, 3, 3]] * len(mb["prefix_lens"])
+    assert float(mb["pixel_values"].min()) >= -1 and float(mb["pixel_values"].max()) <= 1
+    train_in_process(packed, tmp_path / "run", name="tiny_pi05", data__max_len=512, steps=3)
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    assert len(losses) == 3 and all(np.isfinite(losses)) and len(set(losses)) == 3

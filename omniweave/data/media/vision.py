@@ -84,7 +84,8 @@ class VisionConfig:
     image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
     image_std: tuple[float, ...] = OPENAI_CLIP_STD
     frame_sampling: str = "qwen_vl_utils"  # video rule: qwen_vl_utils | transformers | qwen3_vl (module doc)
-    tiling: str = "none"  # images: none (smart resize) | internvl (dynamic tiles: media/tiling.py)
+    tiling: str = "none"  # images: none (smart resize) | internvl (dynamic tiles: media/tiling.py) | pad (one
+    # tile_size square, aspect kept, centred on black: Pi0.5's resize_with_pad, media/pad_resize.py) | anyres
     tile_size: int = 448  # tiling only: side of one tile, a multiple of patch_size x merge_size
     min_tiles: int = 1
     max_tiles: int = 12
@@ -139,7 +140,7 @@ class VisionConfig:
                 for f in fields(self) if f.name not in skip}
 
 
-TILING = ("none", "internvl", "anyres")
+TILING = ("none", "internvl", "anyres", "pad")
 TILE_KEYS = ("tiling", "tile_size", "min_tiles", "max_tiles", "use_thumbnail")
 ANYRES_KEYS = ("anyres_grid", "anyres_max")
 
@@ -334,6 +335,10 @@ def plan_image(info: ImageInfo, cfg: VisionConfig, images: int = 1) -> MediaPlan
         from omniweave.data.media.tiling import plan_tiled_image
 
         return plan_tiled_image(info, cfg)
+    if cfg.tiling == "pad":
+        from omniweave.data.media.pad_resize import plan_padded_image
+
+        return plan_padded_image(info, cfg)
     h, w = smart_resize(info.height, info.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     return MediaPlan("image", (1, h // cfg.patch_size, w // cfg.patch_size), (h, w))
 
@@ -347,6 +352,10 @@ def plan_video(info: VideoInfo, cfg: VisionConfig) -> MediaPlan:
         from omniweave.data.media.tiling import plan_tiled_video
 
         return plan_tiled_video(info, cfg)
+    if cfg.tiling == "pad":
+        from omniweave.data.media.pad_resize import refuse_video
+
+        refuse_video()
     tp = cfg.temporal_patch_size
     if info.num_frames < 1:
         raise MediaError("video_no_frames", "the stream has no frames")
@@ -538,6 +547,10 @@ def process_image(data: bytes, cfg: VisionConfig, plan: MediaPlan | None = None)
         from omniweave.data.media.tiling import process_tiled_image
 
         return process_tiled_image(data, cfg)
+    if cfg.tiling == "pad":
+        from omniweave.data.media.pad_resize import process_padded_image
+
+        return process_padded_image(data, cfg)
     rgb = decode_image(data)
     plan = plan_image(ImageInfo(height=rgb.shape[0], width=rgb.shape[1]), cfg)
     frame = resize_normalize(rgb, plan.resized_hw, cfg)
@@ -556,6 +569,10 @@ def process_video(data: bytes, cfg: VisionConfig, plan: MediaPlan | None = None)
         from omniweave.data.media.tiling import process_tiled_video
 
         return process_tiled_video(data, cfg, plan)
+    if cfg.tiling == "pad":
+        from omniweave.data.media.pad_resize import refuse_video
+
+        refuse_video()
     plan = plan or plan_video(probe_video(data), cfg)
     unique = tuple(sorted(set(plan.frame_indices)))
     resized = resize_normalize_frames(np.stack(decode_video_frames(data, unique)), plan.resized_hw, cfg)
