@@ -40,7 +40,7 @@ def _frame_observation(raw, i: int, cameras: list[str]) -> tuple[dict, dict]:
     """(observation for the policy, the recorded frame) of raw sample ``i``."""
     from PIL import Image
 
-    from omniweave.data.packing.vla import decode_frame_png
+    from omniweave.data.packing.video_frames import decode_frame_png
     from omniweave.data.sources.shards import parse_sample_bytes
 
     _, parts = parse_sample_bytes(raw.read_bytes(i))

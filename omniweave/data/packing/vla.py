@@ -30,7 +30,6 @@ with their reasons, like every other pack reject.
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -39,8 +38,9 @@ from pathlib import Path
 import numpy as np
 
 from omniweave.data.packing.prompts import KIND_VLA
+from omniweave.data.packing.video_frames import FrameReader
 from omniweave.data.sample import IMAGE_PLACEHOLDER, Conversation, Message, RawSample
-from omniweave.data.sources.lerobot import TOLERANCE_S, normalize
+from omniweave.data.sources.lerobot import normalize
 from omniweave.data.text.tokenize import SampleProcessor, SampleRejected
 from omniweave.errors import UserError
 
@@ -87,30 +87,6 @@ def state_tokens(state: np.ndarray, bins: int) -> str:
     return " ".join(str(int(b)) for b in np.digitize(np.asarray(state, np.float64), edges) - 1)
 
 
-def decode_frame_png(path: Path, timestamp: float, tolerance: float = TOLERANCE_S) -> bytes:
-    """The video frame at ``timestamp`` seconds as PNG bytes: the decoded frame nearest in time,
-    which must lie within ``tolerance`` (lerobot raises FrameTimestampError otherwise)."""
-    import av
-    from PIL import Image
-
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        container.seek(max(int(timestamp / stream.time_base), 0), stream=stream, backward=True, any_frame=False)
-        best, best_gap = None, float("inf")
-        for frame in container.decode(stream):
-            gap = abs(float(frame.time) - timestamp)
-            if gap < best_gap:
-                best, best_gap = frame, gap
-            if frame.time > timestamp + tolerance:
-                break
-    if best is None or best_gap >= tolerance:
-        raise SampleRejected("frame_timestamp_mismatch", f"{path.name}: no frame within {tolerance}s of {timestamp}s "
-                             f"(nearest {best_gap:.6f}s away)")
-    out = io.BytesIO()
-    Image.fromarray(best.to_ndarray(format="rgb24")).save(out, format="PNG")
-    return out.getvalue()
-
-
 @lru_cache(maxsize=8)
 def read_stats(root: str) -> dict:
     path = Path(root) / STATS_FILE
@@ -134,6 +110,10 @@ class VLARawDataset:
         self.raw = RawDataset(root)
         self.stats = read_stats(str(root))
         self.cameras = list(settings.cameras if settings.cameras is not None else self.stats["cameras"])
+        self._frames = None  # this process's FrameReader (open videos do not travel to workers)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_frames": None}
 
     def __len__(self) -> int:
         return len(self.raw)
@@ -150,7 +130,9 @@ class VLARawDataset:
             ref = frame["cameras"].get(camera)
             if ref is None:
                 raise SampleRejected("missing_camera", f"sample {key} has no {camera}")
-            images[camera] = decode_frame_png(self.root / ref["file"], float(ref["timestamp"]))
+            if self._frames is None:
+                self._frames = FrameReader()
+            images[camera] = self._frames.png(self.root / ref["file"], float(ref["timestamp"]))
         state = normalize(np.asarray(frame["state"], np.float64), self.stats["state"])
         actions = normalize(np.asarray(frame["actions"], np.float64), self.stats["action"]).astype(np.float32)
         is_pad = [bool(p) for p in frame["action_is_pad"]]
