@@ -288,3 +288,21 @@ def test_a_vision_language_directory_initialises_the_backbone_and_leaves_the_exp
     backbone = [n for n, _ in vla.named_parameters() if not n.startswith("action_expert.")]
     assert backbone and all(torch.equal(dict(vla.named_parameters())[n], source[n]) for n in backbone)
     assert all(torch.equal(p, fresh[n]) for n, p in vla.named_parameters() if n.startswith("action_expert."))
+
+
+def test_mfu_counts_the_expert_on_its_chunk_tokens_not_the_rows():
+    """The FLOP estimate behind a VLA run's MFU: the backbone's per-token parameters leave the
+    expert out (it never sees the row's tokens); the objective adds 6·N_expert per chunk token and
+    12·width per (query, key) pair per expert layer, each chunk's H queries over its prefix and itself."""
+    from omniweave.train.metrics import expert_flop_counts, foundation_flop_counts, model_flop_counts
+    from omniweave.vla.objective import FlowMatchingObjective
+
+    model = tiny_vla()
+    assert model_flop_counts(model) == foundation_flop_counts(model.foundation)
+    n_expert = sum(p.numel() for p in model.action_expert.parameters())
+    objective = FlowMatchingObjective(expert_counts=expert_flop_counts(model.action_expert), horizon=H)
+    batch = vla_batch(prefix_lens=(7, 5, 9))
+    pairs = H * ((7 + H) + (5 + H) + (9 + H))
+    width = EXPERT["num_heads"] * EXPERT["head_dim"]
+    assert objective.flops([batch]) == 6.0 * n_expert * 3 * H + 12.0 * EXPERT["num_layers"] * width * pairs
+    assert FlowMatchingObjective().flops([batch]) == 0.0

@@ -55,6 +55,8 @@ def model_flop_counts(model: nn.Module) -> tuple[int, int, int]:
     f = model.foundation
     n, layers, width = foundation_flop_counts(f)
     ours = {id(p) for p in f.parameters()}
+    expert = getattr(model, "action_expert", None)  # runs on its chunks' tokens: the objective counts it (flops)
+    ours |= {id(p) for p in expert.parameters()} if expert is not None else set()
     n += sum(p.numel() for p in {id(p): p for p in model.parameters() if id(p) not in ours}.values())
     return n, layers, width
 
@@ -80,6 +82,20 @@ def foundation_flop_counts(f: nn.Module) -> tuple[int, int, int]:
     n += linear * linear_scan_equivalent(c) if linear else 0  # the linear layers' scan, linear in tokens
     v_dim = c.v_head_dim if c.mla else c.head_dim
     return n, len(f.layers) - linear, c.num_heads * (c.head_dim + v_dim) // 2
+
+
+def expert_flop_counts(expert: nn.Module) -> tuple[int, int, int]:
+    """An action expert's (parameters a chunk token uses, layers, attention width heads · head_dim)."""
+    c = expert.config
+    return sum(p.numel() for p in expert.parameters()), c.num_layers, c.num_heads * c.head_dim
+
+
+def chunk_flops(counts: tuple[int, int, int], chunk_tokens: int, pairs: int) -> float:
+    """Training FLOPs of action chunks: 6·N per chunk token, and 12·width per (query, key) pair per
+    layer (each chunk's H queries see its prefix and itself, no causal half: ``step_flops``' 6·len²
+    is 12 per pair of a causal document's len²/2)."""
+    n_params, layers, width = counts
+    return 6.0 * n_params * chunk_tokens + 12.0 * layers * width * pairs
 
 
 def step_flops(counts: tuple[int, int, int], tokens: int, sum_len2: int) -> float:

@@ -75,6 +75,11 @@ class Objective:
         """This rank's share of the step's normaliser; the loss tokens by default."""
         return float(sum(p["num_loss_tokens"] for p in packs))
 
+    def flops(self, packs: list[dict]) -> float:
+        """Training FLOPs of this rank's packs that the objective's own modules add to the
+        foundation's per-token estimate (``metrics.step_flops``): an action expert's chunks; 0 by default."""
+        return 0.0
+
     def prepare_step(self, model, micro_batches: list[dict]) -> None:
         """Before the step's first forward, with all of this rank's (CP-sharded) micro-batches: a
         step-level quantity every row's loss needs (KTO's reference point z0, from a no-grad
@@ -146,6 +151,9 @@ class WithFault(Objective):
 
     def count(self, packs):
         return self.inner.count(packs)
+
+    def flops(self, packs):
+        return self.inner.flops(packs)
 
     def prepare_step(self, model, micro_batches):
         self.inner.prepare_step(model, micro_batches)

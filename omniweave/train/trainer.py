@@ -214,10 +214,11 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
             sum(int((p["cu_seqlens"][1:] - p["cu_seqlens"][:-1]).pow(2).sum()) for p in packs),
             len(skips),
             objective.count(packs),
+            objective.flops(packs),
             *per_dataset,
         ])
         loss_tokens, tokens, sum_len2, media_skipped = (int(x) for x in sums[:4])
-        mix_log = mix_counts.add(sums[5:]) if mix_counts is not None else {}
+        mix_log = mix_counts.add(sums[6:]) if mix_counts is not None else {}
         out = engine.optimizer_step(packs, objective, normaliser=sums[4])
         if refitter is not None and not refitter.done:
             _refit(refitter, loader, packs, out["compute_s"], engine.meshes.dp_rank, dims.dp, engine.rank)
@@ -227,7 +228,7 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
                     **({"media_skips": report_media_skips(engine, skips)} if media_skipped else {})}
         last = {"step": engine.step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
                 "tokens": tokens, "loss_tokens": loss_tokens, "tokens_per_s": tokens / dt, "step_s": round(dt, 4),
-                "mfu": step_flops(engine.flop_counts, tokens, sum_len2) / dt / engine.peak_flops,
+                "mfu": (step_flops(engine.flop_counts, tokens, sum_len2) + sums[5]) / dt / engine.peak_flops,
                 "memory_gb": peak_memory_bytes(engine.info) / 2**30, "skipped": out["skipped"],
                 "skipped_total": out["skipped_total"], **skip_log, **balance_log, **mix_log,
                 **{k: v for k, v in out.items() if k.startswith(("moe_", "lr/"))},
@@ -258,10 +259,12 @@ def build_objective(cfg, engine: Engine, fault_hook=None):
 
         objective = KTOObjective(cfg, engine)
     elif phase == "vla":
+        from omniweave.train.metrics import expert_flop_counts
         from omniweave.vla.objective import FlowMatchingObjective
 
-        tc = section(cfg, "train")
-        objective = FlowMatchingObjective(int(tc.seed), lambda: engine.step, float(tc.vla.text_weight))
+        tc, expert = section(cfg, "train"), engine.model.action_expert
+        objective = FlowMatchingObjective(int(tc.seed), lambda: engine.step, float(tc.vla.text_weight),
+                                          expert_flop_counts(expert), expert.config.horizon)
     else:
         objective = TokenCrossEntropy()
     if fault_hook is not None:

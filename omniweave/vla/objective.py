@@ -58,14 +58,27 @@ class FlowMatchingObjective(Objective):
     name = "flow_matching"
     stat_keys = ("flow_sse", "action_values", "text_loss_sum", "text_tokens")
 
-    def __init__(self, seed: int = 0, step: Callable[[], int] = lambda: 0, text_weight: float = 0.0):
-        """``step()``: the optimizer step being computed (the engine's), part of every draw's seed."""
+    def __init__(self, seed: int = 0, step: Callable[[], int] = lambda: 0, text_weight: float = 0.0,
+                 expert_counts: tuple[int, int, int] | None = None, horizon: int = 0):
+        """``step()``: the optimizer step being computed (the engine's), part of every draw's seed;
+        ``expert_counts`` (``metrics.expert_flop_counts``) and ``horizon``: the expert's, for :meth:`flops`."""
         if text_weight < 0:
             raise ValueError(f"text_weight must be >= 0, got {text_weight}")
         self.seed, self.step, self.text_weight = int(seed), step, float(text_weight)
+        self.expert_counts, self.horizon = expert_counts, int(horizon)
 
     def count(self, packs: list[dict]) -> float:
         return float(sum(action_values(p) for p in packs))
+
+    def flops(self, packs: list[dict]) -> float:
+        """The expert's training FLOPs: each frame's chunk of H tokens over its prefix and itself."""
+        from omniweave.train.metrics import chunk_flops
+
+        if self.expert_counts is None:
+            return 0.0
+        prefixes = [int(n) for p in packs if "action_docs" in p for n in p["prefix_lens"][p["action_docs"]]]
+        h = self.horizon
+        return chunk_flops(self.expert_counts, h * len(prefixes), sum(h * (prefix + h) for prefix in prefixes))
 
     def row_inputs(self, model, mb: dict) -> dict[str, Tensor]:
         """The row's chunks at the expert's width (zero columns added) and their flow draw."""
