@@ -36,11 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default=None, help="JSONL of the chunks (default: none, summary only)")
 
 
-def _frame_observation(raw, i: int, cameras: list[str]) -> tuple[dict, dict]:
-    """(observation for the policy, the recorded frame) of raw sample ``i``."""
+def _frame_observation(raw, i: int, cameras: list[str], reader) -> tuple[dict, dict]:
+    """(observation for the policy, the recorded frame) of raw sample ``i``; ``reader``: the
+    command's FrameReader (data/packing/video_frames.py), which reads frames in order without a seek each."""
     from PIL import Image
 
-    from omniweave.data.packing.video_frames import decode_frame_png
     from omniweave.data.sources.shards import parse_sample_bytes
 
     _, parts = parse_sample_bytes(raw.read_bytes(i))
@@ -48,12 +48,13 @@ def _frame_observation(raw, i: int, cameras: list[str]) -> tuple[dict, dict]:
     images = {}
     for camera in cameras:
         ref = frame["cameras"][camera]
-        png = decode_frame_png(Path(raw.root) / ref["file"], float(ref["timestamp"]))
+        png = reader.png(Path(raw.root) / ref["file"], float(ref["timestamp"]))
         images[camera] = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
     return {"images": images, "state": np.asarray(frame["state"]), "task": frame["task"]}, frame
 
 
 def run(args) -> int:
+    from omniweave.data.packing.video_frames import FrameReader
     from omniweave.data.sources.lerobot import normalize
     from omniweave.data.sources.shards import RawDataset
     from omniweave.data.text.tokenize import SampleRejected
@@ -63,14 +64,18 @@ def run(args) -> int:
     raw = RawDataset(args.frames)
     count = min(args.count, len(raw))
     observations, frames, unreadable = [], [], {}
-    for i in range(count):
-        try:
-            obs, frame = _frame_observation(raw, i, policy.cameras)
-        except (KeyError, SampleRejected) as e:
-            unreadable[i] = f"{type(e).__name__}: {e}"
-            continue
-        observations.append(obs)
-        frames.append(frame)
+    reader = FrameReader()
+    try:
+        for i in range(count):
+            try:
+                obs, frame = _frame_observation(raw, i, policy.cameras, reader)
+            except (KeyError, SampleRejected) as e:
+                unreadable[i] = f"{type(e).__name__}: {e}"
+                continue
+            observations.append(obs)
+            frames.append(frame)
+    finally:
+        reader.close()
     chunks, seconds = [], []
     for start in range(0, len(observations), args.batch):
         t0 = time.perf_counter()

@@ -98,7 +98,7 @@ class FrameReader:
 
 
 def decode_frame_png(path: Path, timestamp: float, tolerance: float = TOLERANCE_S) -> bytes:
-    """One frame with a fresh seek (the reference the cursor agrees with; ``vla sample``'s reads)."""
+    """One frame with a fresh seek: the reference the cursor agrees with (tests, bench/vla_frames.py)."""
     reader = FrameReader(tolerance)
     try:
         return reader.png(path, timestamp)

@@ -162,7 +162,7 @@ class PrefixLayout:
         docs = chunk_docs.to(device=pos.device, dtype=torch.long)
         if bool((self.prefix_lens[docs] == 0).any()):
             raise ValueError("an action chunk belongs to a document without a prefix")
-        plan = self._plan_for(None) if self.plan is None else self.plan
+        plan = self._plan_for(None)  # the one the layers built, or this rank's own before any layer ran
         last = pos.max(0).values  # [L]: a token's largest position over the axes
         if self.gather is not None:
             last = self.gather(last)  # the whole row's

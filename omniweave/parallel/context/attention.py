@@ -31,10 +31,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from omniweave.models.components.attention import autocast_inputs, resolve
-from omniweave.parallel.context.allgather import allgather_attention
+from omniweave.parallel.context.allgather import allgather_attention, gather_stacked
 from omniweave.parallel.context.ring import ring_attention
 from omniweave.parallel.context.ulysses import hybrid_attention, ulysses_attention
-from omniweave.parallel.context.allgather import gather_stacked
 from omniweave.parallel.context.zigzag import whole_row_index, zigzag_chunks
 
 MODES = ("ring", "allgather", "ulysses", "hybrid")
