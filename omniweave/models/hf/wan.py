@@ -1,0 +1,157 @@
+"""Wan 2.1 T2V checkpoints in diffusers' layout (``WanTransformer3DModel``, diffusers 0.42.1) <-> our
+:class:`~omniweave.models.components.wan_dit.WanDiT`.
+
+Our names are diffusers' except three renames and two reshapes:
+
+    attn{1,2}.to_out.0.*        attn{1,2}.to_out.*
+    ffn.net.0.proj.*            ffn.fc1.*
+    ffn.net.2.*                 ffn.fc2.*
+    patch_embedding.weight      Conv3d [D, C, pt, ph, pw]  <->  Linear [D, C·pt·ph·pw] (flatten, same order)
+    proj_out.weight / .bias     rows (pt, ph, pw, C) channel-last  <->  rows (C, pt, ph, pw), our patchify order
+
+Strict both ways: a key neither side knows is an error naming it (an I2V checkpoint's
+``add_k_proj`` / ``image_embedder`` keys say so). diffusers' ``norm_added_q`` (ignored by its own
+loader, ``_keys_to_ignore_on_load_unexpected``) is dropped. RoPE tables are not in either state dict.
+
+diffusers quirk: its ``qk_norm`` config field is passed to the blocks and never read; every Wan
+attention has q/k RMSNorm across heads whatever it says, so :func:`config_from_diffusers` accepts
+any value (ours always has the norms, like diffusers).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from torch import Tensor
+
+from omniweave.models.components.wan_dit import WanDiTConfig
+
+_RENAMES = [  # (diffusers, ours) name fragments, whole dotted components
+    (re.compile(r"^(blocks\.\d+\.attn[12]\.to_out)\.0\.(weight|bias)$"), r"\1.\2"),
+    (re.compile(r"^(blocks\.\d+\.ffn)\.net\.0\.proj\.(weight|bias)$"), r"\1.fc1.\2"),
+    (re.compile(r"^(blocks\.\d+\.ffn)\.net\.2\.(weight|bias)$"), r"\1.fc2.\2"),
+]
+_BACK = [
+    (re.compile(r"^(blocks\.\d+\.attn[12]\.to_out)\.(weight|bias)$"), r"\1.0.\2"),
+    (re.compile(r"^(blocks\.\d+\.ffn)\.fc1\.(weight|bias)$"), r"\1.net.0.proj.\2"),
+    (re.compile(r"^(blocks\.\d+\.ffn)\.fc2\.(weight|bias)$"), r"\1.net.2.\2"),
+]
+_SAME = re.compile(
+    r"^(scale_shift_table|patch_embedding\.bias|proj_out\.(weight|bias)"
+    r"|condition_embedder\.(time_embedder|text_embedder)\.linear_[12]\.(weight|bias)"
+    r"|condition_embedder\.time_proj\.(weight|bias)"
+    r"|blocks\.\d+\.(scale_shift_table|norm2\.(weight|bias)"
+    r"|attn[12]\.(to_[qkv]\.(weight|bias)|norm_[qk]\.weight)))$"
+)
+_I2V = re.compile(r"(add_[kv]_proj|norm_added_k|image_embedder)")
+_IGNORED = re.compile(r"\.norm_added_q\.")
+
+_CONFIG_FIELDS = ("in_channels", "out_channels", "patch_size", "num_attention_heads", "attention_head_dim",
+                  "text_dim", "freq_dim", "ffn_dim", "num_layers", "eps", "rope_max_seq_len", "cross_attn_norm")
+_I2V_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+
+
+def _rename(key: str, rules) -> str | None:
+    for pattern, repl in rules:
+        if pattern.match(key):
+            return pattern.sub(repl, key)
+    return None
+
+
+def _refuse(bad: list[str], side: str) -> None:
+    if not bad:
+        return
+    i2v = [k for k in bad if _I2V.search(k)]
+    hint = " (Wan I2V image-conditioning weights: only T2V is implemented)" if i2v else ""
+    raise KeyError(f"{len(bad)} {side} key(s) with no counterpart{hint}: {', '.join(sorted(bad)[:8])}"
+                   + (" ..." if len(bad) > 8 else ""))
+
+
+def _proj_out_rows(t: Tensor, volume: int, to_ours: bool) -> Tensor:
+    """Reorder proj_out's output rows between (pt·ph·pw, C) (diffusers) and (C, pt·ph·pw) (ours)."""
+    rows = t.shape[0]
+    if rows % volume:
+        raise ValueError(f"proj_out has {rows} rows, not a multiple of the patch volume {volume}")
+    c = rows // volume
+    split = (volume, c) if to_ours else (c, volume)
+    return t.reshape(*split, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
+def diffusers_to_ours(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A diffusers ``WanTransformer3DModel`` state dict -> :class:`WanDiT`'s (strict; the patch size
+    is read from the Conv3d weight's kernel)."""
+    conv = state_dict.get("patch_embedding.weight")
+    if conv is None or conv.dim() != 5:
+        raise KeyError("patch_embedding.weight [D, C, pt, ph, pw] (the Conv3d) is needed to read the patch size")
+    volume = math.prod(conv.shape[2:])
+    out, bad = {}, []
+    for key, t in state_dict.items():
+        if _IGNORED.search(key):
+            continue
+        if key == "patch_embedding.weight":
+            out[key] = t.flatten(1)
+        elif key.startswith("proj_out."):
+            out[key] = _proj_out_rows(t, volume, to_ours=True)
+        elif (new := _rename(key, _RENAMES)) is not None:
+            out[new] = t
+        elif _SAME.match(key):
+            out[key] = t
+        else:
+            bad.append(key)
+    _refuse(bad, "diffusers")
+    return out
+
+
+def ours_to_diffusers(state_dict: dict[str, Tensor], patch_size=(1, 2, 2)) -> dict[str, Tensor]:
+    """:class:`WanDiT`'s state dict -> diffusers ``WanTransformer3DModel``'s. ``patch_size`` (pt, ph,
+    pw) cannot be read off a Linear patch embedding; every Wan transformer uses (1, 2, 2)."""
+    pt, ph, pw = patch_size
+    volume = pt * ph * pw
+    out, bad = {}, []
+    for key, t in state_dict.items():
+        if key == "patch_embedding.weight":
+            d, cols = t.shape
+            if cols % volume:
+                raise ValueError(f"patch_embedding.weight {tuple(t.shape)} does not match patch_size {patch_size}")
+            out[key] = t.reshape(d, cols // volume, pt, ph, pw)
+        elif key.startswith("proj_out."):
+            out[key] = _proj_out_rows(t, volume, to_ours=False)
+        elif (new := _rename(key, _BACK)) is not None:
+            out[new] = t
+        elif _SAME.match(key):
+            out[key] = t
+        else:
+            bad.append(key)
+    _refuse(bad, "omniweave")
+    return out
+
+
+def config_from_diffusers(config: dict[str, Any], **overrides) -> WanDiTConfig:
+    """``WanDiTConfig`` from a diffusers ``config.json`` dict (``_``-prefixed bookkeeping ignored);
+    ``overrides`` set our own fields (``attn_backend`` …). I2V configs and unknown fields are refused."""
+    known = set(_CONFIG_FIELDS) | set(_I2V_FIELDS) | {"qk_norm"}
+    unknown = sorted(k for k in config if not k.startswith("_") and k not in known)
+    if unknown:
+        raise ValueError(f"diffusers Wan config has fields WanDiT does not know: {unknown}")
+    i2v = {k: config[k] for k in _I2V_FIELDS if config.get(k) is not None}
+    if i2v:
+        raise ValueError(f"diffusers Wan config is image-to-video ({i2v}): only text-to-video is implemented")
+    kwargs = {k: config[k] for k in _CONFIG_FIELDS if k in config}
+    if kwargs.get("out_channels") is None and "in_channels" in kwargs:  # diffusers: out_channels or in_channels
+        kwargs["out_channels"] = kwargs["in_channels"]
+    if kwargs.get("out_channels") is None:
+        kwargs.pop("out_channels", None)
+    if "patch_size" in kwargs:
+        kwargs["patch_size"] = tuple(kwargs["patch_size"])
+    return WanDiTConfig(**{**kwargs, **overrides})
+
+
+def config_to_diffusers(cfg: WanDiTConfig) -> dict[str, Any]:
+    """The diffusers ``WanTransformer3DModel`` keyword arguments of our config (T2V)."""
+    if cfg.rope_theta != 10000.0:
+        raise ValueError(f"rope_theta {cfg.rope_theta}: diffusers' Wan fixes it at 10000")
+    out = {k: getattr(cfg, k) for k in _CONFIG_FIELDS}
+    out["qk_norm"] = "rms_norm_across_heads"
+    return out
