@@ -75,10 +75,13 @@ def modality_of(kind: str) -> Modality:
     raise ValueError(f"no modality encodes media of kind {kind!r}; known: {[k for m in MODALITIES for k in m.kinds]}")
 
 
+ENCODER_SECTIONS = tuple(s for m in MODALITIES for s in (m.encoder, m.projector))
+# video diffusion (models/diffusion.py): the generator (a DiT) is the trained model; the VAE and the
+# text encoder around it are frozen codecs that run offline (`data pack`) and at sampling time
+DIFFUSION_SECTIONS = ("generator", "vae", "text_encoder")
 # the action expert (vision-language-action models, models/vla.py) sits beside the encoders: it
 # reads the backbone's keys and values instead of feeding it
-MODEL_SECTIONS = ("foundation", *(s for m in MODALITIES for s in (m.encoder, m.projector)), "action_expert")
-ENCODER_SECTIONS = MODEL_SECTIONS[1:-1]
+MODEL_SECTIONS = ("foundation", *ENCODER_SECTIONS, "action_expert", *DIFFUSION_SECTIONS)
 
 KINDS = (*MODEL_SECTIONS, "hf", "reward")
 
@@ -127,6 +130,8 @@ COMPONENT_MODULES = [
     "omniweave.models.hf.qwen2_audio",
     "omniweave.models.hf.qwen2_5_omni",
     "omniweave.models.components.action_expert",
+    "omniweave.models.components.wan_dit",
+    "omniweave.models.components.wan_vae",
     "omniweave.rl.rewards",
 ]
 
@@ -244,7 +249,8 @@ def build_model(model_cfg: Any, adapters: bool = True) -> nn.Module:
     With an ``action_expert`` it is a :class:`~omniweave.models.vla.VLAModel` (the encoders read
     the observation, the expert denoises action chunks); with any encoder (:data:`MODALITIES`)
     ``OmniModel(foundation, **encoders and their projectors)`` (``omniweave.models.omni``);
-    otherwise a text-only :class:`~omniweave.models.text.CausalLM`. ``adapters``: add the components' ``lora:`` adapters
+    otherwise a text-only :class:`~omniweave.models.text.CausalLM`; with a ``generator`` (video
+    diffusion) a :class:`~omniweave.models.diffusion.DiffusionModel`. ``adapters``: add the components' ``lora:`` adapters
     (models/lora.py); the trainer passes False and adds them after tensor parallelism.
     """
     cfg = _as_dict(model_cfg)
@@ -252,8 +258,17 @@ def build_model(model_cfg: Any, adapters: bool = True) -> nn.Module:
     if unknown:
         raise KeyError(f"model: unknown section(s) {', '.join(map(repr, unknown))}; "
                        f"expected {', '.join(MODEL_SECTIONS)}")  # fmt: skip
+    model = _build_generator(cfg) if cfg.get("generator") else _build_language_model(cfg)
+    if adapters:
+        from omniweave.models.lora import apply_lora
+
+        apply_lora(model, cfg)
+    return model
+
+
+def _build_language_model(cfg: dict) -> nn.Module:
     if "foundation" not in cfg:
-        raise KeyError("model: a 'foundation' component is required")
+        raise KeyError("model: a 'foundation' component is required (or a 'generator' for video diffusion)")
     foundation = build_component("foundation", cfg["foundation"])
     parts = {}
     for m in MODALITIES:
@@ -276,8 +291,15 @@ def build_model(model_cfg: Any, adapters: bool = True) -> nn.Module:
         from omniweave.models.text import CausalLM
 
         model = CausalLM(foundation)
-    if adapters:
-        from omniweave.models.lora import apply_lora
-
-        apply_lora(model, cfg)
     return model
+
+
+def _build_generator(cfg: dict) -> nn.Module:
+    """A video-diffusion model: the ``generator`` alone (the VAE and text encoder sections are read
+    by ``data pack`` and ``generate``); a language-model section beside it is an error."""
+    from omniweave.models.diffusion import DiffusionModel
+
+    stray = [s for s in ("foundation", *ENCODER_SECTIONS, "action_expert") if cfg.get(s)]
+    if stray:
+        raise KeyError(f"model: a 'generator' (video diffusion) trains alone; remove {', '.join(map(repr, stray))}")
+    return DiffusionModel(build_component("generator", cfg["generator"]))

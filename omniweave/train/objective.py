@@ -54,6 +54,15 @@ class Target:
         return cls(batch["labels"], dict(batch.get("token_data") or {}), dict(row or {}))
 
 
+def draw_seed(seed: int, step: int, sample: int) -> int:
+    """A well-mixed 63-bit seed of (run seed, step, sample index) (numpy's SeedSequence hash): the
+    seed of an objective's per-sample random draw (a VLA chunk's, a diffusion clip's), the same on
+    every layout, rank count and resume."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, step, sample]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
 def slot_sums(values: Tensor, slots: Tensor, num_slots: int) -> Tensor:
     """[num_slots, ...] fp32 sums of ``values`` [L, ...] over the tokens of each slot 1..num_slots
     (0: none): the per-row sums of a sequence-level objective (pairs', sequences', completions')."""

@@ -19,17 +19,10 @@ from torch import Tensor
 
 from collections.abc import Callable
 
-import numpy as np
-
 from omniweave.models.components.flow import sample_flow_time
-from omniweave.train.objective import Objective, Target
+from omniweave.train.objective import Objective, Target, draw_seed
 
 ROW_KEYS = ("action_docs", "actions", "action_is_pad", "action_dims", "action_samples")  # what the loader puts in a row
-
-
-def draw_seed(seed: int, step: int, sample: int) -> int:
-    """A well-mixed 63-bit seed of (run seed, step, sample index) (numpy's SeedSequence hash)."""
-    return int(np.random.SeedSequence([seed, step, sample]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
 def flow_draw(samples: torch.Tensor, seed: int, step: int, horizon: int, width: int, alpha: float = 1.5,

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from omniweave.models.components.attention import attn, check_backend
 from omniweave.models.components.mlp import MLP
 from omniweave.models.components.norm import RMSNorm
+from omniweave.models.registry import register
 
 
 @dataclass
@@ -311,6 +312,7 @@ class WanBlock(nn.Module):
         return (x.float() + self.ffn(h).float() * c_gate).to(dtype)
 
 
+@register("generator", "wan_dit", WanDiTConfig)
 class WanDiT(nn.Module):
     """Wan 2.1 T2V transformer over a packed row; see the module docstring."""
 

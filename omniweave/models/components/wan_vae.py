@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omniweave.models.components.wan_vae_blocks import CausalConv3d, Decoder3d, Encoder3d, WanRMSNorm
+from omniweave.models.registry import register
 
 # diffusers' AutoencoderKLWan defaults = the Wan2.1 checkpoints' per-channel latent statistics
 WAN21_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
@@ -120,6 +121,7 @@ def config_from_diffusers(config: dict) -> WanVAEConfig:
                            for k, v in config.items() if k in known})
 
 
+@register("vae", "wan_vae", WanVAEConfig)
 class WanVAE(nn.Module):
     def __init__(self, cfg: WanVAEConfig):
         super().__init__()

@@ -1,0 +1,106 @@
+"""Rectified flow as a training objective: the loss of a row of packed video-diffusion clips.
+
+    loss  = Σ_clips w(sigma_m) · Σ_tokens, values (v_pred − (noise − x0))²
+    count = Σ_clips tokens · values per token                  (the global normaliser)
+
+so a step's loss is the weighted mean squared velocity error over every latent value of the
+global batch, whatever the layout and however the clips are packed (a long clip weighs as many
+values as it has; DiffSynth's per-clip mean is the same for equal clips). Each clip's draw -- its
+sigma (diffusion/schedule.py: the shifted table, uniform or SD3 densities), its noise, and whether
+its caption is dropped for classifier-free guidance -- comes from a generator seeded by
+(train.seed, step, the clip's sample index), as the VLA objective seeds its chunks: every layout,
+rank count and resume draws the same numbers, and a clip seen again later gets a new draw. A
+dropped caption is replaced by the encoded empty prompt the pack stores (``empty_text``), which
+is what sampling's negative branch feeds (reach_anchors 4.5), not by zeros.
+
+Row keys (what the loader puts in a row): ``latents [T, C·p]`` (patchified, normalised), ``grid
+[M, 3]``, ``text [S, D]``, ``text_cu_seqlens [M+1]``, ``clip_samples [M]``, ``empty_text [E, D]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from omniweave.diffusion import schedule
+from omniweave.train.objective import Objective, Target, draw_seed
+
+ROW_KEYS = ("latents", "grid", "text", "text_cu_seqlens", "clip_samples", "empty_text")
+
+
+def clip_draw(sample: int, seed: int, step: int, tokens: int, width: int, *, shift: float, sampling: str,
+              caption_dropout: float, logit_mean: float = 0.0, logit_std: float = 1.0) -> tuple[float, Tensor, bool]:
+    """(sigma, noise float32 [tokens, width], drop the caption?) of one clip, from its own CPU
+    generator: the same numbers on any device and layout."""
+    g = torch.Generator().manual_seed(draw_seed(seed, step, sample))
+    sigma = float(schedule.sample_train_sigmas(1, g, shift=shift, sampling=sampling, logit_mean=logit_mean,
+                                               logit_std=logit_std)[0])
+    noise = torch.randn(tokens, width, generator=g)
+    drop = bool(torch.rand((), generator=g) < caption_dropout) if caption_dropout > 0 else False
+    return sigma, noise, drop
+
+
+class DiffusionObjective(Objective):
+    name = "rectified_flow"
+    stat_keys = ("flow_sse", "latent_values", "captions_dropped")
+
+    def __init__(self, seed: int = 0, step: Callable[[], int] = lambda: 0, *, shift: float = 3.0,
+                 timestep_sampling: str = "uniform", logit_mean: float = 0.0, logit_std: float = 1.0,
+                 loss_weighting: str = "none", caption_dropout: float = 0.0):
+        if not 0.0 <= caption_dropout <= 1.0:
+            raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
+        schedule.loss_weights(torch.ones(1) * 0.5, loss_weighting)  # validates the names up front
+        if timestep_sampling not in schedule.TIMESTEP_SAMPLING:
+            raise ValueError(f"timestep_sampling {timestep_sampling!r}: choose from "
+                             f"{', '.join(schedule.TIMESTEP_SAMPLING)}")
+        self.seed, self.step = int(seed), step
+        self.shift, self.sampling, self.weighting = float(shift), timestep_sampling, loss_weighting
+        self.logit_mean, self.logit_std, self.caption_dropout = float(logit_mean), float(logit_std), float(caption_dropout)
+
+    def count(self, packs: list[dict]) -> float:
+        return float(sum(p["latents"].numel() for p in packs))
+
+    def row_inputs(self, model, mb: dict) -> dict[str, Tensor]:
+        """The row's noisy latents, targets, timesteps, weights and (caption-dropped) text."""
+        missing = [k for k in ROW_KEYS if k not in mb]
+        if missing:
+            raise ValueError(f"train.phase=diffusion needs rows of packed clip latents; this row lacks "
+                             f"{', '.join(missing)} (pack clips with a diffusion recipe: docs/diffusion.md)")
+        x0, grid, text, tcu = mb["latents"], mb["grid"], mb["text"], mb["text_cu_seqlens"]
+        sizes = grid.to(torch.long).prod(dim=1).tolist()
+        sigmas, noises, texts, lengths, dropped = [], [], [], [], 0
+        for m, (sample, n) in enumerate(zip(mb["clip_samples"].tolist(), sizes)):
+            sigma, noise, drop = clip_draw(int(sample), self.seed, self.step(), n, x0.shape[1], shift=self.shift,
+                                           sampling=self.sampling, caption_dropout=self.caption_dropout,
+                                           logit_mean=self.logit_mean, logit_std=self.logit_std)
+            sigmas.append(sigma)
+            noises.append(noise)
+            states = mb["empty_text"] if drop else text[int(tcu[m]):int(tcu[m + 1])]
+            texts.append(states)
+            lengths.append(states.shape[0])
+            dropped += drop
+        sigma = torch.tensor(sigmas, dtype=torch.float32, device=x0.device)
+        noise = torch.cat(noises).to(x0.device, torch.float32) if noises else torch.zeros_like(x0, dtype=torch.float32)
+        per_token = torch.repeat_interleave(sigma, torch.tensor(sizes, device=x0.device))[:, None]
+        noisy, target = schedule.noisy_latents(x0.float(), noise, per_token)
+        text_cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=x0.device)
+        return {"noisy": noisy.to(x0.dtype), "target": target, "timesteps": sigma * 1000, "grid": grid,
+                "weights": schedule.loss_weights(sigma, self.weighting, shift=self.shift),
+                "text": torch.cat(texts) if texts else text, "text_cu_seqlens": text_cu,
+                "captions_dropped": torch.tensor(float(dropped), device=x0.device)}
+
+    def head(self, row: dict[str, Tensor]):
+        """The row's (loss sum, stats); a diffusion row has no token labels, so no :class:`Target` of them."""
+        return lambda model, _, batch: self.loss(model, None, Target(labels=torch.zeros(0, dtype=torch.long), row=row))
+
+    def loss(self, model, _, target: Target) -> tuple[Tensor, dict[str, Tensor]]:
+        flow = model.flow_loss(target.row)
+        return flow.sum, {"flow_sse": flow.sum.detach(), "latent_values": flow.count.to(torch.float32),
+                          "captions_dropped": target.row["captions_dropped"]}
+
+    def metrics(self, out: dict) -> dict:
+        values = float(out.get("latent_values", 0.0))
+        return {"flow_loss": float(out["flow_sse"]) / values if values else 0.0,
+                "captions_dropped": int(out.get("captions_dropped", 0))}

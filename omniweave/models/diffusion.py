@@ -1,0 +1,55 @@
+"""DiffusionModel: a video-diffusion generator (a DiT, ``model.generator``) behind the trainer's
+model contract (``model(batch, head=...)``), as VLAModel puts an action expert behind it.
+
+A row holds M clips' latent tokens (patchified, normalised VAE latents, clip after clip) with
+their text states; the objective (diffusion/objective.py) draws each clip's sigma and noise and
+hands the noisy row here:
+
+    row_inputs:  noisy [T, C·p]   target [T, C·p]   timesteps [M]   weights [M]
+                 grid [M, 3]      text [S, D_text]  text_cu_seqlens [M+1]
+    flow_loss:   Σ_clips weight_m · Σ_tokens of m, values (generator(noisy) − target)²,  count = T·C·p
+
+The VAE and the text encoder are not part of this module: they run offline when packing and at
+sampling time (registry.DIFFUSION_SECTIONS).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from omniweave.models.components.flow import FlowLoss
+
+
+def clip_index(grid: Tensor) -> Tensor:
+    """int64 [T]: the clip each token of a packed row belongs to (tokens per clip = f·h·w)."""
+    sizes = grid.to(torch.long).prod(dim=1)
+    return torch.repeat_interleave(torch.arange(len(sizes), device=grid.device), sizes)
+
+
+class DiffusionModel(nn.Module):
+    def __init__(self, generator: nn.Module):
+        super().__init__()
+        self.generator = generator
+
+    def init_weights(self) -> None:
+        self.generator.init_weights()
+
+    def forward(self, batch: dict, head=None):
+        """``head(model, None, batch)``: the objective's loss (it calls :meth:`flow_loss` with its
+        row inputs); without a head, the velocity of ``batch`` (keys of :meth:`velocity`)."""
+        if head is None:
+            return self.velocity(batch["noisy"], batch["grid"], batch["timesteps"], batch["text"],
+                                 batch["text_cu_seqlens"])
+        return head(self, None, batch)
+
+    def velocity(self, noisy: Tensor, grid: Tensor, timesteps: Tensor, text: Tensor, text_cu_seqlens: Tensor) -> Tensor:
+        return self.generator(noisy, grid, timesteps, text, text_cu_seqlens)
+
+    def flow_loss(self, row: dict) -> FlowLoss:
+        """The row's weighted squared velocity error (module docstring), summed in float32."""
+        v = self.velocity(row["noisy"], row["grid"], row["timesteps"], row["text"], row["text_cu_seqlens"])
+        sq = (v.float() - row["target"].float()).pow(2).sum(dim=1)  # [T]
+        total = (sq * row["weights"].float()[clip_index(row["grid"])]).sum()
+        count = torch.tensor(row["target"].numel(), device=total.device)
+        return FlowLoss(total / count.clamp_min(1), total, count)
