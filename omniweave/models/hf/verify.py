@@ -34,6 +34,10 @@ peft cannot load is one line, not peft's traceback.
 
 It exits 1 when any difference exceeds ``--atol`` (ids and grids must be equal), 0 otherwise.
 
+diffusers folders (a ``config.json`` with ``_class_name`` ``WanTransformer3DModel`` or
+``AutoencoderKLWan``, or a Wan pipeline root with ``model_index.json``) are checked by
+``verify_wan.py``: the Wan DiT's velocity and the VAE's latents and decoded frames against diffusers.
+
 A text-only family (Qwen2, Llama-3, Qwen3, Qwen3-MoE, DeepSeek-V3, Gemma: no ``vision_config``) is checked on logits
 alone: three documents of random tokens packed into one row through omniweave against each
 document alone through transformers.
@@ -339,8 +343,12 @@ def verify_text(args, hf_dir: Path, hf_cfg: dict) -> int:
 
 def verify(args) -> int:
     from omniweave.models.hf.torchvision_guard import torchvision_loads
+    from omniweave.models.hf.verify_wan import diffusers_class, verify_diffusers
 
     hf_dir = Path(args.hf_dir)
+    if diffusers_class(hf_dir) is not None:  # a diffusers folder (Wan DiT / VAE) or pipeline root
+        torchvision_loads()
+        return verify_diffusers(args, hf_dir, _report)
     hf_cfg = read_hf_config(hf_dir)  # a wrong path is one error line, before any warning
     torchvision_loads()  # before transformers first looks for it: a broken one is hidden, with a warning
     omni = hf_cfg.get("model_type") in ("qwen2_5_omni_thinker", "qwen2_5_omni")

@@ -16,17 +16,31 @@ loader, ``_keys_to_ignore_on_load_unexpected``) is dropped. RoPE tables are not 
 diffusers quirk: its ``qk_norm`` config field is passed to the blocks and never read; every Wan
 attention has q/k RMSNorm across heads whatever it says, so :func:`config_from_diffusers` accepts
 any value (ours always has the norms, like diffusers).
+
+Directories: :func:`load_wan_dit` reads a diffusers ``transformer/`` folder (``config.json`` with
+``_class_name: WanTransformer3DModel`` + ``diffusion_pytorch_model.safetensors``, or the sharded
+``diffusion_pytorch_model-0000i-of-0000n.safetensors`` + ``diffusion_pytorch_model.safetensors.index.json``)
+into a :class:`WanDiT`, strictly; :func:`save_wan_dit` writes one that diffusers' ``from_pretrained``
+loads (checked by tests/test_wan_hf.py, and by ``omniweave hf verify DIR``: hf/verify_wan.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from omniweave.models.components.wan_dit import WanDiTConfig
+from omniweave.models.components.wan_dit import WanDiT, WanDiTConfig
+
+DIFFUSERS_CLASS = "WanTransformer3DModel"
+DIFFUSERS_VERSION = "0.42.1"  # the layout save_wan_dit writes is the one checked against this diffusers
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 
 _RENAMES = [  # (diffusers, ours) name fragments, whole dotted components
     (re.compile(r"^(blocks\.\d+\.attn[12]\.to_out)\.0\.(weight|bias)$"), r"\1.\2"),
@@ -155,3 +169,121 @@ def config_to_diffusers(cfg: WanDiTConfig) -> dict[str, Any]:
     out = {k: getattr(cfg, k) for k in _CONFIG_FIELDS}
     out["qk_norm"] = "rms_norm_across_heads"
     return out
+
+
+# ----------------------------------------------------------------------------- directories
+
+
+def diffusers_weight_files(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of a diffusers model folder: the index's ``weight_map`` when
+    ``diffusion_pytorch_model.safetensors.index.json`` exists (sharded), else the single file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{path}: shard(s) named by {WEIGHTS_INDEX_NAME} are missing: {missing}")
+        return {k: path / f for k, f in weight_map.items()}
+    single = path / WEIGHTS_NAME
+    if not single.is_file():
+        raise FileNotFoundError(f"{path}: neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME} (a diffusers model folder)")
+    with safe_open(str(single), framework="pt") as st:
+        return {k: single for k in st.keys()}
+
+
+def read_diffusers_weights(path: str | Path, device="cpu") -> dict[str, Tensor]:
+    """Every tensor of a diffusers model folder (single file or sharded), diffusers' names."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name, f in diffusers_weight_files(path).items():
+        by_file.setdefault(f, []).append(name)
+    out = {}
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt", device=str(device)) as st:
+            out.update({n: st.get_tensor(n) for n in names})
+    return out
+
+
+def read_diffusers_config(path: str | Path, class_name: str) -> dict[str, Any]:
+    """``config.json`` of a diffusers model folder, checked to be ``class_name``'s."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (a diffusers {class_name} folder)")
+    config = json.loads(cfg_path.read_text())
+    found = config.get("_class_name", class_name)
+    if found != class_name:
+        raise ValueError(f"{path}: config.json is a {found}, not a {class_name}")
+    return config
+
+
+def load_wan_dit(path: str | Path, dtype: torch.dtype | None = torch.float32, device="cpu",
+                 **overrides) -> WanDiT:
+    """Our :class:`WanDiT` from a diffusers ``WanTransformer3DModel`` folder, strictly (every tensor
+    used, none missing; shapes checked), in ``dtype`` (default float32, as diffusers' ``from_pretrained``;
+    None: as stored) on ``device``, eval mode. ``overrides``: our own config fields (``attn_backend``).
+    Image-to-video configs (``image_dim`` set) are refused: only T2V is implemented."""
+    from omniweave.models.hf.loading import assign_state_dict
+
+    config = read_diffusers_config(path, DIFFUSERS_CLASS)
+    cfg = config_from_diffusers(config, **overrides)
+    with torch.device("meta"):
+        model = WanDiT(cfg)
+    raw = read_diffusers_weights(path, device)
+    conv = raw.get("patch_embedding.weight")
+    if conv is not None and tuple(conv.shape[2:]) != cfg.patch_size:
+        raise ValueError(f"{path}: config patch_size {cfg.patch_size} but patch_embedding's kernel is "
+                         f"{tuple(conv.shape[2:])}")
+    assign_state_dict(model, diffusers_to_ours(raw), str(path), dtype)
+    return model.to(device).eval()
+
+
+def save_wan_dit(model: WanDiT, path: str | Path, max_shard_size: int = 10 * 10**9,
+                 dtype: torch.dtype | None = None) -> Path:
+    """Write ``model`` as a diffusers ``WanTransformer3DModel`` folder (what ``from_pretrained`` and a
+    Wan pipeline's ``transformer/`` read): ``config.json`` (``_class_name``, ``_diffusers_version``,
+    the I2V fields null) and the weights in diffusers' names and layouts, in one
+    ``diffusion_pytorch_model.safetensors`` or, above ``max_shard_size`` bytes (diffusers' 10 GB), in
+    shards + ``diffusion_pytorch_model.safetensors.index.json``. ``dtype`` casts floating tensors (None:
+    as they are). Tensors are gathered to the CPU (a DTensor's full tensor: under FSDP every rank must
+    call this, as the gather is collective; give each rank its own ``path`` or write from one)."""
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, t in model.state_dict().items():
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        t = t.detach().to("cpu")
+        state[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
+    tensors = {k: v.contiguous() for k, v in ours_to_diffusers(state, cfg.patch_size).items()}
+    config = {"_class_name": DIFFUSERS_CLASS, "_diffusers_version": DIFFUSERS_VERSION, **config_to_diffusers(cfg),
+              "patch_size": list(cfg.patch_size), **{k: None for k in _I2V_FIELDS}}
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for stale in [path / WEIGHTS_NAME, path / WEIGHTS_INDEX_NAME, *path.glob("diffusion_pytorch_model-*.safetensors")]:
+        stale.unlink(missing_ok=True)  # a previous export's files would shadow or contradict this one
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    if len(shards) == 1:
+        save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        return path
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"diffusion_pytorch_model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return path
