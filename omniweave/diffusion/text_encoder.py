@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import html
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,17 @@ def prompt_clean(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
+def _guard_torchvision() -> None:
+    """Before transformers' first import: a torchvision that does not load beside this torch (pip's
+    CUDA build next to a CPU torch) is hidden, or every transformers model class fails to import
+    (models/hf/torchvision_guard.py); a working one is left alone."""
+    from omniweave.models.hf.torchvision_guard import torchvision_loads
+
+    torchvision_loads()
+
+
 def _encoder_class(model_type: str):
+    _guard_torchvision()
     from transformers import T5EncoderModel, UMT5EncoderModel
 
     if model_type not in ENCODER_TYPES:
@@ -81,6 +92,8 @@ def demo_tokenizer():
     """omniweave's shipped demo tokenizer (transformers' AutoTokenizer, offline) with a T5-like
     post-processor: ``<|im_end|>`` appended to every text, so "" is one token, as umT5's ``</s>``."""
     from tokenizers import processors
+
+    _guard_torchvision()
     from transformers import AutoTokenizer
 
     from omniweave.data.text.tokenizer import resolve_tokenizer_dir
@@ -96,6 +109,7 @@ def _load_tokenizer(tokenizer):
     if tokenizer is None or isinstance(tokenizer, (str, Path)) and str(tokenizer) == "demo":
         return demo_tokenizer()
     if isinstance(tokenizer, (str, Path)):
+        _guard_torchvision()
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(tokenizer))
@@ -155,6 +169,7 @@ class WanTextEncoder(nn.Module):
         """A local umT5 / T5 encoder and its tokenizer (no download): a diffusers Wan pipeline root,
         its ``text_encoder/`` folder, or one folder with both. ``dtype`` None = float32 (as diffusers
         and ``load_hf``); transformers keeps T5's ``wo`` layers in fp32 under bf16, as in the pipeline."""
+        _guard_torchvision()
         from transformers import AutoTokenizer
 
         model_dir, tok_dir = _locate(Path(path))
@@ -171,6 +186,7 @@ class WanTextEncoder(nn.Module):
         """A randomly initialised encoder from a ``UMT5Config`` / ``T5Config`` (or its dict: ``model_type``
         "umt5" unless given) over ``tokenizer`` ("demo", a directory, or a tokenizer object); the
         vocabulary defaults to the tokenizer's size. Seeded without touching the global RNG."""
+        _guard_torchvision()
         from transformers import T5Config, UMT5Config
 
         tok = _load_tokenizer(tokenizer)
@@ -280,3 +296,40 @@ def pad_states(states: list[Tensor], max_len: int = WAN_TEXT_LEN) -> Tensor:
     for i, s in enumerate(states):
         out[i, :s.shape[0]] = s.to(first.dtype)
     return out
+
+
+@dataclass
+class TextEncoderConfig:
+    """``model.text_encoder`` (a recipe's frozen codec: ``data pack`` encodes the captions with it,
+    ``generate`` the prompts): a local umT5 / T5 directory (``path``: a diffusers Wan pipeline root,
+    its ``text_encoder/``, or an HF encoder folder with its tokenizer), or, without one, a random
+    tiny umT5 of the fields below over ``tokenizer`` (tests and the demo; ``seed`` fixes it)."""
+
+    path: str | None = None
+    d_model: int = 32
+    num_layers: int = 2
+    num_heads: int = 4
+    d_kv: int = 8
+    d_ff: int = 64
+    tokenizer: str = "demo"
+    seed: int = 0
+    max_sequence_length: int = WAN_TEXT_LEN
+
+
+def build_text_encoder(config: TextEncoderConfig) -> WanTextEncoder:
+    """The registered ``text_encoder`` ``umt5``: :meth:`WanTextEncoder.from_pretrained` of
+    ``config.path``, else :meth:`WanTextEncoder.tiny` of the other fields."""
+    if config.path:
+        return WanTextEncoder.from_pretrained(config.path, max_sequence_length=config.max_sequence_length)
+    return WanTextEncoder.tiny(d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
+                               d_kv=config.d_kv, d_ff=config.d_ff, tokenizer=config.tokenizer, seed=config.seed,
+                               max_sequence_length=config.max_sequence_length)
+
+
+def _register() -> None:
+    from omniweave.models.registry import register
+
+    register("text_encoder", "umt5", TextEncoderConfig)(build_text_encoder)
+
+
+_register()

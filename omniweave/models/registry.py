@@ -132,6 +132,7 @@ COMPONENT_MODULES = [
     "omniweave.models.components.action_expert",
     "omniweave.models.components.wan_dit",
     "omniweave.models.components.wan_vae",
+    "omniweave.diffusion.text_encoder",
     "omniweave.rl.rewards",
 ]
 
