@@ -7,6 +7,9 @@
         registry: each entry's files with its own formatting / columns / tags, data/sources/dataset_info.py)
     omniweave data convert --format lerobot --input DATASET_DIR --output RAW [--horizon H] [--stride S]
         (a LeRobot v3.0 dataset -> one VLA sample per frame: data/sources/lerobot_convert.py)
+    omniweave data convert --format clips --input rows.jsonl [...] [--media-dir DIR] --output RAW
+        (caption + video / image rows, text-to-video diffusion -> one clip sample per row, media bytes
+        unchanged: data/sources/clips_convert.py)
 
 Every input row is either written (sample key ``s{global_row:09d}``, the row's 0-based position
 across all inputs) or rejected with a reason into ``RAW/rejects.jsonl``; ``RAW/convert_report.json``
@@ -86,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                    help=f"reject an image or video frame with more pixels (image_too_large; at most {IMAGE_PIXELS_CEILING})")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any row is rejected")
-    p.add_argument("--format", choices=("auto", *FORMATS, "lerobot"), default="auto")
+    p.add_argument("--format", choices=("auto", *FORMATS, "lerobot", "clips"), default="auto")
     lerobot_convert.add_arguments(p)
     p.add_argument("--mapping", help="YAML with formatting/columns/tags (LLaMA-Factory dataset_info style)")
     p.add_argument("--auto-placeholders", action="store_true",
@@ -310,6 +313,10 @@ def _clear_output(out: Path, keep_work: bool) -> None:
 def run(args) -> int:
     if args.format == "lerobot":
         return lerobot_convert.run(args)
+    if args.format == "clips":
+        from omniweave.data.sources import clips_convert
+
+        return clips_convert.run(args)
     lerobot_convert.refuse_lerobot_flags(args)
     t0 = time.perf_counter()
     out = Path(args.output)
