@@ -75,6 +75,18 @@ class VLADataSchema:  # data.vla: how a robot frame becomes a prompt (data/packi
 
 
 @dataclass
+class DiffusionDataSchema:  # data.diffusion: how a clip becomes latents (diffusion/data.py, docs/diffusion.md)
+    frames: Optional[int] = 17  # frames per clip (4k + 1) from its start; null: native length up to max_frames
+    max_frames: int = 81
+    fps: Optional[float] = None  # sample frames at this rate (null: every frame)
+    max_pixels: int = 399360  # H x W cap (832 x 480), aspect kept, never upscaled, sides multiples of 16
+    min_pixels: int = 256
+    latents_dtype: str = "float32"  # float32 | float16: what the packs store
+    text_len: int = 512  # the text encoder's max_sequence_length
+    codecs: Optional[Any] = None  # set by omniweave (the recipe's model.vae / text_encoder / patch), never by hand
+
+
+@dataclass
 class DataSchema:
     path: Optional[str] = MISSING  # packed dataset (omniweave data pack); null with data.mix
     mix: Optional[List[Any]] = None  # or several: [{path, weight | epochs, name}] (data/loading/mix.py)
@@ -92,6 +104,7 @@ class DataSchema:
     vision: Any = field(default_factory=lambda: _vision_schema()())
     audio: Any = field(default_factory=lambda: _audio_schema()())
     vla: Any = field(default_factory=lambda: VLADataSchema())  # train.phase=vla (data/packing/vla.py)
+    diffusion: Any = field(default_factory=lambda: DiffusionDataSchema())  # train.phase=diffusion (diffusion/data.py)
 
 
 @dataclass
@@ -130,6 +143,16 @@ class VLATrainSchema:  # train.phase=vla (docs/vla.md)
 
 
 @dataclass
+class DiffusionTrainSchema:  # train.phase=diffusion: the rectified-flow objective (diffusion/objective.py)
+    shift: float = 3.0  # timestep shift of the training table (Wan: 3 at 480p, 5 at 720p)
+    timestep_sampling: str = "uniform"  # uniform | logit_normal | mode
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    loss_weighting: str = "none"  # none | bell | sigma_sqrt | cosmap
+    caption_dropout: float = 0.1  # a clip's caption replaced by the encoded empty prompt (for CFG)
+
+
+@dataclass
 class TrainSchema:
     phase: str = "sft"
     steps: int = MISSING
@@ -161,6 +184,7 @@ class TrainSchema:
     simpo: SimPOSchema = field(default_factory=SimPOSchema)
     kto: KTOSchema = field(default_factory=KTOSchema)
     vla: VLATrainSchema = field(default_factory=VLATrainSchema)
+    diffusion: DiffusionTrainSchema = field(default_factory=DiffusionTrainSchema)
 
 
 @dataclass

@@ -48,7 +48,10 @@ class DiffusionObjective(Objective):
 
     def __init__(self, seed: int = 0, step: Callable[[], int] = lambda: 0, *, shift: float = 3.0,
                  timestep_sampling: str = "uniform", logit_mean: float = 0.0, logit_std: float = 1.0,
-                 loss_weighting: str = "none", caption_dropout: float = 0.0):
+                 loss_weighting: str = "none", caption_dropout: float = 0.0,
+                 text_flops: Callable[[list[int], list[int]], float] | None = None):
+        """``step()``: the optimizer step being computed (part of every draw's seed); ``text_flops(clip
+        tokens, text tokens)``: the generator's FLOPs that scale with the text (``metrics.cross_attention_flops``)."""
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
         schedule.loss_weights(torch.ones(1) * 0.5, loss_weighting)  # validates the names up front
@@ -58,9 +61,18 @@ class DiffusionObjective(Objective):
         self.seed, self.step = int(seed), step
         self.shift, self.sampling, self.weighting = float(shift), timestep_sampling, loss_weighting
         self.logit_mean, self.logit_std, self.caption_dropout = float(logit_mean), float(logit_std), float(caption_dropout)
+        self.text_flops = text_flops
 
     def count(self, packs: list[dict]) -> float:
         return float(sum(p["latents"].numel() for p in packs))
+
+    def flops(self, packs: list[dict]) -> float:
+        """The cross-attention's share (the per-token and self-attention FLOPs are the trainer's)."""
+        if self.text_flops is None:
+            return 0.0
+        clips = [int(n) for p in packs for n in p["grid"].prod(dim=1)]
+        texts = [int(n) for p in packs for n in p["text_cu_seqlens"].diff()]
+        return self.text_flops(clips, texts)
 
     def row_inputs(self, model, mb: dict) -> dict[str, Tensor]:
         """The row's noisy latents, targets, timesteps, weights and (caption-dropped) text."""

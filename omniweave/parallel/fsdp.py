@@ -1,6 +1,7 @@
 """Apply activation checkpointing and FSDP2 from outside the model (torchtitan's order: AC, then FSDP).
 
-The blocks are the foundation's decoder layers (``model.foundation.layers``), each encoder's
+The blocks are the foundation's decoder layers (``model.foundation.layers``; a video-diffusion
+model's generator blocks, ``model.generator.blocks``), each encoder's
 repeated blocks (the ViT's ``blocks``, the audio tower's ``layers``) and a VLA model's action
 expert layers (``model.action_expert.layers``); the root ``fully_shard``
 wraps the whole model, so the embeddings, final norm, LM head (the chunked loss reads
@@ -29,10 +30,17 @@ def _expert_layers(model: nn.Module) -> list[nn.ModuleList]:
     return [expert.layers] if expert is not None else []
 
 
+def _trunk_layers(model: nn.Module) -> list[nn.ModuleList]:
+    """The model's own repeated blocks: the foundation's decoder layers, or a video-diffusion
+    model's generator blocks (models/diffusion.py)."""
+    generator = getattr(model, "generator", None)
+    return [generator.blocks] if generator is not None else [model.foundation.layers]
+
+
 def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
-    """The repeated blocks AC and FSDP wrap one by one: decoder layers, each encoder's blocks, the
-    action expert's layers."""
-    return [model.foundation.layers, *(_encoder_blocks(e) for e, _ in _encoders(model)), *_expert_layers(model)]
+    """The repeated blocks AC and FSDP wrap one by one: decoder layers (or a generator's blocks),
+    each encoder's blocks, the action expert's layers."""
+    return [*_trunk_layers(model), *(_encoder_blocks(e) for e, _ in _encoders(model)), *_expert_layers(model)]
 
 
 def _replace_blocks(model: nn.Module, wrap) -> None:
@@ -82,7 +90,7 @@ def apply_fsdp(model: nn.Module, mesh, precision: str = "fp32", encoder_mesh=Non
     from torch.distributed.fsdp import fully_shard
 
     extra = _shard_experts(experts, experts_mesh, _policies(precision, offload, pin_memory))
-    for block in (*model.foundation.layers, *(b for layers in _expert_layers(model) for b in layers)):
+    for block in (b for layers in (*_trunk_layers(model), *_expert_layers(model)) for b in layers):
         fully_shard(block, mesh=mesh, **extra)
     for encoder, projector in _encoders(model):
         for block in _encoder_blocks(encoder):

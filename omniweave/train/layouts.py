@@ -33,6 +33,7 @@ class Traits:
     reference_forward: str | None = None  # the keys that ask for a frozen reference's forward per row
     sums_over_cp: bool = False
     action_chunks: bool = False  # VLA: an action expert's chunks read every layer's prefix keys / values (models/vla.py)
+    clip_rows: bool = False  # video diffusion: rows of latent clips through a generator (models/diffusion.py)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class Layout:
         from omniweave.config import to_dict
         from omniweave.models.components.decoder import moe_layer_indices
 
-        par, foundation = section(cfg, "parallel"), (to_dict(cfg.model).get("foundation") or {})
+        model = to_dict(cfg.model)
+        par, foundation = section(cfg, "parallel"), (model.get("foundation") or model.get("generator") or {})
         return cls(pp=par.pp, cp=par.cp, tp=_int(foundation.get("tp")), seq_chunks=seq_chunks_of(cfg),
                    pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual, moe=bool(moe_layer_indices(foundation)),
                    mix=(cfg.get("data") or {}).get("mix") is not None)
@@ -89,12 +91,21 @@ def traits(cfg) -> Traits:
                       token_sum=not gspo, reference_forward="rl.kl_coef > 0" if kl > 0 else None, sums_over_cp=gspo)
     if phase == "vla":
         return Traits("train.phase=vla", action_chunks=True)
+    if phase == "diffusion":
+        return Traits("train.phase=diffusion", clip_rows=True)
     return Traits(f"train.phase={phase}")
 
 
 def refusals(mode: Traits, lay: Layout) -> list[str]:
     """Why ``mode`` cannot run under ``lay``: one clause per reason, naming the keys ([]: it runs)."""
     out = []
+    if mode.clip_rows:  # the generator's rows run whole on each data-parallel rank
+        for key, value in (("parallel.cp", lay.cp), ("model.generator.tp", lay.tp), ("parallel.pp", lay.pp),
+                           ("parallel.seq_chunks", lay.seq_chunks)):
+            if value > 1:
+                out.append(f"{mode.mode} with {key}={value}: a generator's rows run whole on each data-parallel "
+                           "rank so far (sequence parallelism over video tokens is not built yet); use dp (FSDP)")
+        return out
     if mode.action_chunks:  # the chunks' attention reads every layer's keys / values of whole prefixes
         for key, value in (("parallel.seq_chunks", lay.seq_chunks), ("parallel.pp", lay.pp)):
             if value > 1:
@@ -151,7 +162,8 @@ MODES = {"SFT / pretraining": Traits("train.phase=sft"),
          "GRPO, `rl.kl_coef > 0`": Traits("train.phase=grpo (rl.kl_coef=0.1)", reference_forward="rl.kl_coef > 0"),
          "GSPO (`rl.importance_sampling: sequence`)": Traits("train.phase=grpo (rl.importance_sampling=sequence)",
                                                             token_sum=False, sums_over_cp=True),
-         "VLA (flow matching)": Traits("train.phase=vla", action_chunks=True)}
+         "VLA (flow matching)": Traits("train.phase=vla", action_chunks=True),
+         "Video diffusion (rectified flow)": Traits("train.phase=diffusion", clip_rows=True)}
 LAYOUTS = {"dp (FSDP)": Layout(), "cp": Layout(cp=2), "tp": Layout(tp=2), "seq_chunks": Layout(seq_chunks=2),
            "pp": Layout(pp=2), "pp × cp": Layout(pp=2, cp=2), "pp × tp": Layout(pp=2, tp=2),
            "pp × seq_chunks": Layout(pp=2, seq_chunks=2, pp_schedule="gpipe")}

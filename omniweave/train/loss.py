@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 # dpo, orpo, simpo: pairs of answers, their labels as packed, their own losses (train/dpo.py, train/preference.py)
-PHASES = ("sft", "pretrain", "dpo", "orpo", "simpo", "kto", "vla")
+PHASES = ("sft", "pretrain", "dpo", "orpo", "simpo", "kto", "vla", "diffusion")
 PAIR_PHASES = ("dpo", "orpo", "simpo")
 ANSWER_PHASES = (*PAIR_PHASES, "kto")  # labelled on the final answers by data pack, kept as packed
-AS_PACKED = ("sft", *ANSWER_PHASES, "vla")  # the packs' own labels (vla: none, or co-trained text)
+AS_PACKED = ("sft", *ANSWER_PHASES, "vla", "diffusion")  # the packs' own labels (vla: none, or co-trained text; diffusion: none)
 
 
 def pretrain_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, ignore_ids: tuple[int, ...] = ()) -> torch.Tensor:

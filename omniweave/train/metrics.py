@@ -51,7 +51,10 @@ def device_peak_flops(device: torch.device, precision: str = "fp32") -> float:
 
 def model_flop_counts(model: nn.Module) -> tuple[int, int, int]:
     """(non-embedding parameters a token uses, decoder layers, attention width) for the FLOP
-    estimate: the foundation's (``foundation_flop_counts``) plus every other component's weights."""
+    estimate: the foundation's (``foundation_flop_counts``) plus every other component's weights;
+    a video-diffusion model's generator (``generator_flop_counts``)."""
+    if hasattr(model, "generator"):
+        return generator_flop_counts(model.generator)
     f = model.foundation
     n, layers, width = foundation_flop_counts(f)
     ours = {id(p) for p in f.parameters()}
@@ -82,6 +85,27 @@ def foundation_flop_counts(f: nn.Module) -> tuple[int, int, int]:
     n += linear * linear_scan_equivalent(c) if linear else 0  # the linear layers' scan, linear in tokens
     v_dim = c.v_head_dim if c.mla else c.head_dim
     return n, len(f.layers) - linear, c.num_heads * (c.head_dim + v_dim) // 2
+
+
+def generator_flop_counts(g: nn.Module) -> tuple[int, int, int]:
+    """A DiT's (parameters a latent token uses, 2 x layers, width) for ``step_flops``: its blocks, patch
+    embedding and head, less the cross-attention keys / values, which run on text tokens (the
+    objective counts them and the cross-attention: ``cross_attention_flops``); the per-clip time and
+    text embedders are negligible. Self-attention is bidirectional: each (query, key) pair costs
+    twice a causal document's len² / 2 share, hence 2 x layers for ``step_flops``' 6 len² term."""
+    text_kv = {id(p) for b in g.blocks for m in (b.attn2.to_k, b.attn2.to_v) for p in m.parameters()}
+    per_token = [*g.blocks.parameters(), *g.patch_embedding.parameters(), *g.proj_out.parameters()]
+    n = sum(p.numel() for p in per_token if id(p) not in text_kv)
+    return n, 2 * g.config.num_layers, g.config.inner_dim
+
+
+def cross_attention_flops(g: nn.Module, clip_tokens: list[int], text_tokens: list[int]) -> float:
+    """A DiT's training FLOPs that scale with the text: each block's key / value projections over a
+    clip's text tokens (6 N), and each clip's queries against its own text (12 width per pair)."""
+    c = g.config
+    kv = sum(p.numel() for b in g.blocks for m in (b.attn2.to_k, b.attn2.to_v) for p in m.parameters())
+    pairs = sum(q * k for q, k in zip(clip_tokens, text_tokens))
+    return 6.0 * kv * sum(text_tokens) + 12.0 * c.num_layers * c.inner_dim * pairs
 
 
 def expert_flop_counts(expert: nn.Module) -> tuple[int, int, int]:

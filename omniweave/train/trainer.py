@@ -89,6 +89,10 @@ def phase_kind(cfg) -> str:
         from omniweave.train.preference import check_settings
 
         check_settings(cfg)
+    from omniweave.config import to_dict
+    from omniweave.diffusion.data import check_recipe
+
+    check_recipe(to_dict(cfg.model), phase)
     return dataset_kind(phase)
 
 
@@ -164,6 +168,11 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
     tc, dims = section(cfg, "train"), engine.dims
     gb, seed = int(tc.global_batch), int(tc.seed)
     data_cfg = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in LOADER_ONLY_KEYS}
+    if phase_kind(cfg) == "diffusion":  # the packs' latents must come from this recipe's VAE / text encoder / patch
+        from omniweave.config import to_dict
+        from omniweave.diffusion.data import with_codecs
+
+        data_cfg = with_codecs(data_cfg, to_dict(cfg.model))
     balance = cfg.data.get("balance")
     path, mix = data_source(cfg.data)
     loader = PackedLoader(path, gb, dp_rank=engine.meshes.dp_rank, dp_size=dims.dp, seed=seed,
@@ -242,7 +251,8 @@ def _train_loop(engine: Engine, cfg, resume, fault_hook) -> dict:
 def build_objective(cfg, engine: Engine, fault_hook=None):
     """The objective of ``train.phase`` (train/objective.py): token cross-entropy (sft, pretrain),
     DPO's pair loss, ORPO's / SimPO's (train/preference.py), KTO's (train/kto.py) or flow matching
-    (vla/objective.py); ``fault_hook(step, loss_sum)`` (tests) corrupts its losses."""
+    (vla/objective.py) or rectified flow over packed clips (diffusion/objective.py);
+    ``fault_hook(step, loss_sum)`` (tests) corrupts its losses."""
     from omniweave.train.objective import TokenCrossEntropy, WithFault
 
     phase = section(cfg, "train").phase
@@ -265,6 +275,19 @@ def build_objective(cfg, engine: Engine, fault_hook=None):
         tc, expert = section(cfg, "train"), engine.model.action_expert
         objective = FlowMatchingObjective(int(tc.seed), lambda: engine.step, float(tc.vla.text_weight),
                                           expert_flop_counts(expert), expert.config.horizon)
+    elif phase == "diffusion":
+        from functools import partial
+
+        from omniweave.diffusion.objective import DiffusionObjective
+        from omniweave.train.metrics import cross_attention_flops
+
+        tc = section(cfg, "train")
+        d = tc.diffusion
+        objective = DiffusionObjective(int(tc.seed), lambda: engine.step, shift=float(d.shift),
+                                       timestep_sampling=str(d.timestep_sampling), logit_mean=float(d.logit_mean),
+                                       logit_std=float(d.logit_std), loss_weighting=str(d.loss_weighting),
+                                       caption_dropout=float(d.caption_dropout),
+                                       text_flops=partial(cross_attention_flops, engine.model.generator))
     else:
         objective = TokenCrossEntropy()
     if fault_hook is not None:

@@ -173,6 +173,10 @@ def collate_pack(pack: dict, data_cfg: dict, skips: list | None = None) -> dict:
         from omniweave.data.packing.vla import vla_rows
 
         extra.update(vla_rows(pack))
+    if pack.get("doc_arrays") and "latents" in pack["doc_arrays"][0]:  # video-diffusion clips (diffusion/data.py)
+        from omniweave.diffusion.data import diffusion_rows
+
+        extra.update(diffusion_rows(pack))
     if any("loss_weights" in d for d in pack["docs"]):  # fractional per-turn weights (a turn's loss_weight)
         extra.setdefault("token_data", {})["loss_weight"] = pack_loss_weights(pack, int(labels.shape[0]))
     encoded = [m for m in pack["media"] if "same_as" not in m]  # shared items: bytes and features once
@@ -268,7 +272,8 @@ def check_kind(manifest: dict, kind: str, where: str, key: str = "data.path") ->
     if have != kind:
         what = {"sft": "training packs (train.phase sft / pretrain)", "prompts": "RL prompts (train.phase grpo)",
                 "pairs": "preference pairs (train.phase dpo / orpo / simpo)", "kto": "KTO completions (train.phase kto)",
-                "vla": "robot frames with action chunks (train.phase vla)"}
+                "vla": "robot frames with action chunks (train.phase vla)",
+                "diffusion": "video-diffusion clips as latents (train.phase diffusion)"}
         raise UserError(f"{key}={where} holds {what.get(have, have)}, but this run needs {what.get(kind, kind)}; "
                         "pack the data with the recipe of this run (`omniweave data pack … --recipe R`)")
 

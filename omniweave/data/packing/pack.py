@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packs-per-shard", type=integer(1), default=256)
     p.add_argument("--max-media-per-pack", type=integer(1), default=None)
     p.add_argument("--max-vision-tokens-per-pack", type=integer(1), default=None)
+    p.add_argument("--device", default="auto",
+                   help="diffusion recipes: where the VAE and text encoder run in the write phase (auto: cuda if any)")
 
 
 def consumable_media(model_cfg: dict | None) -> list[str] | None:
@@ -87,7 +89,13 @@ def data_config(recipe: str, max_len: int | None, overrides: list[str] = ()) -> 
         data.pop(key, None)
     if max_len is not None:
         data["max_len"] = int(max_len)
-    return data, dataset_kind((cfg.get("train") or {}).get("phase")), consumable_media(cfg.get("model"))
+    kind = dataset_kind((cfg.get("train") or {}).get("phase"))
+    if kind == "diffusion":  # the recipe's VAE / text encoder / patch make the latents: part of the fingerprint
+        from omniweave.diffusion.data import check_recipe, with_codecs
+
+        check_recipe(cfg.get("model") or {}, "diffusion")
+        return with_codecs(data, cfg["model"]), kind, None
+    return data, kind, consumable_media(cfg.get("model"))
 
 
 def _build_id(args, data_cfg: dict, fingerprint: dict, raw_shards: list[dict], kind: str,
@@ -117,7 +125,7 @@ _W: dict = {}
 
 
 def _init_worker(raw_root: str, data_cfg: dict, kind: str, media_kinds: list[str] | None,
-                 plan_file: str | None = None) -> None:
+                 plan_file: str | None = None, device: str = "auto") -> None:
     from omniweave.data.sources.shards import RawDataset
     from omniweave.data.text.tokenize import SampleProcessor
 
@@ -125,6 +133,15 @@ def _init_worker(raw_root: str, data_cfg: dict, kind: str, media_kinds: list[str
         from omniweave.data.packing.vla import VLARawDataset, VLASettings
 
         _W["ds"] = VLARawDataset(raw_root, VLASettings.from_mapping(data_cfg.get("vla")))
+    elif kind == "diffusion":  # a clips conversion: latents made in the write phase (diffusion/data.py)
+        from omniweave.data.sources.clips_convert import ClipRawDataset
+        from omniweave.diffusion.data import ClipEncoder, DiffusionSettings
+
+        _W["ds"] = ClipRawDataset(raw_root)
+        settings = DiffusionSettings.from_mapping(data_cfg.get("diffusion"))
+        codecs = data_cfg["diffusion"]["codecs"]
+        _W["diffusion"] = (settings, tuple(codecs["patch_size"]))
+        _W["encoder"] = ClipEncoder(codecs, settings, device) if plan_file else None  # write only: the models
     else:
         _W["ds"] = RawDataset(raw_root)
     _W["proc"] = SampleProcessor(data_cfg)
@@ -144,6 +161,10 @@ def _tokenize(raw) -> list[tuple]:
     from omniweave.data.packing.prompts import KIND_KTO, KIND_PAIRS, KIND_PROMPTS, tokenize_rl_prompt
     from omniweave.data.text.tokenize import SampleRejected
 
+    if _W["kind"] == "diffusion":
+        from omniweave.diffusion.data import tokenize_clip
+
+        return tokenize_clip(raw, *_W["diffusion"], _W["encoder"])
     conv, allowed = raw.conversation, _W["media_kinds"]
     heard = conv.videos if _W["proc"].audio.use_audio_in_video else []  # a video's sound track is audio too
     for kind, items in (("image", conv.images), ("video", conv.videos), ("audio", [*conv.audios, *heard])):
@@ -215,7 +236,7 @@ def _write_shard(shard: int) -> dict:
             if _planned_length(item) != plan["length_of"][i]:
                 raise RuntimeError(f"sample {i} tokenized to {_planned_length(item)} planned tokens, scanned as "
                                    f"{plan['length_of'][i]}")
-            docs += [(sample, raw.media, {"index": i, "key": raw.key, **extra}) for sample, extra in item]
+            docs += [(sample, getattr(raw, "media", {}), {"index": i, "key": raw.key, **extra}) for sample, extra in item]
         if _W["kind"] == "kto":  # the pack's mismatched pairs for KTO's reference point, after its completions
             from omniweave.data.packing.kto import kl_documents
 
@@ -332,7 +353,8 @@ def write_phase(args, out: Path, data_cfg: dict, build: dict, info: dict) -> lis
     if todo:
         _W["out"] = str(out)
         _pool_map(_write_shard, todo, args.workers,
-                  (args.input, data_cfg, build["kind"], build["media_kinds"], str(out / "plan" / "plan.npz")),
+                  (args.input, data_cfg, build["kind"], build["media_kinds"], str(out / "plan" / "plan.npz"),
+                   getattr(args, "device", "auto")),
                   f"write {i}/{N}")
     return todo
 
@@ -404,7 +426,8 @@ def run(args) -> int:
             else:
                 what = ("preference pairs (2 documents each, kept together)" if kind == "pairs" else
                         "KTO completions (and as many KL documents)" if kind == "kto" else
-                        "robot frames (observation + action chunk)" if kind == "vla" else "samples")
+                        "robot frames (observation + action chunk)" if kind == "vla" else
+                        "video clips (VAE latents + text states)" if kind == "diffusion" else "samples")
                 print(f"packed {s['samples_packed']}/{s['samples']} {what} into {s['packs']} packs of {s['capacity']} "
                       f"tokens, efficiency {s['efficiency']:.2%}, dropped {s['dropped'] or 0} -> {out} "
                       f"({time.time() - t0:.1f}s)")

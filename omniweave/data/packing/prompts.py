@@ -19,16 +19,20 @@ PREFERENCE_PHASES = ("dpo", "orpo", "simpo")  # pairs of answers (train/loss.py 
 KTO_PHASES = ("kto",)  # unpaired completions tagged desirable or not (data/packing/kto.py)
 VLA_PHASES = ("vla",)  # robot frames: observation prompt + action chunk (data/packing/vla.py)
 KIND_SFT, KIND_PROMPTS, KIND_PAIRS, KIND_KTO, KIND_VLA = "sft", "prompts", "pairs", "kto", "vla"
+DIFFUSION_PHASES = ("diffusion",)  # video clips as offline latents + text states (diffusion/data.py)
+KIND_DIFFUSION = "diffusion"
 
 
 def dataset_kind(phase: str | None) -> str:
     """What ``data pack`` writes for a recipe's ``train.phase``: training packs, RL prompts or
     preference pairs (data/packing/pairs.py), KTO completions (data/packing/kto.py) or VLA frames
-    (data/packing/vla.py)."""
+    (data/packing/vla.py) or video-diffusion clips (diffusion/data.py)."""
     if phase in KTO_PHASES:
         return KIND_KTO
     if phase in VLA_PHASES:
         return KIND_VLA
+    if phase in DIFFUSION_PHASES:
+        return KIND_DIFFUSION
     return KIND_PROMPTS if phase in RL_PHASES else KIND_PAIRS if phase in PREFERENCE_PHASES else KIND_SFT
 
 

@@ -182,8 +182,15 @@ def raw_kind(root: str | Path) -> str:
 
 
 def check_raw_kind(root: str | Path, kind: str) -> None:
-    """A VLA recipe packs LeRobot conversions only, every other recipe conversations only."""
+    """A VLA recipe packs LeRobot conversions only, a diffusion recipe clips conversions only, every
+    other recipe conversations only."""
     have = raw_kind(root)
+    if (kind == "diffusion") != (have == "clips"):
+        if kind == "diffusion":
+            raise UserError(f"--input {root} holds {'robot frames' if have == KIND_VLA else 'conversations'}; "
+                            "train.phase=diffusion packs a clips conversion (`omniweave data convert --format clips`)")
+        raise UserError(f"--input {root} holds video clips (a clips conversion); pack it with a diffusion recipe "
+                        "(train.phase: diffusion, e.g. `--recipe demo_diffusion`)")
     if (kind == KIND_VLA) != (have == KIND_VLA):
         if kind == KIND_VLA:
             raise UserError(f"--input {root} holds conversations; train.phase=vla packs a LeRobot conversion "

@@ -120,6 +120,11 @@ class SampleProcessor:
         from omniweave.data.packing.vla import VLASettings
 
         self.vla = VLASettings.from_mapping(_plain(cfg.get("vla")))  # data.vla: a robot frame's prompt (packing/vla.py)
+        from omniweave.diffusion.data import DiffusionSettings
+
+        diffusion = _plain(cfg.get("diffusion"))  # data.diffusion: a clip's frames and size (diffusion/data.py)
+        self.diffusion = DiffusionSettings.from_mapping(diffusion)
+        self.diffusion_codecs = diffusion.get("codecs")  # what made the latents and text states
         if self.truncation not in TRUNCATION_POLICIES:
             raise ValueError(f"data.truncation={self.truncation!r}; choose one of {TRUNCATION_POLICIES}")
         if self.special_tokens_in_text not in SPECIAL_TOKEN_POLICIES:
@@ -157,6 +162,7 @@ class SampleProcessor:
     def fingerprint(self) -> dict:
         """What decides the token stream; a pack built with another fingerprint is not ours."""
         from omniweave.data.packing.vla import VLASettings
+        from omniweave.diffusion.data import DiffusionSettings
 
         return {
             "tokenizer_sha256": self.tokenizer.sha256(),
@@ -171,6 +177,9 @@ class SampleProcessor:
             # data.vla only where it differs from the defaults: packs of other kinds never depend on it,
             # and packs built before it existed keep matching
             **({"vla": self.vla.spec()} if self.vla != VLASettings() else {}),
+            # data.diffusion likewise, with the codecs of a diffusion recipe (diffusion/data.py: with_codecs)
+            **({"diffusion": {**self.diffusion.spec(), "codecs": self.diffusion_codecs}}
+               if self.diffusion != DiffusionSettings() or self.diffusion_codecs else {}),
         }
 
     # ------------------------------------------------------------------ metadata-only path

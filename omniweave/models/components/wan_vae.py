@@ -121,7 +121,6 @@ def config_from_diffusers(config: dict) -> WanVAEConfig:
                            for k, v in config.items() if k in known})
 
 
-@register("vae", "wan_vae", WanVAEConfig)
 class WanVAE(nn.Module):
     def __init__(self, cfg: WanVAEConfig):
         super().__init__()
@@ -229,3 +228,29 @@ class WanVAE(nn.Module):
         model = cls(config_from_diffusers(json.loads((path / "config.json").read_text())))
         model.load_state_dict(load_file(str(path / "diffusion_pytorch_model.safetensors")), strict=True)
         return model.to(device=device, dtype=dtype).eval()
+
+
+@dataclass
+class VAEComponentConfig(WanVAEConfig):
+    """``model.vae`` (a recipe's frozen codec: ``data pack`` encodes the clips with it, ``generate``
+    decodes the samples): a diffusers ``AutoencoderKLWan`` folder (``path``: a Wan pipeline's
+    ``vae/``, or its root), or, without one, a random VAE of the fields above seeded by ``seed``
+    (tests; the same weights in every process, so packs and runs agree)."""
+
+    path: str | None = None
+    seed: int = 0
+
+
+def build_vae(config: VAEComponentConfig) -> WanVAE:
+    """The registered ``vae`` ``wan_vae`` (see :class:`VAEComponentConfig`)."""
+    if config.path:
+        path = Path(config.path)
+        return WanVAE.from_diffusers_dir(path / "vae" if (path / "vae" / "config.json").is_file() else path)
+    fields_ = {f.name: getattr(config, f.name) for f in fields(WanVAEConfig)}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = WanVAE(WanVAEConfig(**fields_))
+    return model.eval()
+
+
+register("vae", "wan_vae", VAEComponentConfig)(build_vae)
