@@ -20,3 +20,19 @@ def integer(minimum: int):
 
     parse.__name__ = f"integer >= {minimum}"
     return parse
+
+
+def positive():
+    """A ``float`` flag value above 0: ``type=positive()``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{value} must be above 0")
+        return value
+
+    parse.__name__ = "number > 0"
+    return parse

@@ -33,6 +33,7 @@ COMMANDS: dict[tuple[str, str | None], tuple[str, str]] = {
     ("hf", "verify"): ("omniweave.models.hf.verify", "compare a HF model directory against omniweave"),
     ("hf", "export"): ("omniweave.models.hf.export", "export a checkpoint to a HF directory"),
     ("vla", "sample"): ("omniweave.vla.sample", "a trained VLA's action chunks for recorded robot frames"),
+    ("generate", "video"): ("omniweave.diffusion.generate", "clips from a trained video-diffusion run, for prompts"),
     ("demo", None): ("omniweave.demo", "the whole pipeline on the synthetic dataset"),
     ("check", None): ("omniweave.check", "check this machine's kernels, models and parallel layouts"),
 }

@@ -1,0 +1,146 @@
+"""``omniweave generate video``: clips from a trained video-diffusion run, for prompts.
+
+    omniweave generate video RUN --prompt "a red disc moving left" [--prompt ...] [--prompts FILE.jsonl]
+        [--frames 17] [--height 32] [--width 48] [--steps 30] [--guidance 5.0] [--shift 3.0]
+        [--negative ""] [--seed 0] [--output DIR] [--gif]
+
+The run's checkpoint gives the generator; its recipe's ``model.vae`` and ``model.text_encoder``
+(the codecs its packs were made with) encode the prompts and decode the latents. Sampling is
+diffusers' flow-matching Euler schedule (diffusion/schedule.py: ``inference_sigmas(steps, shift)``)
+with classifier-free guidance against the encoded negative prompt (default "", as training's
+caption dropout fed the encoded empty prompt): ``v = v_neg + guidance · (v_text − v_neg)``;
+``--guidance 1`` skips the negative branch. Each clip starts from its own noise (seed + its index),
+so a clip does not depend on the others in the call. Writes ``DIR/NNN.mp4`` (and ``.gif``) and
+``DIR/generate.json`` (prompts, settings, files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from omniweave.errors import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from omniweave.argtypes import integer, positive
+
+    p.add_argument("run", help="a diffusion run directory (or one of its checkpoints)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts", help="JSONL of {\"prompt\": ...} rows (e.g. a demo's heldout_prompts.jsonl)")
+    p.add_argument("--frames", type=integer(1), default=17, help="frames per clip, 4k + 1 (default 17)")
+    p.add_argument("--height", type=integer(16), default=32, help="pixels, a multiple of 16 (default 32)")
+    p.add_argument("--width", type=integer(16), default=48, help="pixels, a multiple of 16 (default 48)")
+    p.add_argument("--steps", type=integer(1), default=30, help="Euler steps (default 30)")
+    p.add_argument("--guidance", type=positive(), default=5.0, help="classifier-free guidance scale (default 5)")
+    p.add_argument("--shift", type=positive(), default=None,
+                   help="timestep shift (default: the run's train.diffusion.shift)")
+    p.add_argument("--negative", default="", help="the negative prompt (default: empty, as caption dropout trained)")
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--output", help="output folder (default RUN/generated)")
+    p.add_argument("--gif", action="store_true", help="also write each clip as a GIF")
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts:
+        for n, line in enumerate(Path(args.prompts).read_text().splitlines(), 1):
+            if line.strip():
+                row = json.loads(line)
+                if not isinstance(row.get("prompt"), str):
+                    raise UserError(f"{args.prompts}:{n}: a row needs a \"prompt\" string")
+                prompts.append(row["prompt"])
+    if not prompts:
+        raise UserError("no prompt: give --prompt TEXT or --prompts FILE.jsonl")
+    return prompts
+
+
+class VideoGenerator:
+    """A trained run's generator with its recipe's codecs, sampling clips for prompts."""
+
+    def __init__(self, run: str | Path):
+        import yaml
+
+        from omniweave.diffusion.data import check_recipe
+        from omniweave.models.registry import build_component
+        from omniweave.train.checkpoint import load_model, resolve_checkpoint
+
+        ckpt = resolve_checkpoint(run)
+        cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
+        check_recipe(cfg["model"], (cfg.get("train") or {}).get("phase"))
+        self.cfg = cfg
+        model, _ = load_model(ckpt)
+        self.generator = model.generator.eval()
+        self.vae = build_component("vae", cfg["model"]["vae"]).eval()
+        self.text_encoder = build_component("text_encoder", cfg["model"]["text_encoder"])
+        self.text_len = int(((cfg.get("data") or {}).get("diffusion") or {}).get("text_len", 512))
+        self.shift = float(((cfg.get("train") or {}).get("diffusion") or {}).get("shift", 3.0))
+
+    def sample(self, prompts: list[str], frames: int, height: int, width: int, steps: int, guidance: float,
+               shift: float | None = None, negative: str = "", seed: int = 0) -> list[np.ndarray]:
+        """uint8 [T, H, W, 3] clips, one per prompt."""
+        import torch
+
+        from omniweave.diffusion.schedule import euler_sample, guided, inference_sigmas
+        from omniweave.models.components.wan_dit import patchify_clips, unpatchify_clips
+
+        if (frames - 1) % 4 or height % 16 or width % 16:
+            raise UserError(f"--frames {frames} must be 4k + 1 and --height {height} / --width {width} multiples of 16")
+        z_dim, patch = self.vae.cfg.z_dim, self.generator.config.patch_size
+        shape = (z_dim, 1 + (frames - 1) // 4, height // 8, width // 8)
+        sigmas = inference_sigmas(steps, self.shift if shift is None else shift)
+        texts = self.text_encoder.encode(prompts, max_sequence_length=self.text_len)
+        neg = self.text_encoder.encode([negative], max_sequence_length=self.text_len)[0]
+        out = []
+        for i, text in enumerate(texts):
+            noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
+            tokens, grid = patchify_clips([noise], patch)
+
+            def velocity(x, sigma, text=text):
+                t = (sigma * 1000).reshape(1)
+                cu = torch.tensor([0, len(text)], dtype=torch.int32)
+                v = self.generator(x, grid, t, text.float(), cu)
+                if guidance == 1.0:
+                    return v
+                return guided(v, self.generator(x, grid, t, neg.float(), torch.tensor([0, len(neg)], dtype=torch.int32)),
+                              guidance)
+
+            with torch.no_grad():
+                latents = unpatchify_clips(euler_sample(velocity, tokens, sigmas), grid, z_dim, patch)[0]
+                video = self.vae.decode(self.vae.denormalize(latents[None]))[0]  # [3, T, H, W] in [-1, 1]
+            out.append(((video.permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy())
+        return out
+
+
+def run(args) -> int:
+    from omniweave.diffusion.demo_data import FPS, write_mp4
+
+    prompts = read_prompts(args)
+    t0 = time.time()
+    gen = VideoGenerator(args.run)
+    clips = gen.sample(prompts, args.frames, args.height, args.width, args.steps, args.guidance, args.shift,
+                       args.negative, args.seed)
+    out = Path(args.output) if args.output else Path(args.run) / "generated"
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for i, clip in enumerate(clips):
+        path = out / f"{i:03d}.mp4"
+        write_mp4(path, clip, fps=FPS)
+        files.append(path.name)
+        if args.gif:
+            from PIL import Image
+
+            frames = [Image.fromarray(f) for f in clip]
+            frames[0].save(out / f"{i:03d}.gif", save_all=True, append_images=frames[1:], duration=1000 // FPS, loop=0)
+    record = {"run": str(args.run), "prompts": prompts, "files": files, "frames": args.frames, "height": args.height,
+              "width": args.width, "steps": args.steps, "guidance": args.guidance,
+              "shift": gen.shift if args.shift is None else args.shift, "negative": args.negative, "seed": args.seed,
+              "seconds": round(time.time() - t0, 2)}
+    (out / "generate.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"generate video: {len(clips)} clip(s) of {args.frames} frames at {args.width}x{args.height} "
+          f"({args.steps} steps, guidance {args.guidance:g}) in {record['seconds']:.1f}s -> {out}")
+    return 0
