@@ -5,6 +5,8 @@ turns per conversation, media sizes (bytes, and pixel sizes / frames / audio dur
 rates and channels read from the headers),
 the reject summary of ``convert_report.json``, and a few rendered samples.
 VLA shards (``convert --format lerobot``, ``.nv-meta`` sample_type omniweave_vla): ``inspect_vla``.
+Clip shards (``convert --format clips``, sample_type omniweave_clips): ``inspect_clips`` (clips,
+videos / images, frames / fps / sizes, caption lengths, rejects, example clips).
 Packed (``PATH/manifest.json``): handed to ``omniweave.data.packing.inspect``.
 """
 
@@ -38,7 +40,7 @@ def run(args) -> int:
             print(f"omniweave data inspect: {path} is a packed dataset, but packed inspection is not "
                   f"available in this install ({e})", file=sys.stderr)
             return 2
-        return int(inspect_packed(path, color=color) or 0)
+        return int(inspect_packed(path, color=color, show=args.show) or 0)
     try:
         from omniweave.data.sources.shards import META_DIR, VLA_SAMPLE_TYPE, RawDataset
 
@@ -54,6 +56,12 @@ def run(args) -> int:
                        f"({reasons}); each {unit} and its reason is in {path / 'rejects.jsonl'}")
         print(f"omniweave data inspect: {message}", file=sys.stderr)
         return 2
+    from omniweave.data.sources.clips_convert import CLIPS_SAMPLE_TYPE, KIND as CLIPS_KIND, raw_kind
+
+    if raw_kind(path) in (CLIPS_SAMPLE_TYPE, CLIPS_KIND):
+        from omniweave.data.sources.clips_convert import ClipRawDataset
+
+        return inspect_clips(ClipRawDataset(path), show=args.show, max_scan=args.max_scan, color=color)
     meta = path / META_DIR / "dataset.yaml"
     if meta.is_file() and f"sample_type: {VLA_SAMPLE_TYPE}" in meta.read_text(errors="replace"):
         return inspect_vla(ds, show=args.show, max_scan=args.max_scan, color=color)
@@ -228,4 +236,71 @@ def inspect_vla(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -
             print(f"    {key}: {cam['file']} @ {cam['timestamp']:.3f}s")
     print(f"inspect: {total:,} VLA samples, {len(ds.shards)} shard(s), {len(episodes):,} episode(s), "
           f"{len(tasks):,} task(s), {len(cameras)} camera(s)")
+    return 0
+
+
+def inspect_clips(ds, show: int = 3, max_scan: int = 20000, color: bool = False) -> int:
+    """Caption + video / image clips (``convert --format clips``): clips by media, frames, fps, sizes,
+    caption lengths, the convert report's rejects and a few example clips (``ds``: ClipRawDataset)."""
+    total, scanned = len(ds), min(len(ds), max_scan)
+    media, sizes, fps_unknown = Counter(), Counter(), 0
+    frames, fps, widths, heights, nbytes, cap_chars, cap_words = [], [], [], [], [], [], []
+    for i, clip in enumerate(ds):
+        if i >= scanned:
+            break
+        m = clip.meta
+        media[m.get("media", "?")] += 1
+        frames.append(m["frames"])
+        if m.get("fps"):
+            fps.append(m["fps"])
+        else:
+            fps_unknown += 1
+        widths.append(m["width"])
+        heights.append(m["height"])
+        sizes[f"{m['width']}x{m['height']}"] += 1
+        nbytes.append(len(clip.data))
+        caption = m.get("caption") or ""
+        cap_chars.append(len(caption))
+        cap_words.append(len(caption.split()))
+    bold = lambda t: _c(t, "1", color)  # noqa: E731
+    print(bold(f"raw clips dataset {ds.root}"))
+    print(f"  {total:,} clips in {len(ds.shards)} shard(s), {sum(s.bytes for s in ds.shards) / 1e6:,.1f} MB"
+          + (f"; statistics over the first {scanned:,}" if scanned < total else ""))
+    print(f"  videos {media['video']:,}, images {media['image']:,}"
+          + "".join(f", {k} {n:,}" for k, n in sorted(media.items()) if k not in ("video", "image")))
+    print(bold("  media"))
+    print(f"    frames {_stats(frames)}, total {sum(frames):,}")
+    print(f"    fps    {_stats(fps, lambda v: f'{v:,.2f}')}" + (f"; unknown {fps_unknown:,}" if fps_unknown else ""))
+    print(f"    width  {_stats(widths)}\n    height {_stats(heights)}")
+    print(f"    bytes  {_stats(nbytes)}")
+    by_frames = Counter(frames)
+    if len(by_frames) <= 16:
+        print(bold("  frames per clip"))
+        print("\n".join(_bar_histogram(by_frames, color)))
+    if sizes:
+        print(bold("  sizes (width x height)"))
+        print("\n".join(_bar_histogram(Counter(dict(sizes.most_common(10))), color)))
+        if len(sizes) > 10:
+            print(f"    ... and {len(sizes) - 10} more")
+    print(bold("  captions") + f"  characters {_stats(cap_chars)}; words {_stats(cap_words)}")
+    rep_file = ds.root / "convert_report.json"
+    rep = json.loads(rep_file.read_text()) if rep_file.is_file() else {}
+    if rep:
+        print(bold("  convert report"))
+        print(f"    input {rep['input']:,} rows: written {rep['written']:,}, rejected {rep['rejected']:,}"
+              f" in {rep.get('seconds', 0):.1f}s")
+        for reason, n in rep.get("rejected_by_reason", {}).items():
+            print(_c(f"      {reason:<22} {n:,}", "31", color))
+        if rep["rejected"]:
+            print(f"    details: {ds.root / 'rejects.jsonl'}")
+    for i in np.linspace(0, total - 1, min(show, total)).round().astype(int).tolist() if show > 0 and total else []:
+        clip = ds[i]
+        m = clip.meta
+        rate = f" @ {m['fps']:g} fps" if m.get("fps") else ""
+        print(bold(f"  clip {i} key={clip.key} id={m.get('id')}") + f"  source={m.get('source')}")
+        print(f"    caption: {m.get('caption')}")
+        print(f"    {m.get('media')} {m.get('file')}: {len(clip.data):,} bytes, {m['frames']} frame(s){rate}, "
+              f"{m['width']}x{m['height']}")
+    print(f"inspect: {total:,} clips, {len(ds.shards)} shard(s), {media['video']:,} video(s), "
+          f"{media['image']:,} image(s), {sum(frames):,} frames")
     return 0

@@ -1,11 +1,14 @@
 """Human summary of a packed dataset: efficiency, fill histogram, and one pack rendered as text
 with ``<image×N>`` / ``<video×N>`` / ``<audio×N>`` markers (one per run of pads: an audio clip
 shows one marker per encoder item) and the loss-carrying tokens highlighted
-(green with ANSI colour, ``[[…]]`` without). ``omniweave data inspect PACKED`` dispatches here."""
+(green with ANSI colour, ``[[…]]`` without). ``omniweave data inspect PACKED`` dispatches here.
+A diffusion dataset (manifest ``kind: "diffusion"``: documents are clips whose tokens are placeholders)
+is summarised by ``inspect_diffusion`` instead: clips, latent grids, fill, latent / text widths, drops."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +58,8 @@ def render_pack(pack: dict, tokenizer, color: bool, max_chars: int | None = 4000
     return text
 
 
-def inspect_packed(root, color: bool, pack_id: int = 0) -> int:
+def inspect_packed(root, color: bool, pack_id: int = 0, show: int | None = None) -> int:
+    """``show``: packs rendered by ``inspect_diffusion`` (evenly spaced; None: one); other kinds render ``pack_id``."""
     from omniweave.data.text.tokenizer import load_tokenizer
 
     root = Path(root)
@@ -63,6 +67,8 @@ def inspect_packed(root, color: bool, pack_id: int = 0) -> int:
     m = ds.manifest
     stats_file = root / "stats.json"
     s = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
+    if m.get("kind") == "diffusion":
+        return inspect_diffusion(root, ds, s, color, show=1 if show is None else show)
     print(f"packed dataset {root}: {len(ds)} packs of {m['capacity']} tokens ({m['algorithm']}), "
           f"{len(m['packed_shards'])} shard(s), built from {len(m['source'])} raw shard(s)")
     if s:
@@ -90,4 +96,80 @@ def inspect_packed(root, color: bool, pack_id: int = 0) -> int:
               f"{len(pack['media'])} media, {pack['num_loss_tokens']} loss tokens "
               f"({'green' if color else '[[…]]'} = predicted by the loss)")
         print(render_pack(pack, tok, color))
+    return 0
+
+
+def _dist(values, fmt=lambda v: f"{v:,.0f}") -> str:
+    if not len(values):
+        return "-"
+    a = np.asarray(values, dtype=np.float64)
+    return f"min {fmt(a.min())}  median {fmt(float(np.median(a)))}  max {fmt(a.max())}"
+
+
+def _counts(counter: Counter) -> str:
+    return ", ".join(f"{k}: {n:,}" for k, n in sorted(counter.items())) or "-"
+
+
+def inspect_diffusion(root: Path, ds: PackedDataset, s: dict, color: bool, show: int = 1) -> int:
+    """A packed diffusion dataset: its clips (latent grid, tokens, frames, size, text length) per shown
+    pack, and overall packs, clips, fill, latent dtype / channels, text width and drops by reason."""
+    bold = (lambda t: f"\x1b[1m{t}{RESET}") if color else (lambda t: t)
+    m = ds.manifest
+    capacity = m["capacity"]
+    fills, latent, text_width, text_len, sizes, frames, tokens = [], Counter(), Counter(), [], Counter(), Counter(), []
+    clips, per_pack = 0, []
+    for sh in m["packed_shards"]:
+        for rec in json.loads((root / f"{sh['name']}.json").read_text())["packs"]:
+            fills.append(rec["length"])
+            per_pack.append(len(rec["docs"]))
+            for doc in rec["docs"]:
+                clips += 1
+                tokens.append(doc["length"])
+                arrays, clip = doc.get("arrays", {}), doc.get("clip", {})
+                if "latents" in arrays:
+                    a = arrays["latents"]
+                    latent[f"{np.dtype(a['dtype']).name} x {a['shape'][-1]}"] += 1
+                if "text" in arrays:
+                    text_width[arrays["text"]["shape"][-1]] += 1
+                    text_len.append(arrays["text"]["shape"][0])
+                if clip:
+                    sizes[f"{clip['height']}x{clip['width']}"] += 1
+                    frames[clip["frames"]] += 1
+    diff = (m.get("data_cfg") or {}).get("diffusion") or {}
+    codecs = diff.get("codecs") or {}
+    print(bold(f"packed diffusion dataset {root}") + f": {len(ds)} packs of {capacity} latent tokens ({m['algorithm']}), "
+          f"{len(m['packed_shards'])} shard(s), built from {len(m['source'])} raw shard(s)")
+    if diff:
+        print(f"  recipe: frames {diff.get('frames')}, max_pixels {diff.get('max_pixels')}, fps {diff.get('fps')}, "
+              f"text_len {diff.get('text_len')}; vae {codecs.get('vae', {}).get('name')}, text encoder "
+              f"{codecs.get('text_encoder', {}).get('name')}, patch {codecs.get('patch_size')}")
+    print(f"  {clips:,} clips in {len(fills):,} packs; clips per pack {_dist(per_pack)}")
+    total = sum(fills)
+    print(f"  tokens per pack {_dist(fills)} of {capacity} capacity; fill {total:,}/{len(fills) * capacity:,} "
+          f"({total / max(1, len(fills) * capacity):.2%})")
+    print(f"  tokens per clip {_dist(tokens)}; frames {_counts(frames)}; height x width {_counts(sizes)}")
+    print(f"  latents (dtype x channels C·p) {_counts(latent)}; text states width {_counts(text_width)}, "
+          f"length {_dist(text_len)}")
+    if s:
+        dropped = s.get("dropped") or {}
+        print(f"  clips packed {s.get('samples_packed', clips):,}/{s.get('samples', clips):,}, "
+              f"dropped {s.get('dropped_total', sum(dropped.values())):,}")
+        for reason, n in sorted(dropped.items()):
+            print(f"    {reason:<28} {n:,}")
+    print("  pack fill (% of capacity):")
+    for row in text_histogram(np.asarray(fills) / capacity * 100, 0, 100, unit="%"):
+        print("   " + row)
+    picks = np.linspace(0, len(ds) - 1, min(show, len(ds))).round().astype(int).tolist() if show > 0 and len(ds) else []
+    for i in picks:
+        pack = ds[i]
+        cu = pack["cu_seqlens"]
+        print(bold(f"\npack {i}") + f": {int(cu[-1])}/{capacity} tokens, {len(pack['docs'])} clips")
+        for d, (doc, arrays) in enumerate(zip(pack["docs"], pack["doc_arrays"])):
+            grid = "x".join(str(int(g)) for g in arrays["grid"]) if "grid" in arrays else "?"
+            clip = doc.get("clip") or {}
+            size = f"{clip['height']}x{clip['width']}" if clip else "?"
+            text = len(arrays["text"]) if "text" in arrays else "?"
+            print(f"  clip {d}: {doc['id']}  grid {grid}  {int(cu[d + 1]) - int(cu[d])} tokens  "
+                  f"{clip.get('frames', '?')} frames  {size}  text {text}")
+    print(f"inspect: {len(ds)} packs, {clips:,} clips, {total:,}/{len(fills) * capacity:,} tokens")
     return 0
