@@ -14,6 +14,7 @@ import json
 import shutil
 
 import numpy as np
+import torch
 import pytest
 
 from omniweave.cli import main as cli
@@ -134,3 +135,31 @@ def test_generate_video_samples_each_prompt_on_its_own_and_writes_clips(clips, t
     record = json.loads((out / "generate.json").read_text())
     assert record["files"] == ["000.mp4"] and (out / "000.gif").is_file() and record["shift"] == 3.0
     assert cli(["generate", "video", str(tmp_path / "run"), "--prompt", "x", "--frames", "6", "--output", str(out)]) == 2
+
+
+def test_a_run_starts_from_a_diffusers_transformer_and_exports_one(clips, tmp_path):
+    """train.save_hf writes the generator as a diffusers WanTransformer3DModel folder that diffusers
+    loads with our weights; train.init_from that folder starts a run from exactly those weights (a
+    dp 2 run too: each rank keeps its shards); a folder of other sizes is refused naming the field."""
+    from diffusers import WanTransformer3DModel
+
+    from omniweave.models.hf.wan import load_wan_dit
+    from tests.train_factory import final_state
+
+    _run(clips, tmp_path / "a", steps=2, train__save_hf=True)
+    hf = tmp_path / "a" / "hf"
+    assert (hf / "config.json").is_file() and WanTransformer3DModel.from_pretrained(str(hf)) is not None
+    exported = load_wan_dit(hf).state_dict()
+    trained = final_state(tmp_path / "a")
+    assert all(torch.equal(exported[k], trained[f"generator.{k}"]) for k in exported)
+    # a run from it: its step-0 weights are the export's (save at step 1 with lr 0)
+    _run(clips, tmp_path / "b", steps=1, train__init_from=str(hf), train__lr=0.0, train__save_interval=1)
+    started = final_state(tmp_path / "b")
+    assert all(torch.equal(exported[k], started[f"generator.{k}"]) for k in exported)
+    res = train_subprocess(clips["packed"], tmp_path / "c", nproc=2, steps=1, global_batch=2, recipe="tiny_diffusion",
+                           data__max_len=256, train__init_from=str(hf), train__lr=0.0, train__save_interval=1)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert all(torch.equal(exported[k], v) for k, v in
+               ((k[len("generator."):], v) for k, v in final_state(tmp_path / "c").items()))
+    assert cli(["train", "tiny_diffusion", f"data.path={clips['packed']}", f"output_dir={tmp_path / 'd'}",
+                "data.max_len=256", f"train.init_from={hf}", "model.generator.num_layers=3"]) == 2

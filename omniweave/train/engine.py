@@ -482,7 +482,12 @@ class Engine:
         from omniweave.models.lora import merge_adapters
 
         plain = full_model_on_rank0(self.model, self.cfg, self.pipeline.group if self.pipeline is not None else None)
-        if plain is not None:
+        if plain is not None and hasattr(plain, "generator"):  # video diffusion: a diffusers transformer folder
+            from omniweave.models.hf.wan import save_wan_dit
+
+            save_wan_dit(plain.generator, out)
+            print(f"exported the final generator to {out} (diffusers WanTransformer3DModel)", flush=True)
+        elif plain is not None:
             merge_adapters(plain)  # LoRA: the merged model (hf export --adapter writes a PEFT adapter)
             export_hf(plain, to_dict(self.cfg.model), out, data_cfg=to_dict(self.cfg.data))
             print(f"exported the final model to {out}", flush=True)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from omniweave.config import section
+from omniweave.errors import UserError
 from omniweave.train import checkpoint
 
 META_INIT_PARAMS = 2_000_000_000  # above this, initialise on the meta device and shard before materialising
@@ -120,7 +121,17 @@ def init_weights_from(model: nn.Module, path: str, model_cfg=None) -> None:
     """``train.init_from``: a HF model directory (each rank reads only its own slices of the
     safetensors) or an omniweave training checkpoint (a run, checkpoints/ or step dir: its model
     weights through DCP, resharded to this layout; its optimizer and schedule are not taken).
-    LoRA adapters the source lacks (a HF base, a run without them) keep their fresh initialisation."""
+    LoRA adapters the source lacks (a HF base, a run without them) keep their fresh initialisation.
+    A video-diffusion model's generator initialises from a diffusers Wan transformer folder (or a
+    pipeline root: its ``transformer/``)."""
+    from omniweave.models.hf.wan import is_diffusers_dit_dir, load_wan_dit_into
+
+    if hasattr(model, "generator") and is_diffusers_dit_dir(path) is not None:
+        try:
+            load_wan_dit_into(model.generator, path)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        return
     if (Path(path) / "config.json").is_file():
         from omniweave.models.hf.loading import load_hf_into
 

@@ -111,6 +111,8 @@ def hf_tensors(model: nn.Module, dtype: torch.dtype | None = None, state: dict[s
 def check_exportable(model: nn.Module) -> None:
     """ValueError now, naming why, for a model ``export_hf`` would refuse only at the end of a run
     (``train.save_hf``): a VLA model whose sizes are not one of lerobot's Pi0.5 layouts."""
+    if hasattr(model, "generator"):  # video diffusion: a diffusers folder (models/hf/wan.py), T2V only
+        return
     if hf_model_type(model) == "pi05":
         from omniweave.models.hf.pi05 import config_to_lerobot
 
