@@ -350,14 +350,7 @@ def _publish(args, out: Path, work: Path, files: list[str], n_rows: int, records
 
     _clear_previous(out)  # a LeRobot conversion's videos/ and stats
     _clear_output(out, keep_work=True)  # shards, .nv-meta, rejects, report
-    shard_records = []
-    for rec in records:
-        name = sh.shard_name(len(shard_records))
-        src, dst = work / rec["name"], out / name
-        os.replace(src.with_name(src.name + ".idx"), dst.with_name(name + ".idx"))
-        os.replace(src, dst)
-        shard_records.append({**rec, "name": name})
-    sh.write_metadata(out, shard_records, sample_type=CLIPS_SAMPLE_TYPE)
+    shard_records = sh.publish_shards(work, out, records, CLIPS_SAMPLE_TYPE)
     os.replace(work / "rejects.jsonl", out / "rejects.jsonl")
     os.replace(work / "convert_report.json", out / "convert_report.json")  # last: the report says it is complete
     shutil.rmtree(work, ignore_errors=True)

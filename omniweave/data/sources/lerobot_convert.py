@@ -162,14 +162,7 @@ def _publish(args, ds, out: Path, work: Path, records: list, written: int, video
     for rel in sorted(videos):
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         os.replace(work / rel, out / rel)
-    shard_records = []
-    for rec in records:
-        name = sh.shard_name(len(shard_records))
-        src, dst = work / rec["name"], out / name
-        os.replace(src.with_name(src.name + ".idx"), dst.with_name(name + ".idx"))
-        os.replace(src, dst)
-        shard_records.append({**rec, "name": name})
-    sh.write_metadata(out, shard_records, sample_type=sh.VLA_SAMPLE_TYPE)
+    shard_records = sh.publish_shards(work, out, records, sh.VLA_SAMPLE_TYPE)
     os.replace(work / "lerobot_stats.json", out / "lerobot_stats.json")
     with open(out / "rejects.jsonl", "w") as f:
         for episode, frame, reason in ds.drops:

@@ -153,6 +153,20 @@ def finalize_shard(writer: ShardWriter, final_path: str | Path) -> dict:
     }
 
 
+def publish_shards(work: Path, out: Path, records: list[dict], sample_type: str) -> list[dict]:
+    """Move a converter's finished shards from ``work`` into ``out`` under their final names (each
+    ``.idx`` before its tar) and write ``.nv-meta``; returns the records with the final names."""
+    published = []
+    for rec in records:
+        name = shard_name(len(published))
+        src, dst = Path(work) / rec["name"], Path(out) / name
+        os.replace(src.with_name(src.name + ".idx"), dst.with_name(name + ".idx"))
+        os.replace(src, dst)
+        published.append({**rec, "name": name})
+    write_metadata(out, published, sample_type=sample_type)
+    return published
+
+
 def write_metadata(root: str | Path, shards: list[dict], sample_type: str = SAMPLE_TYPE) -> None:
     """Energon metadata for ``shards`` (records from ``finalize_shard``, in dataset order)."""
     meta = Path(root) / META_DIR
