@@ -99,15 +99,17 @@ def test_rl_demo_runs_sft_then_grpo_and_writes_its_report(tmp_path):
 
 @pytest.mark.slow
 def test_vla_demo_runs_both_stages_and_writes_its_report(tmp_path):
-    """omniweave demo --vla at toy sizes: the VLM stage (demo recipe, HF export), the VLA stage
-    initialised from it, and the closed-loop report with its four measures in [0, 1]."""
+    """omniweave demo --vla at toy sizes: the vision pretraining stage (demo recipe's backbone, HF
+    export), the VLA stage initialised from it, and the closed-loop report with its four measures
+    and the pretraining's held-out slot accuracy in [0, 1]."""
     out = tmp_path / "vla"
-    code = main(["demo", "--vla", "--out", str(out), "--samples", "60", "--steps", "2", "--vla-vlm-steps", "2",
+    code = main(["demo", "--vla", "--out", str(out), "--steps", "2", "--vla-vision-steps", "2",
                  "--vla-episodes", "10", "--vla-eval-episodes", "3", "--workers", "1", "train.save_interval=0"])
     assert code == 0
     report = json.loads((out / "vla_report.json").read_text())
-    assert report["steps"] == 2 and report["vlm_steps"] == 2 and report["eval_episodes"] == 3
-    for key in ("success_rate", "control_success_rate", "wrong_instruction_success_rate", "random_success_rate"):
+    assert report["steps"] == 2 and report["vision_steps"] == 2 and report["eval_episodes"] == 3
+    for key in ("success_rate", "control_success_rate", "wrong_instruction_success_rate", "random_success_rate",
+                "vision_slot_accuracy"):
         assert 0.0 <= report[key] <= 1.0
-    assert (out / "vlm" / "run" / "hf" / "config.json").exists()
+    assert (out / "vision" / "hf" / "config.json").exists()
     assert len((out / "run" / "metrics.jsonl").read_text().splitlines()) == 2

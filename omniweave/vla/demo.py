@@ -1,14 +1,14 @@
 """``omniweave demo --vla [--out DIR]``: a tiny VLA learns to reach the target its instruction names.
 
-    the SFT demo's vision-language model (recipe demo: synthetic image / video QA, exported with
-    train.save_hf -> DIR/vlm/run/hf), as Pi0.5 starts from a pretrained VLM
+    the backbone's image encoder and projector pretrained on the simulator's scenes (where each
+    disc is: vla/pretrain.py) -> DIR/vision/hf, as Pi0.5 starts from a pretrained vision tower
     expert episodes in ReachSim (vla/sim.py) -> DIR/dataset (LeRobot v3.0: camera video, state,
     action, task) -> data convert --format lerobot -> data pack (demo_vla) -> train (DIR/run,
-    train.init_from = the VLM: the backbone from it, the action expert fresh)
+    train.init_from = that backbone: tower, projector and foundation from it, the action expert fresh)
     -> closed-loop episodes in the same simulator -> DIR/vla_report.json
 
-``--vla-vlm-steps 0`` trains the VLA from scratch instead: the tiny backbone then does not learn
-to read the image from the flow loss alone in this budget (docs/vla.md, "The demo").
+``--vla-vision-steps 0`` trains the VLA from scratch instead: the tiny tower then does not learn
+to see the discs through the flow loss alone in this budget (docs/vla.md, "The demo").
 
 The report's measures, each over the same held-out episodes (seeds never in the dataset):
 
@@ -30,6 +30,7 @@ from pathlib import Path
 from omniweave.demo import _cli, _recipe_threads, platform_info
 
 RECIPE = "demo_vla"
+VISION_RECIPE = "demo"  # the VLM recipe of demo_vla's backbone (same components): pretrained, then its init
 LAYOUT, IMAGE_SIZE = "ring", 56  # the simulator's layout and camera size (vla/sim.py), for data and evaluation alike
 
 
@@ -38,8 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vla-episodes", type=int, default=1500, help="--vla: expert episodes to record (default 1500)")
     p.add_argument("--vla-eval-episodes", type=int, default=100,
                    help="--vla: closed-loop episodes per measure (default 100)")
-    p.add_argument("--vla-vlm-steps", type=int, default=600,
-                   help="--vla: SFT steps of the vision-language model the VLA starts from (default 600; 0: from scratch)")
+    p.add_argument("--vla-vision-steps", type=int, default=300,
+                   help="--vla: vision pretraining steps of the backbone the VLA starts from (vla/pretrain.py; "
+                        "default 300; 0: from scratch)")
 
 
 def random_policy(seed: int, horizon: int):
@@ -63,23 +65,6 @@ def closed_loop(policy, episodes: int, action_steps: int, horizon: int, seed: in
     return out
 
 
-def pretrain_vlm(out: Path, steps: int, seed: int, workers: str, samples: int = 4000) -> Path:
-    """The SFT demo's model (recipe demo) trained ``steps`` steps on its synthetic QA and exported
-    as a HF directory: the VLA's backbone (the same components as demo_vla's)."""
-    from omniweave.config import recipe_path
-    from omniweave.data.demo import generate
-
-    print(f"pretraining the vision-language backbone: {steps} SFT steps of the demo recipe in {out}", flush=True)
-    generate(out / "data", samples=samples, eval_samples=0, seed=seed)
-    _cli("data", "convert", "--input", str(out / "data" / "train.jsonl"), "--media-dir", str(out / "data" / "media"),
-         "--output", str(out / "raw"), "--workers", workers, "--strict", "--no-progress")
-    _cli("data", "pack", "--input", str(out / "raw"), "--output", str(out / "packed"), "--recipe",
-         str(recipe_path("demo")), "--workers", workers)
-    _cli("train", str(recipe_path("demo")), f"data.path={out / 'packed'}", f"output_dir={out / 'run'}",
-         f"train.steps={steps}", "train.save_hf=true", "train.save_interval=0")
-    return out / "run" / "hf"
-
-
 def run(args: argparse.Namespace) -> int:
     from omniweave.config import load_recipe, recipe_path
     from omniweave.vla.demo_data import write_reach_dataset
@@ -101,10 +86,16 @@ def run(args: argparse.Namespace) -> int:
     run_dir = out / "run"
     steps = [f"train.steps={args.steps}"] if args.steps else []
     t_train = time.perf_counter()
-    init = []
-    if args.vla_vlm_steps > 0:
-        vlm = pretrain_vlm(out / "vlm", args.vla_vlm_steps, args.seed, w, args.samples or 4000)
-        init = [f"train.init_from={vlm}"]
+    init, vision_accuracy = [], None
+    if args.vla_vision_steps > 0:
+        from omniweave.vla.pretrain import pretrain_vision
+
+        print(f"pretraining the backbone's vision: {args.vla_vision_steps} steps on scene slots in {out / 'vision'}",
+              flush=True)
+        backbone, vision_accuracy = pretrain_vision(out / "vision", VISION_RECIPE, args.vla_vision_steps, args.seed,
+                                                    image_size=IMAGE_SIZE)
+        print(f"vision pretraining: both discs' slots right on {vision_accuracy:.1%} of held-out scenes", flush=True)
+        init = [f"train.init_from={backbone}"]
     _cli("train", str(recipe), f"data.path={out / 'packed'}", f"output_dir={run_dir}", *init, *steps, *args.overrides)
     train_seconds = time.perf_counter() - t_train
     _recipe_threads(cfg)
@@ -114,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
           f"{horizon} actions executed before the next query", flush=True)
     measures = closed_loop(policy, args.vla_eval_episodes, action_steps, horizon, args.seed)
     report = {"recipe": RECIPE, "episodes": args.vla_episodes, "eval_episodes": args.vla_eval_episodes,
-              "vlm_steps": args.vla_vlm_steps,
+              "vision_steps": args.vla_vision_steps, "vision_slot_accuracy": vision_accuracy,
               "steps": args.steps or int(cfg.train.steps), "train_seconds": round(train_seconds, 1),
               **{name: m["success_rate"] for name, m in measures.items()},
               "mean_steps": measures["success_rate"]["mean_steps"],
