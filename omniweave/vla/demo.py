@@ -4,7 +4,8 @@
     disc is: vla/pretrain.py) -> DIR/vision/hf, as Pi0.5 starts from a pretrained vision tower
     expert episodes in ReachSim (vla/sim.py) -> DIR/dataset (LeRobot v3.0: camera video, state,
     action, task) -> data convert --format lerobot -> data pack (demo_vla) -> train (DIR/run,
-    train.init_from = that backbone: tower, projector and foundation from it, the action expert fresh)
+    train.init_from = that backbone: tower, projector and foundation from it, the tower and
+    projector frozen, the action expert fresh)
     -> closed-loop episodes in the same simulator -> DIR/vla_report.json
 
 ``--vla-vision-steps 0`` trains the VLA from scratch instead: the tiny tower then does not learn
@@ -95,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
         backbone, vision_accuracy = pretrain_vision(out / "vision", VISION_RECIPE, args.vla_vision_steps, args.seed,
                                                     image_size=IMAGE_SIZE)
         print(f"vision pretraining: both discs' slots right on {vision_accuracy:.1%} of held-out scenes", flush=True)
-        init = [f"train.init_from={backbone}"]
+        # the tower and projector stay as pretrained: trained further through the flow loss, their
+        # features drift and the expert never binds the instruction's colour to them (docs/vla.md)
+        init = [f"train.init_from={backbone}", "model.image_encoder.freeze=true", "model.projector.freeze=true"]
     _cli("train", str(recipe), f"data.path={out / 'packed'}", f"output_dir={run_dir}", *init, *steps, *args.overrides)
     train_seconds = time.perf_counter() - t_train
     _recipe_threads(cfg)
