@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from omniweave.diffusion import schedule
+from omniweave.models.components.wan_dit import clip_index
 from omniweave.train.objective import Objective, Target, draw_seed
 
 ROW_KEYS = ("latents", "grid", "text", "text_cu_seqlens", "clip_samples", "empty_text")
@@ -95,7 +96,7 @@ class DiffusionObjective(Objective):
             dropped += drop
         sigma = torch.tensor(sigmas, dtype=torch.float32, device=x0.device)
         noise = torch.cat(noises).to(x0.device, torch.float32) if noises else torch.zeros_like(x0, dtype=torch.float32)
-        per_token = torch.repeat_interleave(sigma, torch.tensor(sizes, device=x0.device))[:, None]
+        per_token = sigma[clip_index(grid).to(x0.device)][:, None]
         noisy, target = schedule.noisy_latents(x0.float(), noise, per_token)
         text_cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=x0.device)
         return {"noisy": noisy.to(x0.dtype), "target": target, "timesteps": sigma * 1000, "grid": grid,

@@ -19,12 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from omniweave.models.components.flow import FlowLoss
-
-
-def clip_index(grid: Tensor) -> Tensor:
-    """int64 [T]: the clip each token of a packed row belongs to (tokens per clip = f·h·w)."""
-    sizes = grid.to(torch.long).prod(dim=1)
-    return torch.repeat_interleave(torch.arange(len(sizes), device=grid.device), sizes)
+from omniweave.models.components.wan_dit import clip_index
 
 
 class DiffusionModel(nn.Module):

@@ -193,6 +193,12 @@ class RowLayout:
         return rows if self.clip_index is None else rows.index_select(0, self.clip_index)
 
 
+def clip_index(grid: Tensor) -> Tensor:
+    """int64 [T]: the clip each token of a packed row belongs to (tokens per clip = f·h·w)."""
+    grid = torch.as_tensor(grid).to(torch.long)
+    return torch.repeat_interleave(torch.arange(grid.shape[0], device=grid.device), grid.prod(dim=1))
+
+
 def row_layout(grid: Tensor, text_cu_seqlens: Tensor, cfg: WanDiTConfig, device) -> RowLayout:
     grid = torch.as_tensor(grid).to(device=device, dtype=torch.long)
     if grid.dim() != 2 or grid.shape[1] != 3 or grid.shape[0] < 1 or bool((grid < 1).any()):
@@ -202,7 +208,7 @@ def row_layout(grid: Tensor, text_cu_seqlens: Tensor, cfg: WanDiTConfig, device)
     m = grid.shape[0]
     lens = grid.prod(-1)
     cu = F.pad(lens.cumsum(0), (1, 0))
-    clip = torch.repeat_interleave(torch.arange(m, device=device), lens)
+    clip = clip_index(grid)
     local = torch.arange(clip.numel(), device=device) - cu[clip]  # token index within its clip
     hw = (grid[:, 1] * grid[:, 2])[clip]
     w = grid[clip, 2]
