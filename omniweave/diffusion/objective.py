@@ -55,7 +55,8 @@ class DiffusionObjective(Objective):
         tokens, text tokens)``: the generator's FLOPs that scale with the text (``metrics.cross_attention_flops``)."""
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
-        schedule.loss_weights(torch.ones(1) * 0.5, loss_weighting)  # validates the names up front
+        if loss_weighting not in schedule.LOSS_WEIGHTING:
+            raise ValueError(f"loss weighting {loss_weighting!r}: choose from {', '.join(schedule.LOSS_WEIGHTING)}")
         if timestep_sampling not in schedule.TIMESTEP_SAMPLING:
             raise ValueError(f"timestep_sampling {timestep_sampling!r}: choose from "
                              f"{', '.join(schedule.TIMESTEP_SAMPLING)}")
