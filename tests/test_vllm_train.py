@@ -64,7 +64,9 @@ def test_lora_run_syncs_merged_weights(prompts, tmp_path):
 
 def test_off_policy_vllm_sampling_in_a_thread_is_the_sequential_run(prompts, tmp_path):
     """One step off-policy: vLLM samples batch k+1 in the background thread while step k updates;
-    the run equals the sequential one, bit for bit, and staleness is recorded."""
+    the run equals the sequential one: the same tokens and rewards exactly, losses, gradient norms
+    and KL within 1e-6 (vLLM's CPU kernels beside the update may change the log-probs' last bits:
+    once in CI a loss 1.6e-8 away), and staleness is recorded."""
     runs = {}
     for overlap in (True, False):
         run = tmp_path / f"overlap_{overlap}"
@@ -72,8 +74,10 @@ def test_off_policy_vllm_sampling_in_a_thread_is_the_sequential_run(prompts, tmp
         assert main(["rl", "demo_grpo_vllm", *overrides]) == 0
         runs[overlap] = _metrics(run)
     assert [r["rollout/staleness"] for r in runs[True]] == [0, 1, 1]
-    for key in ("reward_mean", "loss", "grad_norm", "rollout/kl", "rollout/is_mean"):
+    for key in ("reward_mean", "response_len_mean"):
         assert [r[key] for r in runs[True]] == [r[key] for r in runs[False]], key
+    for key in ("loss", "grad_norm", "rollout/kl", "rollout/is_mean"):
+        assert [r[key] for r in runs[True]] == pytest.approx([r[key] for r in runs[False]], abs=1e-6, rel=0), key
     assert abs(runs[True][0]["rollout/kl"]) <= ENGINE_KL  # staleness 0: only the kernels differ
 
 
@@ -81,9 +85,13 @@ def test_tensor_parallel_engine_at_dp2_tp2_is_the_single_process_run(prompts, tm
     """model.foundation.tp=2 at dp 2 (4 ranks): one vLLM engine per tp group (vLLM's torchrun
     mode over our world), each rank syncing full weights that vLLM shards; the same samples and
     rewards as one process, the engine on the trainer's policy, and vLLM's CPU shared-memory
-    names removed (a leftover made the next run of the layout fail with errno 17)."""
+    names removed (a leftover made the next run of the layout fail with errno 17), also those a
+    run that died while its engine started left behind (made here)."""
     from pathlib import Path
 
+    for group in ("[0-1]", "[2-3]"):
+        for index in (0, 1):
+            (Path("/dev/shm") / f"-tp:0-{group}-cpushm_{index}").write_bytes(b"stale")
     runs = {}
     for name, extra in (("single", []), ("dp2tp2", ["model.foundation.tp=2", "--nproc", "4"])):
         run = tmp_path / name

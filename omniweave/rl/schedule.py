@@ -11,7 +11,8 @@ vision split, vLLM at tensor-parallel 1: rl/trainer.samples_in_thread) the sampl
 thread while the main thread updates, so a step costs max(rollout, update) rather than their sum;
 ``rollout_wait_s`` is what the update then waited for it. The thread's results do not depend on
 its timing (each sample has its own seeded generator, the rollout copy is written only between
-steps), so overlapped and sequential runs are identical. The samples' behaviour policy is one step
+steps), so overlapped and sequential runs are identical (with vLLM: the same tokens, its log-probs
+to the last bits, which its CPU kernels beside the update can change). The samples' behaviour policy is one step
 old: ``rl.rollout.correction: auto`` recomputes π_old with the trainer and weighs the tokens by
 min(π_old / μ, C) (token_tis) on either engine.
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +139,24 @@ def unlink_cpu_shm_names() -> None:
             (Path("/dev/shm") / f"{name.lstrip('/')}_{group.rank_in_group}").unlink(missing_ok=True)
 
 
+SHM_NAME = re.compile(r"-\[(\d+(?:-\d+)*)\]-cpushm_(\d+)$")  # <ident>-<group>-[<ranks>]-cpushm_<rank in group>
+
+
+def unlink_stale_cpu_shm_names() -> None:
+    """Before the engine starts: remove the segment names this rank would create that a run which
+    died during its engine's start left behind (before :func:`unlink_cpu_shm_names` ran); vLLM
+    names them by group and ranks only, so each later run of the layout failed with errno 17. A
+    name is this rank's when its group's rank list holds this rank at the segment's index."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for path in Path("/dev/shm").iterdir():
+        match = SHM_NAME.search(path.name)
+        if match and [int(r) for r in match[1].split("-")][int(match[2]):int(match[2]) + 1] == [rank]:
+            path.unlink(missing_ok=True)
+    dist.barrier()  # no rank creates its segments before every rank has removed its stale ones
+
+
 NOISE = ("`torch.set_num_threads` after the thread binding",  # per request: vLLM's CPU worker no-ops the call
          "RotaryEmbedding: Failed to load weights")  # per sync: rotary caches are computed, not loaded (restored)
 
@@ -157,6 +176,11 @@ def quiet_vllm_logs() -> None:
             drop.filter = lambda record: not any(n in record.getMessage() for n in NOISE)
             drop.omniweave = True
             handler.addFilter(drop)
+
+
+def physical_memory() -> int:
+    """The machine's RAM in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def engine_dtype(precision: str) -> str:
@@ -193,6 +217,10 @@ class VLLMRollout:
             # prefill it rewinds the request's seeded generator (set_offset), which a CPU generator
             # refuses ("CPU Generator does not use offset"); so whole prompts only, each step
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
+            # the KV cache's size given in bytes, the documented share of RAM: left to vLLM 0.32, the
+            # CPU worker takes share x RAM minus the process's resident size, which at 4 ranks (each
+            # holding a trainer, its copy and the engine) came to <= 0 and refused to start
+            kwargs["kv_cache_memory_bytes"] = int(float(options["gpu_memory_utilization"]) * physical_memory())
         if self.vision:
             # mm_device_do_normalize off: pixels (when a caller gives images) are normalised by transformers'
             # processor, as in training; with it on, vLLM 0.32 on the CPU gave prompt log-probs 0.1 away
@@ -208,6 +236,8 @@ class VLLMRollout:
             kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
             if dist.get_world_size() > tp:
                 kwargs["data_parallel_size"] = dist.get_world_size() // tp
+        if tp > 1 and not torch.cuda.is_available():
+            unlink_stale_cpu_shm_names()
         self.llm = LLM(**kwargs)
         if tp > 1 and not torch.cuda.is_available():
             unlink_cpu_shm_names()
