@@ -112,7 +112,7 @@ class DiffusionObjective(Objective):
     def loss(self, model, _, target: Target) -> tuple[Tensor, dict[str, Tensor]]:
         flow = model.flow_loss(target.row)
         return flow.sum, {"flow_sse": flow.sum.detach(), "latent_values": flow.count.to(torch.float32),
-                          "captions_dropped": target.row["captions_dropped"]}
+                          "captions_dropped": target.row["captions_dropped"] * model.row_share()}
 
     def metrics(self, out: dict) -> dict:
         values = float(out.get("latent_values", 0.0))

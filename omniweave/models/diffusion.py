@@ -42,9 +42,19 @@ class DiffusionModel(nn.Module):
         return self.generator(noisy, grid, timesteps, text, text_cu_seqlens)
 
     def flow_loss(self, row: dict) -> FlowLoss:
-        """The row's weighted squared velocity error (module docstring), summed in float32."""
+        """The row's weighted squared velocity error (module docstring), summed in float32. Under
+        sequence parallelism (``parallel.cp``) the generator returns its rank's rows only, and the
+        sum and count are those rows' (the ranks' add up to the row's)."""
         v = self.velocity(row["noisy"], row["grid"], row["timesteps"], row["text"], row["text_cu_seqlens"])
-        sq = (v.float() - row["target"].float()).pow(2).sum(dim=1)  # [T]
-        total = (sq * row["weights"].float()[clip_index(row["grid"])]).sum()
-        count = torch.tensor(row["target"].numel(), device=total.device)
+        mine = self.generator.local_slice(row["target"].shape[0])
+        target = row["target"][mine]
+        sq = (v.float() - target.float()).pow(2).sum(dim=1)  # [T] (this rank's rows)
+        total = (sq * row["weights"].float()[clip_index(row["grid"])[mine]]).sum()
+        count = torch.tensor(target.numel(), device=total.device)
         return FlowLoss(total / count.clamp_min(1), total, count)
+
+    def row_share(self) -> float:
+        """1 on the rank that counts a row's per-row statistics (captions dropped), 0 on the other
+        ranks of its sequence-parallel group, which hold the same row."""
+        split = self.generator.sequence_split
+        return 1.0 if split is None or split.rank == 0 else 0.0

@@ -46,6 +46,7 @@ class Layout:
     pp_virtual: int = 1
     moe: bool = False
     mix: bool = False
+    cp_attention: str = "ring"
 
     @classmethod
     def of(cls, cfg) -> "Layout":
@@ -56,7 +57,7 @@ class Layout:
         par, foundation = section(cfg, "parallel"), (model.get("foundation") or model.get("generator") or {})
         return cls(pp=par.pp, cp=par.cp, tp=_int(foundation.get("tp")), seq_chunks=seq_chunks_of(cfg),
                    pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual, moe=bool(moe_layer_indices(foundation)),
-                   mix=(cfg.get("data") or {}).get("mix") is not None)
+                   mix=(cfg.get("data") or {}).get("mix") is not None, cp_attention=par.cp_attention)
 
 
 def _int(value) -> int:
@@ -99,12 +100,15 @@ def traits(cfg) -> Traits:
 def refusals(mode: Traits, lay: Layout) -> list[str]:
     """Why ``mode`` cannot run under ``lay``: one clause per reason, naming the keys ([]: it runs)."""
     out = []
-    if mode.clip_rows:  # the generator's rows run whole on each data-parallel rank
-        for key, value in (("parallel.cp", lay.cp), ("model.generator.tp", lay.tp), ("parallel.pp", lay.pp),
+    if mode.clip_rows:  # the generator's rows: whole on each dp rank, or split over cp (parallel/context/sequence.py)
+        if lay.cp > 1 and lay.cp_attention not in ("ring", "ulysses"):
+            out.append(f"{mode.mode} with parallel.cp_attention={lay.cp_attention}: sequence parallelism over video "
+                       "tokens runs ring or ulysses attention; set parallel.cp_attention to one of them")
+        for key, value in (("model.generator.tp", lay.tp), ("parallel.pp", lay.pp),
                            ("parallel.seq_chunks", lay.seq_chunks)):
             if value > 1:
-                out.append(f"{mode.mode} with {key}={value}: a generator's rows run whole on each data-parallel "
-                           "rank so far (sequence parallelism over video tokens is not built yet); use dp (FSDP)")
+                out.append(f"{mode.mode} with {key}={value}: a generator's rows run on dp (FSDP) and cp (sequence "
+                           "parallelism) only so far")
         return out
     if mode.action_chunks:  # the chunks' attention reads every layer's keys / values of whole prefixes
         for key, value in (("parallel.seq_chunks", lay.seq_chunks), ("parallel.pp", lay.pp)):

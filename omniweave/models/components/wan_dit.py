@@ -31,6 +31,10 @@ Layout choices (diffusers equivalence is what ``hf/wan.py`` maps and tests/test_
   as diffusers does, never stored: a non-persistent buffer would be cast to bf16 by ``model.to``
   and lost on meta-device init.
 
+Sequence parallelism (``parallel.cp``) is applied from outside: ``sequence_split`` (set by
+parallel/context/sequence.py) makes :meth:`WanDiT.forward` run this rank's piece of the row
+(:func:`split_layout`) and return its rows' velocity (:meth:`WanDiT.local_slice`).
+
 T2V only: the I2V image embedder / added K,V (``image_dim``) are refused in the config.
 
 Init (:meth:`WanDiT.init_weights`, the official Wan 2.1 ``WanModel.init_weights``): every Linear
@@ -187,6 +191,7 @@ class RowLayout:
     clip_index: Tensor | None  # int64 [T] clip of each token; None when M == 1 (broadcast)
     cos: Tensor  # fp32 [T, Dh/2]
     sin: Tensor
+    self_attn: object = None  # fn(q, k, v) over the row's clips, given under sequence parallelism
 
     def per_token(self, rows: Tensor) -> Tensor:
         """``rows [M, D]`` -> each token's row [T, D] (or the single [1, D] row, broadcast)."""
@@ -220,6 +225,18 @@ def row_layout(grid: Tensor, text_cu_seqlens: Tensor, cfg: WanDiTConfig, device)
         sin.append(s[pos[axis]])
     text_cu = torch.as_tensor(text_cu_seqlens).to(device=device, dtype=torch.int32)
     return RowLayout(cu.to(torch.int32), text_cu, None if m == 1 else clip, torch.cat(cos, -1), torch.cat(sin, -1))
+
+
+def split_layout(layout: RowLayout, split, total: int) -> RowLayout:
+    """This rank's rows of the whole row's layout under sequence parallelism (``split``: a
+    parallel/context/sequence.SequenceSplit): its RoPE angles and clip indices (pad rows: angle 0,
+    the last clip), its clips' query segments for cross-attention, and the self-attention kernel
+    over the whole row's clips."""
+    last = layout.cu_seqlens.numel() - 2
+    clip = None if layout.clip_index is None else split.local_rows(layout.clip_index, fill=last)
+    return RowLayout(split.local_segments(layout.cu_seqlens, total), layout.text_cu_seqlens, clip,
+                     split.local_rows(layout.cos, fill=1.0), split.local_rows(layout.sin, fill=0.0),
+                     split.attention_fn(layout.cu_seqlens, total))
 
 
 def _layer_norm32(x: Tensor, eps: float, norm: nn.LayerNorm | None = None) -> Tensor:
@@ -283,13 +300,15 @@ class WanAttention(nn.Module):
         self.norm_q, self.norm_k = RMSNorm(d, cfg.eps), RMSNorm(d, cfg.eps)
         self.backend = cfg.attn_backend
 
-    def forward(self, x: Tensor, ctx: Tensor, cu_q: Tensor, cu_k: Tensor, rope=None) -> Tensor:
+    def forward(self, x: Tensor, ctx: Tensor, cu_q: Tensor, cu_k: Tensor, rope=None, attn_fn=None) -> Tensor:
         q = self.norm_q(self.to_q(x)).unflatten(-1, (-1, self.head_dim))
         k = self.norm_k(self.to_k(ctx)).unflatten(-1, (-1, self.head_dim))
         v = self.to_v(ctx).unflatten(-1, (-1, self.head_dim))
         if rope is not None:
             q, k = apply_rope_pairs(q, *rope), apply_rope_pairs(k, *rope)
         q, k = q.to(v.dtype), k.to(v.dtype)  # the norms' fp32 weights may have promoted q, k
+        if attn_fn is not None:  # sequence parallelism's kernel (parallel/context/sequence.py)
+            return self.to_out(attn_fn(q, k, v).flatten(1))
         out, _ = attn(q, k, v, cu_q, cu_k, causal=False, backend=self.backend, need_lse=False)
         return self.to_out(out.flatten(1))
 
@@ -311,7 +330,7 @@ class WanBlock(nn.Module):
         dtype = x.dtype
         h = (_layer_norm32(x, self.eps) * (1 + scale) + shift).to(dtype)
         rope = (layout.cos, layout.sin)
-        x = (x.float() + self.attn1(h, h, layout.cu_seqlens, layout.cu_seqlens, rope) * gate).to(dtype)
+        x = (x.float() + self.attn1(h, h, layout.cu_seqlens, layout.cu_seqlens, rope, layout.self_attn) * gate).to(dtype)
         h = _layer_norm32(x, self.eps, self.norm2).to(dtype) if self.norm2 is not None else x
         x = x + self.attn2(h, ctx, layout.cu_seqlens, layout.text_cu_seqlens)
         h = (_layer_norm32(x, self.eps) * (1 + c_scale) + c_shift).to(dtype)
@@ -332,6 +351,7 @@ class WanDiT(nn.Module):
         self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
         self.proj_out = nn.Linear(d, cfg.out_channels * cfg.patch_volume)  # rows in (C, pt, ph, pw) order
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
+        self.sequence_split = None  # set from outside (parallel/context/sequence.py): this rank's rows only
         self.init_weights()
 
     @torch.no_grad()
@@ -366,6 +386,9 @@ class WanDiT(nn.Module):
         if tcu.shape != (m + 1,) or int(tcu[0]) != 0 or int(tcu[-1]) != text.shape[0] or bool((tcu.diff() < 0).any()):
             raise ValueError(f"text_cu_seqlens {tcu.tolist()} must be [M+1 = {m + 1}] non-decreasing from 0 to "
                              f"text.shape[0] = {text.shape[0]}")
+        split = self.sequence_split
+        if split is not None:  # this rank's piece of the row; the conditioning below stays whole
+            tokens, layout = split.local_rows(tokens), split_layout(layout, split, total)
         dtype = self.patch_embedding.weight.dtype
         x = self.patch_embedding(tokens.to(dtype))
         temb, time_proj = self.condition_embedder.time(timesteps)  # [M, D], [M, 6·D] fp32
@@ -374,4 +397,9 @@ class WanDiT(nn.Module):
             x = block(x, ctx, time_proj, layout)
         shift, scale = (self.scale_shift_table.float() + temb[:, None]).unbind(1)
         h = (_layer_norm32(x, cfg.eps) * (1 + layout.per_token(scale)) + layout.per_token(shift)).to(x.dtype)
-        return self.proj_out(h)
+        out = self.proj_out(h)
+        return out if split is None else out[:len(range(total)[split.local_slice(total)])]  # pad rows dropped
+
+    def local_slice(self, total: int) -> slice:
+        """The rows of a ``total``-token row whose velocity :meth:`forward` returns (all, unless split)."""
+        return slice(0, total) if self.sequence_split is None else self.sequence_split.local_slice(total)

@@ -17,6 +17,9 @@ What happens to a micro-batch (a packed row of text, image and video documents):
    features are all-gathered with an autograd-correct gather. Without the split every CP rank
    encodes every item. (A foundation with a larger tp than the encoder's also splits the media
    over its tp replicas of the encoder: ``Meshes.vision_split`` is the group that shares them.)
+A video-diffusion generator's rows are split differently (contiguous pieces, bidirectional
+attention per clip): ``sequence``.
+
 3. ``attention``: the decoder's attention kernel is swapped (``Attention.attn_fn``) for one that
    exchanges keys/values across the group: ``ring``, ``allgather``, ``ulysses`` or ``hybrid``;
    a linear-attention layer's scan (``GatedDeltaNet.cp_fn``) for one that passes each piece's
@@ -52,6 +55,12 @@ def apply_cp(model: nn.Module, dims, meshes, head_groups: int = 1) -> None:
     """Swap every decoder layer's attention for the CP one. A no-op when ``dims.cp == 1``."""
     if dims.cp == 1:
         return
+    if hasattr(model, "generator"):  # a video-diffusion generator: its tokens split in pieces (sequence.py)
+        from omniweave.parallel.context.sequence import apply_sequence_split
+
+        apply_sequence_split(model.generator, meshes.cp.get_group(), dims.cp_attention,
+                             model.generator.config.attn_backend)
+        return
     from omniweave.parallel.context.attention import CPContext
 
     from omniweave.parallel.context.linear import apply_linear_cp
@@ -71,6 +80,8 @@ def shard_micro_batch(mb: dict, cp: int, cp_rank: int, tp: int = 1, pad_id: int 
     evenly over the tp ranks' sequence-parallel shards."""
     from omniweave.parallel.context.sharding import append_pad_document, pad_rows_for, plan_cp_shard, shard_batch
 
+    if "latents" in mb:  # a row of diffusion clips: whole on every rank, the generator takes its piece
+        return mb
     if tp > 1:
         mb = append_pad_document(mb, pad_rows_for(mb["cu_seqlens"], cp, tp), pad_id)
     if cp == 1:
