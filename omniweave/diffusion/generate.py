@@ -1,13 +1,15 @@
 """``omniweave generate video``: clips from a trained video-diffusion run, for prompts.
 
     omniweave generate video RUN --prompt "a red disc moving left" [--prompt ...] [--prompts FILE.jsonl]
-        [--frames 17] [--height 32] [--width 48] [--steps 30] [--guidance 5.0] [--shift 3.0]
-        [--negative ""] [--seed 0] [--output DIR] [--gif]
+        [--frames 17] [--height 32] [--width 48] [--sampler unipc|euler] [--steps 30] [--guidance 5.0]
+        [--shift 3.0] [--negative ""] [--seed 0] [--output DIR] [--gif]
 
 The run's checkpoint gives the generator; its recipe's ``model.vae`` and ``model.text_encoder``
-(the codecs its packs were made with) encode the prompts and decode the latents. Sampling is
-diffusers' flow-matching Euler schedule (diffusion/schedule.py: ``inference_sigmas(steps, shift)``)
-with classifier-free guidance against the encoded negative prompt (default "", as training's
+(the codecs its packs were made with) encode the prompts and decode the latents. The sampler is
+UniPC by default, order 2 (diffusion/unipc.py: diffusers' ``UniPCMultistepScheduler`` as the Wan 2.1
+diffusers checkpoints configure it for WanPipeline), or ``--sampler euler``: diffusers' flow-matching
+Euler schedule (diffusion/schedule.py: ``inference_sigmas(steps, shift)``). Either runs under
+classifier-free guidance against the encoded negative prompt (default "", as training's
 caption dropout fed the encoded empty prompt): ``v = v_neg + guidance · (v_text − v_neg)``;
 ``--guidance 1`` skips the negative branch. Each clip starts from its own noise (seed + its index),
 so a clip does not depend on the others in the call. Writes ``DIR/NNN.mp4`` (and ``.gif``) and
@@ -25,6 +27,8 @@ import numpy as np
 
 from omniweave.errors import UserError
 
+SAMPLERS = ("unipc", "euler")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from omniweave.argtypes import integer, positive
@@ -35,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=integer(1), default=17, help="frames per clip, 4k + 1 (default 17)")
     p.add_argument("--height", type=integer(16), default=32, help="pixels, a multiple of 16 (default 32)")
     p.add_argument("--width", type=integer(16), default=48, help="pixels, a multiple of 16 (default 48)")
-    p.add_argument("--steps", type=integer(1), default=30, help="Euler steps (default 30)")
+    p.add_argument("--sampler", choices=SAMPLERS, default="unipc",
+                   help="unipc (order 2, WanPipeline's default) or euler (default unipc)")
+    p.add_argument("--steps", type=integer(1), default=30, help="sampling steps, one model call each (default 30)")
     p.add_argument("--guidance", type=positive(), default=5.0, help="classifier-free guidance scale (default 5)")
     p.add_argument("--shift", type=positive(), default=None,
                    help="timestep shift (default: the run's train.diffusion.shift)")
@@ -81,18 +87,41 @@ class VideoGenerator:
         self.shift = float(((cfg.get("train") or {}).get("diffusion") or {}).get("shift", 3.0))
 
     def sample(self, prompts: list[str], frames: int, height: int, width: int, steps: int, guidance: float,
-               shift: float | None = None, negative: str = "", seed: int = 0) -> list[np.ndarray]:
+               shift: float | None = None, negative: str = "", seed: int = 0, sampler: str = "unipc") -> list[np.ndarray]:
         """uint8 [T, H, W, 3] clips, one per prompt."""
         import torch
 
+        latents = self.sample_latents(prompts, frames, height, width, steps, guidance, shift, negative, seed, sampler)
+        out = []
+        for z in latents:
+            with torch.no_grad():
+                video = self.vae.decode(self.vae.denormalize(z[None]))[0]  # [3, T, H, W] in [-1, 1]
+            out.append(((video.permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy())
+        return out
+
+    def sample_latents(self, prompts: list[str], frames: int, height: int, width: int, steps: int, guidance: float,
+                       shift: float | None = None, negative: str = "", seed: int = 0, sampler: str = "unipc") -> list:
+        """Normalised latents [z_dim, T', H/8, W/8], one per prompt (what :meth:`sample` decodes)."""
+        import torch
+
         from omniweave.diffusion.schedule import euler_sample, guided, inference_sigmas
+        from omniweave.diffusion.unipc import unipc_sample, unipc_schedule
         from omniweave.models.components.wan_dit import patchify_clips, unpatchify_clips
 
         if (frames - 1) % 4 or height % 16 or width % 16:
             raise UserError(f"--frames {frames} must be 4k + 1 and --height {height} / --width {width} multiples of 16")
+        if sampler not in SAMPLERS:
+            raise UserError(f"--sampler {sampler}: choose from {', '.join(SAMPLERS)}")
         z_dim, patch = self.vae.cfg.z_dim, self.generator.config.patch_size
         shape = (z_dim, 1 + (frames - 1) // 4, height // 8, width // 8)
-        sigmas = inference_sigmas(steps, self.shift if shift is None else shift)
+        shift = self.shift if shift is None else shift
+
+        def solve(velocity, tokens):
+            if sampler == "euler":
+                return euler_sample(velocity, tokens, inference_sigmas(steps, shift))
+            sigmas, timesteps = unipc_schedule(steps, shift)  # its own spacing, and integer model timesteps
+            return unipc_sample(velocity, tokens, sigmas, order=2, timesteps=timesteps)
+
         texts = self.text_encoder.encode(prompts, max_sequence_length=self.text_len)
         neg = self.text_encoder.encode([negative], max_sequence_length=self.text_len)[0]
         out = []
@@ -101,7 +130,8 @@ class VideoGenerator:
             tokens, grid = patchify_clips([noise], patch)
 
             def velocity(x, sigma, text=text):
-                t = (sigma * 1000).reshape(1)
+                # float32 time; UniPC hands sigma in float64 so that this product is its integer timestep
+                t = (sigma * 1000).float().reshape(1)
                 cu = torch.tensor([0, len(text)], dtype=torch.int32)
                 v = self.generator(x, grid, t, text.float(), cu)
                 if guidance == 1.0:
@@ -110,9 +140,7 @@ class VideoGenerator:
                               guidance)
 
             with torch.no_grad():
-                latents = unpatchify_clips(euler_sample(velocity, tokens, sigmas), grid, z_dim, patch)[0]
-                video = self.vae.decode(self.vae.denormalize(latents[None]))[0]  # [3, T, H, W] in [-1, 1]
-            out.append(((video.permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy())
+                out.append(unpatchify_clips(solve(velocity, tokens), grid, z_dim, patch)[0])
         return out
 
 
@@ -123,7 +151,7 @@ def run(args) -> int:
     t0 = time.time()
     gen = VideoGenerator(args.run)
     clips = gen.sample(prompts, args.frames, args.height, args.width, args.steps, args.guidance, args.shift,
-                       args.negative, args.seed)
+                       args.negative, args.seed, args.sampler)
     out = Path(args.output) if args.output else Path(args.run) / "generated"
     out.mkdir(parents=True, exist_ok=True)
     files = []
@@ -137,10 +165,10 @@ def run(args) -> int:
             frames = [Image.fromarray(f) for f in clip]
             frames[0].save(out / f"{i:03d}.gif", save_all=True, append_images=frames[1:], duration=1000 // FPS, loop=0)
     record = {"run": str(args.run), "prompts": prompts, "files": files, "frames": args.frames, "height": args.height,
-              "width": args.width, "steps": args.steps, "guidance": args.guidance,
+              "width": args.width, "sampler": args.sampler, "steps": args.steps, "guidance": args.guidance,
               "shift": gen.shift if args.shift is None else args.shift, "negative": args.negative, "seed": args.seed,
               "seconds": round(time.time() - t0, 2)}
     (out / "generate.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"generate video: {len(clips)} clip(s) of {args.frames} frames at {args.width}x{args.height} "
-          f"({args.steps} steps, guidance {args.guidance:g}) in {record['seconds']:.1f}s -> {out}")
+          f"({args.sampler}, {args.steps} steps, guidance {args.guidance:g}) in {record['seconds']:.1f}s -> {out}")
     return 0
