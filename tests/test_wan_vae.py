@@ -145,3 +145,27 @@ def test_state_dict_loads_both_ways(pair, tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded.encode(x), ours.encode(x))
         assert (back.encode(x).latent_dist.mode() - ours.encode(x)).abs().max() < TOL
+
+
+def test_save_diffusers_dir_round_trips(pair, tmp_path):
+    """save_diffusers_dir is the inverse of from_diffusers_dir (bit for bit, config and statistics
+    included), and diffusers' own from_pretrained reads the folder into the same model."""
+    _, ours = pair
+    ours.cfg.latents_mean = [0.01 * i for i in range(16)]  # a fitted VAE's own statistics must travel
+    ours.cfg.latents_std = [1.0 + 0.1 * i for i in range(16)]
+    try:
+        ours.save_diffusers_dir(tmp_path / "vae")
+        loaded = WanVAE.from_diffusers_dir(tmp_path / "vae")
+        assert loaded.cfg == ours.cfg
+        for k, v in ours.state_dict().items():
+            assert torch.equal(loaded.state_dict()[k], v), k
+        x = torch.rand(1, 3, 5, H, W) * 2 - 1
+        with torch.no_grad():
+            assert torch.equal(loaded.normalize(loaded.encode(x)), ours.normalize(ours.encode(x)))
+        theirs = AutoencoderKLWan.from_pretrained(tmp_path / "vae").eval()
+        assert list(theirs.config.latents_mean) == ours.cfg.latents_mean
+        assert list(theirs.config.latents_std) == ours.cfg.latents_std
+        for k, v in ours.state_dict().items():
+            assert torch.equal(theirs.state_dict()[k], v), k
+    finally:
+        ours.cfg.latents_mean, ours.cfg.latents_std = WanVAEConfig().latents_mean, WanVAEConfig().latents_std

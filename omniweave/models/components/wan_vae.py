@@ -25,7 +25,7 @@ the latents' dtype, take ``inv_std = 1 / std`` in that dtype, and compute ``(mu 
 Parameter names are diffusers' (``encoder.*``, ``quant_conv``, ``post_quant_conv``, ``decoder.*``):
 an ``AutoencoderKLWan`` state dict (``vae/diffusion_pytorch_model.safetensors``) loads with
 ``load_state_dict(strict=True)`` and ours loads back into diffusers' model; no name mapping exists or
-is needed. ``from_diffusers_dir`` reads a diffusers ``vae/`` folder.
+is needed. ``from_diffusers_dir`` reads a diffusers ``vae/`` folder, ``save_diffusers_dir`` writes one.
 
 Only Wan 2.1's layout: Wan 2.2 TI2V-5B's VAE (``is_residual``, ``patch_size`` 2, z_dim 48) and
 encoder attention (``attn_scales``: diffusers' encoder crashes on it, its decoder ignores it) are
@@ -119,6 +119,16 @@ def config_from_diffusers(config: dict) -> WanVAEConfig:
         raise ValueError(f"wan_vae: config is for {cls}, not AutoencoderKLWan")
     return WanVAEConfig(**{k: list(v) if isinstance(v, (list, tuple)) else v
                            for k, v in config.items() if k in known})
+
+
+DIFFUSERS_VERSION = "0.42.1"  # save_diffusers_dir's layout is checked against this diffusers (tests/test_wan_vae.py)
+
+
+def config_to_diffusers(cfg: WanVAEConfig) -> dict:
+    """The inverse of :func:`config_from_diffusers`: an ``AutoencoderKLWan`` ``config.json`` dict
+    (every field, ``_class_name`` and the diffusers version it was checked against included)."""
+    return {"_class_name": "AutoencoderKLWan", "_diffusers_version": DIFFUSERS_VERSION,
+            **{f.name: getattr(cfg, f.name) for f in fields(WanVAEConfig)}}
 
 
 class WanVAE(nn.Module):
@@ -228,6 +238,20 @@ class WanVAE(nn.Module):
         model = cls(config_from_diffusers(json.loads((path / "config.json").read_text())))
         model.load_state_dict(load_file(str(path / "diffusion_pytorch_model.safetensors")), strict=True)
         return model.to(device=device, dtype=dtype).eval()
+
+    def save_diffusers_dir(self, path: str | Path) -> Path:
+        """Write this VAE as a diffusers ``AutoencoderKLWan`` folder (``config.json`` +
+        ``diffusion_pytorch_model.safetensors``, the names unchanged): the inverse of
+        :meth:`from_diffusers_dir`, which reads it back bit for bit, as does diffusers'
+        ``AutoencoderKLWan.from_pretrained``. ``latents_mean`` / ``latents_std`` travel in the config."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(config_to_diffusers(self.cfg), indent=2, sort_keys=True) + "\n")
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+        return path
 
 
 @dataclass
