@@ -77,7 +77,8 @@ class ParallelDims:
         if len(set(encoder_tp.values())) > 1:
             raise ValueError("the encoders share one tp group: set the same tp for each "
                              f"({', '.join(f'model.{e}.tp={t}' for e, t in encoder_tp.items())})")
-        dp, cp, tp, pp = par.dp, par.cp, int(comp("foundation")), par.pp
+        trunk = "generator" if model is not None and model.get("generator") is not None else "foundation"
+        dp, cp, tp, pp = par.dp, par.cp, int(comp(trunk)), par.pp
         tp_enc, enc_key = next(iter(encoder_tp.values()), 1), f"model.{encoders[0] if encoders else 'image_encoder'}.tp"
         if cp < 1 or tp < 1 or tp_enc < 1:
             raise ValueError(f"parallel.cp={cp}, model.foundation.tp={tp}, {enc_key}={tp_enc} must be >= 1")

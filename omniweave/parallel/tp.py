@@ -54,7 +54,7 @@ from omniweave.models.registry import MODALITIES
 from omniweave.parallel.context.sharding import feature_rows_from_spans
 from omniweave.parallel.tp_loss import vocab_parallel_ce_sum, vocab_parallel_ce_tokens
 from omniweave.parallel.tp_linear import apply_linear_tp, linear_layer_plan
-from omniweave.parallel.tp_styles import FusedHeadsParallel, ReplicatedKVHeads
+from omniweave.parallel.tp_styles import FusedHeadsParallel, ReplicatedKVHeads, ShardedRMSNorm
 
 # ----------------------------------------------------------------------------- layouts (pure)
 
@@ -234,6 +234,30 @@ def expert_plan(cfg, tp: int) -> dict:
     return {f"layers.*.{name}": style for name, style in layer.items()}
 
 
+def check_generator_tp(cfg, tp: int) -> None:
+    """A video-diffusion DiT (components/wan_dit.py): its heads and FFN split over tp."""
+    _divisible("generator num_attention_heads", cfg.num_attention_heads, tp)
+    _divisible("generator ffn_dim", cfg.ffn_dim, tp)
+    if getattr(cfg, "image_dim", None):
+        raise ValueError("model.generator.tp > 1 with an image-to-video generator (image_dim): its added image "
+                         "keys / values are not sharded yet; use tp 1")
+
+
+def generator_plan(cfg, tp: int) -> dict:
+    """A Wan DiT's plan (Megatron TP, its activations ``[T, D]`` replicated as the ViT's): in both
+    attentions q / k / v column-wise (each rank its heads), their RMSNorms over all heads sharded
+    (``ShardedRMSNorm``: one all-reduce of the sums of squares), to_out row-wise; the FFN's fc1
+    column-wise, fc2 row-wise. The patch embedding, the time / text embedders, the modulation
+    tables, the cross-attention LayerNorm and proj_out stay replicated plain tensors."""
+    check_generator_tp(cfg, tp)
+    block = {"ffn.fc1": ColwiseParallel(), "ffn.fc2": RowwiseParallel()}
+    for attn in ("attn1", "attn2"):
+        block.update({f"{attn}.{p}": ColwiseParallel() for p in ("to_q", "to_k", "to_v")})
+        block.update({f"{attn}.to_out": RowwiseParallel(), f"{attn}.norm_q": ShardedRMSNorm(),
+                      f"{attn}.norm_k": ShardedRMSNorm()})
+    return {f"blocks.*.{name}": style for name, style in block.items()}
+
+
 # per modality (registry.MODALITIES): (layout check, parallelize_module plan) of its encoder
 ENCODER_TP = {"vision": (check_vit_tp, vit_plan), "audio": (check_audio_tp, audio_plan)}
 
@@ -297,6 +321,11 @@ def apply_tp(model: nn.Module, foundation_mesh=None, encoder_mesh=None, features
     pass that mesh."""
     foundation_mesh = _mesh_or_none(foundation_mesh, "the foundation")
     encoder_mesh = _mesh_or_none(encoder_mesh, "the encoders")
+    generator = getattr(model, "generator", None)
+    if generator is not None:  # a video-diffusion model: its generator over the trunk's tp mesh
+        if foundation_mesh is not None:
+            parallelize_module(generator, foundation_mesh, generator_plan(generator.config, foundation_mesh.size()))
+        return model
     modalities = getattr(model, "modalities", ())
     if encoder_mesh is not None and not modalities:
         raise ValueError("encoder_mesh given but the model has no encoder")

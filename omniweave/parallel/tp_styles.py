@@ -1,4 +1,4 @@
-"""Two ParallelStyles that torch's Colwise / Rowwise / SequenceParallel do not cover.
+"""Three ParallelStyles that torch's Colwise / Rowwise / SequenceParallel do not cover.
 
 ``FusedHeadsParallel(parts, head_dim)`` — a Linear whose output is ``parts`` blocks of heads
 side by side, e.g. the ViT's fused ``qkv`` (weight ``[3·D, D]``, output viewed as
@@ -25,11 +25,23 @@ weight), its output ``[L, Hkv·Dh]`` is expanded to one KV head per rank ``[L, t
 heads ``[r·H/tp, (r+1)·H/tp)`` belong to) and sharded over that axis: each rank keeps
 ``[L, Dh]``. The backward all-gathers the per-rank gradients and sums the copies, so the
 replicated weight's gradient is complete and equal on every rank.
+
+``ShardedRMSNorm()`` — an RMSNorm over a dim that tp shards: Wan's q / k norms run over all
+heads together (``inner_dim``), after the column-wise projections left each rank its heads. The
+weight is ``Shard(0)``; each rank squares and sums its slice, one all-reduce gives the row's sum
+(its backward all-reduces the gradient, every rank's heads using it), and each rank scales its
+slice by its part of the weight::
+
+    x [L, D/tp] (local) -> Σ x² over the slice -> all-reduce -> x · rsqrt(Σ / D + eps) · w[r·D/tp : …]
 """
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 from torch import nn
+from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -102,3 +114,25 @@ class ReplicatedKVHeads(ParallelStyle):
         if tp % self.num_kv_heads:
             raise ValueError(f"ReplicatedKVHeads needs tp={tp} to be a multiple of num_kv_heads={self.num_kv_heads}")
         return distribute_module(module, device_mesh, self._replicate, self._replicated_input, self._own_head)
+
+
+def _sharded_rms_norm(module: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
+    """``RMSNorm.forward`` on this rank's slice of the normalised dim (the same float32 math)."""
+    weight = module.weight.to_local()
+    xf = x.float()
+    total = all_reduce(xf.pow(2).sum(-1, keepdim=True), group=group)
+    xf = xf * torch.rsqrt(total / module.weight.shape[0] + module.eps)
+    return weight * xf.to(x.dtype)
+
+
+class ShardedRMSNorm(ParallelStyle):
+    """An RMSNorm (components/norm.py) whose input is this rank's slice of the normalised dim."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if set(dict(module.named_parameters(recurse=False))) != {"weight"} or not hasattr(module, "eps"):
+            raise ValueError(f"ShardedRMSNorm shards an RMSNorm (weight, eps), got {type(module).__name__}")
+        if module.weight.shape[0] % device_mesh.size():
+            raise ValueError(f"RMSNorm of {module.weight.shape[0]} is not divisible by tp={device_mesh.size()}")
+        _distribute_params(module, device_mesh, lambda pname: Shard(0), self.src_data_rank)
+        module.forward = partial(_sharded_rms_norm, module, device_mesh.get_group())
+        return module

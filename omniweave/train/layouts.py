@@ -104,11 +104,13 @@ def refusals(mode: Traits, lay: Layout) -> list[str]:
         if lay.cp > 1 and lay.cp_attention not in ("ring", "ulysses"):
             out.append(f"{mode.mode} with parallel.cp_attention={lay.cp_attention}: sequence parallelism over video "
                        "tokens runs ring or ulysses attention; set parallel.cp_attention to one of them")
-        for key, value in (("model.generator.tp", lay.tp), ("parallel.pp", lay.pp),
-                           ("parallel.seq_chunks", lay.seq_chunks)):
+        if lay.cp > 1 and lay.tp > 1:
+            out.append(f"{mode.mode} with parallel.cp={lay.cp} and model.generator.tp={lay.tp}: sequence and tensor "
+                       "parallelism of a generator do not combine yet; use one of them (with dp)")
+        for key, value in (("parallel.pp", lay.pp), ("parallel.seq_chunks", lay.seq_chunks)):
             if value > 1:
-                out.append(f"{mode.mode} with {key}={value}: a generator's rows run on dp (FSDP) and cp (sequence "
-                           "parallelism) only so far")
+                out.append(f"{mode.mode} with {key}={value}: a generator's rows run on dp (FSDP), cp (sequence "
+                           "parallelism) and tp only so far")
         return out
     if mode.action_chunks:  # the chunks' attention reads every layer's keys / values of whole prefixes
         for key, value in (("parallel.seq_chunks", lay.seq_chunks), ("parallel.pp", lay.pp)):
