@@ -116,11 +116,15 @@ def test_config_from_diffusers_reads_and_refuses():
     cfg = config_from_diffusers({"_class_name": "WanTransformer3DModel", "patch_size": [1, 2, 2], "in_channels": 16,
                                  "out_channels": None, "num_attention_heads": 12, "qk_norm": None})
     assert cfg.patch_size == (1, 2, 2) and cfg.out_channels == 16 and cfg.num_attention_heads == 12
-    with pytest.raises(ValueError, match="image-to-video"):
-        config_from_diffusers({"image_dim": 1280, "added_kv_proj_dim": 5120})
+    i2v = config_from_diffusers({"image_dim": 1280, "added_kv_proj_dim": 1536})  # I2V: tests/test_wan_i2v.py
+    assert (i2v.image_dim, i2v.added_kv_proj_dim, i2v.pos_embed_seq_len) == (1280, 1536, None)
+    with pytest.raises(ValueError, match="must equal the model width"):
+        config_from_diffusers({"image_dim": 1280, "added_kv_proj_dim": 5120})  # 12 x 128 = 1536 wide
     with pytest.raises(ValueError, match="does not know"):
         config_from_diffusers({"some_new_field": 1})
     sd = {"patch_embedding.weight": torch.zeros(4, 2, 1, 2, 2), "blocks.0.attn2.add_k_proj.weight": torch.zeros(1)}
+    assert set(diffusers_to_ours(sd)) == set(sd)  # I2V's added K/V: same name (strict against the model on load)
+    sd["blocks.0.attn1.add_k_proj.weight"] = torch.zeros(1)  # self-attention has none
     with pytest.raises(KeyError, match="I2V"):
         diffusers_to_ours(sd)
     with pytest.raises(KeyError, match="no counterpart"):

@@ -143,7 +143,8 @@ def test_folders_a_loader_refuses_are_one_line_errors(folders, capsys, tmp_path,
     cases = {
         "unknown": ({**sd, "blocks.0.mystery.weight": torch.zeros(3)}, None, "no counterpart: blocks.0.mystery"),
         "missing": ({k: v for k, v in sd.items() if k != "blocks.1.ffn.net.2.bias"}, None, "missing tensors"),
-        "i2v": (sd, {"image_dim": 1280, "added_kv_proj_dim": 60}, "image-to-video"),
+        "i2v": (sd, {"image_dim": 1280, "added_kv_proj_dim": 60}, "missing tensors"),  # I2V config, T2V weights
+        "i2v_bad": (sd, {"image_dim": 1280}, "image_dim (1280) and added_kv_proj_dim (None) are set together"),
         "other": (sd, {"_class_name": "UNet2DConditionModel"}, "checks WanTransformer3DModel and AutoencoderKLWan"),
     }
     for name, (tensors, config_patch, message) in cases.items():
@@ -163,7 +164,7 @@ def test_folders_a_loader_refuses_are_one_line_errors(folders, capsys, tmp_path,
     assert code == 2 and "pip install diffusers" in out
 
 
-def test_load_wan_dit_matches_diffusers_and_refuses_i2v(folders, tmp_path):
+def test_load_wan_dit_matches_diffusers_and_refuses_a_half_i2v_config(folders, tmp_path):
     ref = folders["model"]
     for name in ("transformer", "sharded"):
         ours = wan.load_wan_dit(folders["root"] / name)
@@ -177,7 +178,7 @@ def test_load_wan_dit_matches_diffusers_and_refuses_i2v(folders, tmp_path):
     shutil.copytree(folders["root"] / "transformer", path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "image_dim": 1280}))
-    with pytest.raises(ValueError, match="image-to-video"):
+    with pytest.raises(ValueError, match="I2V: image_dim"):
         wan.load_wan_dit(path)
     (path / "config.json").write_text(json.dumps({**config, "_class_name": "AutoencoderKLWan"}))
     with pytest.raises(ValueError, match="not a WanTransformer3DModel"):

@@ -35,7 +35,16 @@ Sequence parallelism (``parallel.cp``) is applied from outside: ``sequence_split
 parallel/context/sequence.py) makes :meth:`WanDiT.forward` run this rank's piece of the row
 (:func:`split_layout`) and return its rows' velocity (:meth:`WanDiT.local_slice`).
 
-T2V only: the I2V image embedder / added K,V (``image_dim``) are refused in the config.
+Image-to-video (Wan 2.1 I2V / FLF2V; ``image_dim`` and ``added_kv_proj_dim`` set, wan_i2v.py): each
+clip also brings its own image features (``image [N, image_dim]``, ``image_cu_seqlens [M+1]``: CLIP
+ViT-H/14 penultimate states, 257 per image, diffusion/image_encoder.py), embedded by
+``condition_embedder.image_embedder``; ``attn2`` then adds a second attention of the clip's queries
+to its image tokens (``add_k_proj`` / ``add_v_proj`` / ``norm_added_k``), summed with the text one
+before ``to_out``. The input has ``in_channels`` 36: the caller concatenates along channels, as
+diffusers' ``WanImageToVideoPipeline`` does, [noisy latent (16), mask (4), conditioning latent (16)]
+-- the mask is 1 on the given frame (the first latent frame's 4 video frames), 0 elsewhere, and the
+conditioning latent is the VAE encoding of the image followed by zero frames. Nothing else in the
+DiT changes; the output stays 16 channels.
 
 Init (:meth:`WanDiT.init_weights`, the official Wan 2.1 ``WanModel.init_weights``): every Linear
 Xavier-uniform with zero bias (patch embedding included: fan_in C·pt·ph·pw, as the official
@@ -55,6 +64,9 @@ from torch import Tensor, nn
 from omniweave.models.components.attention import attn, check_backend
 from omniweave.models.components.mlp import MLP
 from omniweave.models.components.norm import RMSNorm
+from omniweave.models.components.wan_i2v import (
+    ImageEmbedder, WanI2VCrossAttention, check_i2v_config, check_image_inputs,
+)
 from omniweave.models.registry import register
 
 
@@ -75,7 +87,9 @@ class WanDiTConfig:
     rope_max_seq_len: int = 1024  # most patches along any of f, h, w
     rope_theta: float = 10000.0
     cross_attn_norm: bool = True  # affine LayerNorm before cross-attention (norm2)
-    image_dim: int | None = None  # I2V CLIP features: not implemented
+    image_dim: int | None = None  # I2V: CLIP feature width (1280); None = text-to-video
+    added_kv_proj_dim: int | None = None  # I2V: input of attn2's add_k/v_proj, = the model width
+    pos_embed_seq_len: int | None = None  # FLF2V: image tokens per clip with a learned position table
     attn_backend: str = "auto"  # attention.BACKENDS name; auto = varlen on CUDA, else sdpa
     init_std: float = 0.02  # text / time embedders' Normal std (official init)
 
@@ -83,9 +97,8 @@ class WanDiTConfig:
         self.patch_size = tuple(int(p) for p in self.patch_size)
         if len(self.patch_size) != 3 or min(self.patch_size) < 1:
             raise ValueError(f"patch_size must be three positive ints (pt, ph, pw), got {self.patch_size}")
-        if self.image_dim is not None:
-            raise ValueError("image_dim is set: Wan I2V (image embedder, added K/V, 36-channel input) is not "
-                             "implemented in WanDiT; only text-to-video is")
+        check_i2v_config(self.image_dim, self.added_kv_proj_dim, self.pos_embed_seq_len,
+                         self.num_attention_heads * self.attention_head_dim)
         for name in ("in_channels", "out_channels", "num_attention_heads", "text_dim", "ffn_dim", "num_layers",
                      "rope_max_seq_len"):
             if getattr(self, name) < 1:
@@ -280,6 +293,7 @@ class ConditionEmbedder(nn.Module):
         self.time_embedder = Projection(cfg.freq_dim, d, "silu")
         self.time_proj = nn.Linear(d, 6 * d)
         self.text_embedder = Projection(cfg.text_dim, d, "gelu_tanh")
+        self.image_embedder = ImageEmbedder(cfg.image_dim, d, cfg.pos_embed_seq_len) if cfg.image_dim else None
 
     def time(self, timesteps: Tensor) -> tuple[Tensor, Tensor]:
         # M rows: fp32 whatever autocast says (diffusers keeps time_embedder in fp32)
@@ -319,12 +333,13 @@ class WanBlock(nn.Module):
         d = cfg.inner_dim
         self.eps = cfg.eps
         self.attn1 = WanAttention(cfg)
-        self.attn2 = WanAttention(cfg)
+        self.attn2 = (WanI2VCrossAttention(cfg.num_attention_heads, cfg.attention_head_dim, cfg.eps, cfg.attn_backend)
+                      if cfg.added_kv_proj_dim else WanAttention(cfg))
         self.norm2 = nn.LayerNorm(d, eps=cfg.eps) if cfg.cross_attn_norm else None
         self.ffn = MLP(d, cfg.ffn_dim, act="gelu_tanh")
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
 
-    def forward(self, x: Tensor, ctx: Tensor, time_proj: Tensor, layout: RowLayout) -> Tensor:
+    def forward(self, x: Tensor, ctx: Tensor, time_proj: Tensor, layout: RowLayout, image: tuple = ()) -> Tensor:
         mod = self.scale_shift_table.float() + time_proj.unflatten(1, (6, -1))  # [M, 6, D] fp32
         shift, scale, gate, c_shift, c_scale, c_gate = (layout.per_token(mod[:, i]) for i in range(6))
         dtype = x.dtype
@@ -332,7 +347,7 @@ class WanBlock(nn.Module):
         rope = (layout.cos, layout.sin)
         x = (x.float() + self.attn1(h, h, layout.cu_seqlens, layout.cu_seqlens, rope, layout.self_attn) * gate).to(dtype)
         h = _layer_norm32(x, self.eps, self.norm2).to(dtype) if self.norm2 is not None else x
-        x = x + self.attn2(h, ctx, layout.cu_seqlens, layout.text_cu_seqlens)
+        x = x + self.attn2(h, ctx, layout.cu_seqlens, layout.text_cu_seqlens, *image)  # I2V: (image, image_cu)
         h = (_layer_norm32(x, self.eps) * (1 + c_scale) + c_shift).to(dtype)
         return (x.float() + self.ffn(h).float() * c_gate).to(dtype)
 
@@ -368,12 +383,16 @@ class WanDiT(nn.Module):
             for layer in (emb.linear_1, emb.linear_2):
                 nn.init.normal_(layer.weight, std=self.config.init_std)
         nn.init.zeros_(self.proj_out.weight)
+        if self.condition_embedder.image_embedder is not None:
+            self.condition_embedder.image_embedder.reset_parameters()
         for table in [self.scale_shift_table, *(b.scale_shift_table for b in self.blocks)]:
             table.copy_(torch.randn_like(table) / d**0.5)
 
     def forward(self, tokens: Tensor, grid: Tensor, timesteps: Tensor, text: Tensor,
-                text_cu_seqlens: Tensor) -> Tensor:
-        """Velocity tokens [T, out_channels·pt·ph·pw] of the packed clips (see the module docstring)."""
+                text_cu_seqlens: Tensor, image: Tensor | None = None, image_cu_seqlens: Tensor | None = None) -> Tensor:
+        """Velocity tokens [T, out_channels·pt·ph·pw] of the packed clips (see the module docstring).
+        I2V only (and then required): each clip's image features ``image [N, image_dim]``, segments
+        ``image_cu_seqlens [M+1]``."""
         cfg = self.config
         layout = row_layout(grid, text_cu_seqlens, cfg, tokens.device)
         m, total = layout.cu_seqlens.numel() - 1, int(layout.cu_seqlens[-1])
@@ -386,6 +405,7 @@ class WanDiT(nn.Module):
         if tcu.shape != (m + 1,) or int(tcu[0]) != 0 or int(tcu[-1]) != text.shape[0] or bool((tcu.diff() < 0).any()):
             raise ValueError(f"text_cu_seqlens {tcu.tolist()} must be [M+1 = {m + 1}] non-decreasing from 0 to "
                              f"text.shape[0] = {text.shape[0]}")
+        image_cu = check_image_inputs(cfg.image_dim, cfg.pos_embed_seq_len, image, image_cu_seqlens, m, tokens.device)
         split = self.sequence_split
         if split is not None:  # this rank's piece of the row; the conditioning below stays whole
             tokens, layout = split.local_rows(tokens), split_layout(layout, split, total)
@@ -393,8 +413,9 @@ class WanDiT(nn.Module):
         x = self.patch_embedding(tokens.to(dtype))
         temb, time_proj = self.condition_embedder.time(timesteps)  # [M, D], [M, 6·D] fp32
         ctx = self.condition_embedder.text_embedder(text.to(dtype))
+        img = () if image_cu is None else (self.condition_embedder.image_embedder(image.to(dtype)), image_cu)
         for block in self.blocks:
-            x = block(x, ctx, time_proj, layout)
+            x = block(x, ctx, time_proj, layout, img)
         shift, scale = (self.scale_shift_table.float() + temb[:, None]).unbind(1)
         h = (_layer_norm32(x, cfg.eps) * (1 + layout.per_token(scale)) + layout.per_token(shift)).to(x.dtype)
         out = self.proj_out(h)

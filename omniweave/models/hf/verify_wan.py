@@ -6,7 +6,10 @@
                   pt x 4·ph x 2·pw latent cells), each with its own timestep and random text states
                   (some zero rows at the end, as the pipeline's padding), packed in one row through
                   omniweave's WanDiT (hf/wan.py ``load_wan_dit``) vs each alone through diffusers'
-                  ``WanTransformer3DModel.from_pretrained``
+                  ``WanTransformer3DModel.from_pretrained``. An image-to-video DiT (``image_dim``
+                  set) also gets random image features per clip (257 and 13 tokens; FLF2V:
+                  ``pos_embed_seq_len`` each) and, as diffusers splits the image tokens off by a
+                  hard-coded text length, text padded with zero rows to 512
     vae/          (``_class_name: AutoencoderKLWan``)
         latents   a random video [1, 3, 5, 4·s, 6·s] (s = 8, the spatial factor) encoded:
                   ``WanVAE.encode`` vs ``encode(x).latent_dist.mode()``
@@ -16,8 +19,8 @@ DIR is a model folder (weights ``diffusion_pytorch_model.safetensors`` or sharde
 ``diffusion_pytorch_model-0000i-of-0000n.safetensors`` + ``.index.json``) or a pipeline root
 (``model_index.json``): then its ``transformer/``, ``transformer_2/`` and ``vae/`` are each checked.
 Exit 1 when a difference exceeds ``--atol`` (default 1e-4: measured ~1e-6 on tiny random models, see
-tests/test_wan_hf.py), 0 otherwise; 2 for a folder this cannot check (an image-to-video DiT, a Wan 2.2
-VAE, another diffusers class) or when diffusers is not installed (it is the reference only: not an
+tests/test_wan_hf.py), 0 otherwise; 2 for a folder this cannot check (a Wan 2.2 VAE, another
+diffusers class) or when diffusers is not installed (it is the reference only: not an
 omniweave dependency). The reference runs first and is freed before ours loads, so the peak memory
 is one fp32 copy of the model (1.3B DiT: ~5.7 GB; 14B: ~57 GB). The text encoder is transformers'
 own umT5 in omniweave (diffusion/text_encoder.py): nothing of ours to compare there.
@@ -39,6 +42,8 @@ TRANSFORMER = "WanTransformer3DModel"
 VAE = "AutoencoderKLWan"
 PIPELINE_PARTS = ("transformer", "transformer_2", "vae")
 TEXT_ROWS = ((11, 6), (7, 12))  # per clip: random text-state rows, then zero rows (the pipeline's padding)
+IMAGE_ROWS = (257, 13)  # I2V: image-feature tokens per clip (Wan's CLIP gives 257)
+I2V_TEXT_LEN = 512  # diffusers' WanAttnProcessor takes all but the last 512 context rows as the image's
 
 
 def diffusers_class(hf_dir: str | Path) -> str | None:
@@ -115,13 +120,20 @@ def verify_transformer(path: Path, seed: int = 0) -> list[tuple[str, float, str]
     config = read_diffusers_config(path, TRANSFORMER)
     try:
         cfg = config_from_diffusers(config)
-    except ValueError as e:  # image-to-video, or fields of a later variant
+    except ValueError as e:  # fields of a later variant, an inconsistent I2V config
         raise UserError(f"{path}: {e}") from None
     g = torch.Generator().manual_seed(seed)
     sizes = _clip_sizes(cfg.patch_size)
     latents = [torch.randn(cfg.in_channels, *s, generator=g) for s in sizes]
-    texts = [torch.cat([torch.randn(n, cfg.text_dim, generator=g), torch.zeros(z, cfg.text_dim)]) for n, z in TEXT_ROWS]
+    i2v = cfg.image_dim is not None
+    text_rows = [(n, I2V_TEXT_LEN - n) for n, _ in TEXT_ROWS] if i2v else TEXT_ROWS
+    texts = [torch.cat([torch.randn(n, cfg.text_dim, generator=g), torch.zeros(z, cfg.text_dim)]) for n, z in text_rows]
     timesteps = (torch.rand(len(sizes), generator=g) * 1000).round(decimals=2)
+    images = [torch.randn(cfg.pos_embed_seq_len or n, cfg.image_dim, generator=g) for n in IMAGE_ROWS] if i2v else None
+    image_kw = {}
+    if i2v:
+        image_kw = dict(image=torch.cat(images), image_cu_seqlens=torch.tensor(
+            [0, *torch.tensor([c.shape[0] for c in images]).cumsum(0).tolist()], dtype=torch.int32))
 
     # ours first: its strict loader refuses a folder with missing or unknown tensors in one line, where
     # diffusers would warn and run with uninitialised weights; each model is freed before the next loads
@@ -129,22 +141,29 @@ def verify_transformer(path: Path, seed: int = 0) -> list[tuple[str, float, str]
     tokens, grid = patchify_clips(latents, cfg.patch_size)
     cu = torch.tensor([0, *torch.tensor([c.shape[0] for c in texts]).cumsum(0).tolist()], dtype=torch.int32)
     with torch.no_grad():
-        got = unpatchify_clips(ours(tokens, grid, timesteps, torch.cat(texts), cu), grid, cfg.out_channels,
-                               cfg.patch_size)
+        got = unpatchify_clips(ours(tokens, grid, timesteps, torch.cat(texts), cu, **image_kw), grid,
+                               cfg.out_channels, cfg.patch_size)
     del ours
     gc.collect()
 
     ref = _load(lambda: WanTransformer3DModel.from_pretrained(str(path), torch_dtype=torch.float32), "diffusers", path)
+    def image_of(i):  # diffusers' FLF2V embedder takes the clip's two images as a batch of 2 and joins them
+        if not i2v:
+            return None
+        return images[i].view(2, -1, cfg.image_dim) if cfg.pos_embed_seq_len else images[i][None]
+
     with torch.no_grad():
-        want = [ref(hidden_states=x[None], timestep=t[None], encoder_hidden_states=c[None], return_dict=False)[0][0]
-                for x, t, c in zip(latents, timesteps, texts)]  # fmt: skip
+        want = [ref(hidden_states=x[None], timestep=t[None], encoder_hidden_states=c[None],
+                    encoder_hidden_states_image=image_of(i), return_dict=False)[0][0]
+                for i, (x, t, c) in enumerate(zip(latents, timesteps, texts))]  # fmt: skip
     del ref
     err = max((a - b).abs().max().item() for a, b in zip(got, want))
     scale = max(w.abs().max().item() for w in want)
     shapes = ", ".join(f"{cfg.in_channels}x{f}x{h}x{w}" for f, h, w in sizes)
     when = [round(t, 2) for t in timesteps.tolist()]
+    img = f", image tokens {[c.shape[0] for c in images]}" if i2v else ""
     return [("velocity", err,
-             f"clips [C,F,H,W] {shapes}, t {when}, text rows {[c.shape[0] for c in texts]}: packed in one row "
+             f"clips [C,F,H,W] {shapes}, t {when}, text rows {[c.shape[0] for c in texts]}{img}: packed in one row "
              f"(omniweave WanDiT) vs each alone (diffusers {TRANSFORMER}); fp32, |v| max {scale:.3g}")]
 
 

@@ -1,16 +1,20 @@
-"""Wan 2.1 T2V checkpoints in diffusers' layout (``WanTransformer3DModel``, diffusers 0.42.1) <-> our
+"""Wan 2.1 T2V and I2V checkpoints in diffusers' layout (``WanTransformer3DModel``, diffusers 0.42.1) <-> our
 :class:`~omniweave.models.components.wan_dit.WanDiT`.
 
-Our names are diffusers' except three renames and two reshapes:
+Our names are diffusers' except five renames and two reshapes:
 
     attn{1,2}.to_out.0.*        attn{1,2}.to_out.*
     ffn.net.0.proj.*            ffn.fc1.*
     ffn.net.2.*                 ffn.fc2.*
+    condition_embedder.image_embedder.ff.net.0.proj.*   ....image_embedder.ff.fc1.*   (I2V)
+    condition_embedder.image_embedder.ff.net.2.*        ....image_embedder.ff.fc2.*   (I2V)
     patch_embedding.weight      Conv3d [D, C, pt, ph, pw]  <->  Linear [D, C·pt·ph·pw] (flatten, same order)
     proj_out.weight / .bias     rows (pt, ph, pw, C) channel-last  <->  rows (C, pt, ph, pw), our patchify order
 
-Strict both ways: a key neither side knows is an error naming it (an I2V checkpoint's
-``add_k_proj`` / ``image_embedder`` keys say so). diffusers' ``norm_added_q`` (ignored by its own
+I2V (``image_dim`` / ``added_kv_proj_dim`` / ``pos_embed_seq_len`` in config.json) adds
+``condition_embedder.image_embedder.{norm1,norm2,pos_embed}`` and ``blocks.N.attn2.{add_k_proj,
+add_v_proj,norm_added_k}`` under the same names. Strict both ways: a key neither side knows is an
+error naming it (I2V keys against a T2V config say so). diffusers' ``norm_added_q`` (ignored by its own
 loader, ``_keys_to_ignore_on_load_unexpected``) is dropped. RoPE tables are not in either state dict.
 
 diffusers quirk: its ``qk_norm`` config field is passed to the blocks and never read; every Wan
@@ -46,25 +50,32 @@ _RENAMES = [  # (diffusers, ours) name fragments, whole dotted components
     (re.compile(r"^(blocks\.\d+\.attn[12]\.to_out)\.0\.(weight|bias)$"), r"\1.\2"),
     (re.compile(r"^(blocks\.\d+\.ffn)\.net\.0\.proj\.(weight|bias)$"), r"\1.fc1.\2"),
     (re.compile(r"^(blocks\.\d+\.ffn)\.net\.2\.(weight|bias)$"), r"\1.fc2.\2"),
+    (re.compile(r"^(condition_embedder\.image_embedder\.ff)\.net\.0\.proj\.(weight|bias)$"), r"\1.fc1.\2"),
+    (re.compile(r"^(condition_embedder\.image_embedder\.ff)\.net\.2\.(weight|bias)$"), r"\1.fc2.\2"),
 ]
 _BACK = [
     (re.compile(r"^(blocks\.\d+\.attn[12]\.to_out)\.(weight|bias)$"), r"\1.0.\2"),
     (re.compile(r"^(blocks\.\d+\.ffn)\.fc1\.(weight|bias)$"), r"\1.net.0.proj.\2"),
     (re.compile(r"^(blocks\.\d+\.ffn)\.fc2\.(weight|bias)$"), r"\1.net.2.\2"),
+    (re.compile(r"^(condition_embedder\.image_embedder\.ff)\.fc1\.(weight|bias)$"), r"\1.net.0.proj.\2"),
+    (re.compile(r"^(condition_embedder\.image_embedder\.ff)\.fc2\.(weight|bias)$"), r"\1.net.2.\2"),
 ]
 _SAME = re.compile(
     r"^(scale_shift_table|patch_embedding\.bias|proj_out\.(weight|bias)"
     r"|condition_embedder\.(time_embedder|text_embedder)\.linear_[12]\.(weight|bias)"
     r"|condition_embedder\.time_proj\.(weight|bias)"
+    r"|condition_embedder\.image_embedder\.(norm[12]\.(weight|bias)|pos_embed)"
     r"|blocks\.\d+\.(scale_shift_table|norm2\.(weight|bias)"
-    r"|attn[12]\.(to_[qkv]\.(weight|bias)|norm_[qk]\.weight)))$"
+    r"|attn[12]\.(to_[qkv]\.(weight|bias)|norm_[qk]\.weight)"
+    r"|attn2\.(add_[kv]_proj\.(weight|bias)|norm_added_k\.weight)))$"
 )
 _I2V = re.compile(r"(add_[kv]_proj|norm_added_k|image_embedder)")
 _IGNORED = re.compile(r"\.norm_added_q\.")
 
-_CONFIG_FIELDS = ("in_channels", "out_channels", "patch_size", "num_attention_heads", "attention_head_dim",
-                  "text_dim", "freq_dim", "ffn_dim", "num_layers", "eps", "rope_max_seq_len", "cross_attn_norm")
 _I2V_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+_CONFIG_FIELDS = ("in_channels", "out_channels", "patch_size", "num_attention_heads", "attention_head_dim",
+                  "text_dim", "freq_dim", "ffn_dim", "num_layers", "eps", "rope_max_seq_len", "cross_attn_norm",
+                  *_I2V_FIELDS)
 
 
 def _rename(key: str, rules) -> str | None:
@@ -78,7 +89,8 @@ def _refuse(bad: list[str], side: str) -> None:
     if not bad:
         return
     i2v = [k for k in bad if _I2V.search(k)]
-    hint = " (Wan I2V image-conditioning weights: only T2V is implemented)" if i2v else ""
+    hint = (" (Wan I2V image-conditioning weights: the config needs image_dim and added_kv_proj_dim, or the "
+            "model lacks them)") if i2v else ""
     raise KeyError(f"{len(bad)} {side} key(s) with no counterpart{hint}: {', '.join(sorted(bad)[:8])}"
                    + (" ..." if len(bad) > 8 else ""))
 
@@ -144,14 +156,11 @@ def ours_to_diffusers(state_dict: dict[str, Tensor], patch_size=(1, 2, 2)) -> di
 
 def config_from_diffusers(config: dict[str, Any], **overrides) -> WanDiTConfig:
     """``WanDiTConfig`` from a diffusers ``config.json`` dict (``_``-prefixed bookkeeping ignored);
-    ``overrides`` set our own fields (``attn_backend`` …). I2V configs and unknown fields are refused."""
-    known = set(_CONFIG_FIELDS) | set(_I2V_FIELDS) | {"qk_norm"}
+    ``overrides`` set our own fields (``attn_backend`` …). Unknown fields are refused."""
+    known = set(_CONFIG_FIELDS) | {"qk_norm"}
     unknown = sorted(k for k in config if not k.startswith("_") and k not in known)
     if unknown:
         raise ValueError(f"diffusers Wan config has fields WanDiT does not know: {unknown}")
-    i2v = {k: config[k] for k in _I2V_FIELDS if config.get(k) is not None}
-    if i2v:
-        raise ValueError(f"diffusers Wan config is image-to-video ({i2v}): only text-to-video is implemented")
     kwargs = {k: config[k] for k in _CONFIG_FIELDS if k in config}
     if kwargs.get("out_channels") is None and "in_channels" in kwargs:  # diffusers: out_channels or in_channels
         kwargs["out_channels"] = kwargs["in_channels"]
@@ -163,7 +172,7 @@ def config_from_diffusers(config: dict[str, Any], **overrides) -> WanDiTConfig:
 
 
 def config_to_diffusers(cfg: WanDiTConfig) -> dict[str, Any]:
-    """The diffusers ``WanTransformer3DModel`` keyword arguments of our config (T2V)."""
+    """The diffusers ``WanTransformer3DModel`` keyword arguments of our config (T2V or I2V)."""
     if cfg.rope_theta != 10000.0:
         raise ValueError(f"rope_theta {cfg.rope_theta}: diffusers' Wan fixes it at 10000")
     out = {k: getattr(cfg, k) for k in _CONFIG_FIELDS}
@@ -225,7 +234,7 @@ def load_wan_dit(path: str | Path, dtype: torch.dtype | None = torch.float32, de
     """Our :class:`WanDiT` from a diffusers ``WanTransformer3DModel`` folder, strictly (every tensor
     used, none missing; shapes checked), in ``dtype`` (default float32, as diffusers' ``from_pretrained``;
     None: as stored) on ``device``, eval mode. ``overrides``: our own config fields (``attn_backend``).
-    Image-to-video configs (``image_dim`` set) are refused: only T2V is implemented."""
+    T2V or I2V (``image_dim`` set), as the folder's config.json says."""
     from omniweave.models.hf.loading import assign_state_dict
 
     config = read_diffusers_config(path, DIFFUSERS_CLASS)
@@ -245,7 +254,7 @@ def save_wan_dit(model: WanDiT, path: str | Path, max_shard_size: int = 10 * 10*
                  dtype: torch.dtype | None = None) -> Path:
     """Write ``model`` as a diffusers ``WanTransformer3DModel`` folder (what ``from_pretrained`` and a
     Wan pipeline's ``transformer/`` read): ``config.json`` (``_class_name``, ``_diffusers_version``,
-    the I2V fields null) and the weights in diffusers' names and layouts, in one
+    the I2V fields null for T2V) and the weights in diffusers' names and layouts, in one
     ``diffusion_pytorch_model.safetensors`` or, above ``max_shard_size`` bytes (diffusers' 10 GB), in
     shards + ``diffusion_pytorch_model.safetensors.index.json``. ``dtype`` casts floating tensors (None:
     as they are). Tensors are gathered to the CPU (a DTensor's full tensor: under FSDP every rank must
@@ -262,7 +271,7 @@ def save_wan_dit(model: WanDiT, path: str | Path, max_shard_size: int = 10 * 10*
         state[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
     tensors = {k: v.contiguous() for k, v in ours_to_diffusers(state, cfg.patch_size).items()}
     config = {"_class_name": DIFFUSERS_CLASS, "_diffusers_version": DIFFUSERS_VERSION, **config_to_diffusers(cfg),
-              "patch_size": list(cfg.patch_size), **{k: None for k in _I2V_FIELDS}}
+              "patch_size": list(cfg.patch_size)}
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for stale in [path / WEIGHTS_NAME, path / WEIGHTS_INDEX_NAME, *path.glob("diffusion_pytorch_model-*.safetensors")]:
         stale.unlink(missing_ok=True)  # a previous export's files would shadow or contradict this one
