@@ -77,8 +77,10 @@ def modality_of(kind: str) -> Modality:
 
 ENCODER_SECTIONS = tuple(s for m in MODALITIES for s in (m.encoder, m.projector))
 # video diffusion (models/diffusion.py): the generator (a DiT) is the trained model; the VAE and the
-# text encoder around it are frozen codecs that run offline (`data pack`) and at sampling time
-DIFFUSION_SECTIONS = ("generator", "vae", "text_encoder")
+# text encoder around it are frozen codecs that run offline (`data pack`) and at sampling time, as is
+# image-to-video's image encoder (CLIP, diffusion/image_encoder.py; not `image_encoder`: that kind is
+# a multimodal LLM's vision tower)
+DIFFUSION_SECTIONS = ("generator", "vae", "text_encoder", "image_conditioner")
 # the action expert (vision-language-action models, models/vla.py) sits beside the encoders: it
 # reads the backbone's keys and values instead of feeding it
 MODEL_SECTIONS = ("foundation", *ENCODER_SECTIONS, "action_expert", *DIFFUSION_SECTIONS)
@@ -133,6 +135,7 @@ COMPONENT_MODULES = [
     "omniweave.models.components.wan_dit",
     "omniweave.models.components.wan_vae",
     "omniweave.diffusion.text_encoder",
+    "omniweave.diffusion.image_encoder",
     "omniweave.rl.rewards",
 ]
 
