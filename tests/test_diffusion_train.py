@@ -97,17 +97,18 @@ def test_flow_loss_falls_and_a_resumed_run_equals_an_uninterrupted_one(clips, tm
     assert _run(clips, tmp_path / "cut", resume="auto", steps=12, train__save_interval=6, train__lr=3e-3) == whole[6:]
 
 
-@pytest.mark.parametrize("layout", ["dp2", "cp2_ring", "cp2_ulysses", "tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "cp2_ring", "cp2_ulysses", "tp2", "cp2_tp2"])
 def test_parallel_layouts_equal_one_process(clips, tmp_path, layout):
     """dp 2 (FSDP2, gloo), sequence parallel 2 over the video tokens (ring and Ulysses attention,
-    parallel/context/sequence.py) and tensor parallel 2 (model.generator.tp, parallel/tp.py) vs one
-    process on the same global batch: losses, grad norms and captions dropped within 1e-5
-    relative for 3 steps; the layouts a generator does not run under yet are refused in one line."""
+    parallel/context/sequence.py), tensor parallel 2 (model.generator.tp, parallel/tp.py) and both
+    (4 ranks) vs one process on the same global batch: losses, grad norms and captions dropped
+    within 1e-5 relative for 3 steps; the layouts a generator does not run under yet are refused
+    in one line."""
     extra = {"dp2": {}, "cp2_ring": {"parallel__cp": 2}, "cp2_ulysses": {"parallel__cp": 2,
                                                                            "parallel__cp_attention": "ulysses"},
-             "tp2": {"model__generator__tp": 2}}
+             "tp2": {"model__generator__tp": 2}, "cp2_tp2": {"parallel__cp": 2, "model__generator__tp": 2}}
     runs = {}
-    for name, n, kw in (("one", 1, {}), (layout, 2, extra[layout])):
+    for name, n, kw in (("one", 1, {}), (layout, 4 if layout == "cp2_tp2" else 2, extra[layout])):
         out = tmp_path / name / "run"
         res = train_subprocess(clips["packed"], out, nproc=n, steps=3, global_batch=2, recipe="tiny_diffusion",
                                data__max_len=256, **kw)
@@ -117,7 +118,7 @@ def test_parallel_layouts_equal_one_process(clips, tmp_path, layout):
         assert [r[key] for r in runs[layout]] == pytest.approx([r[key] for r in runs["one"]], rel=1e-5), key
     assert runs["one"][0]["mfu"] > 0
     if layout == "dp2":
-        for refused in ("model.generator.tp=2", "parallel.cp_attention=allgather", "parallel.seq_chunks=2"):
+        for refused in ("parallel.pp=2", "parallel.cp_attention=allgather", "parallel.seq_chunks=2"):
             assert cli(["train", "tiny_diffusion", f"data.path={clips['packed']}", f"output_dir={tmp_path / 'x'}",
                         "parallel.cp=2", refused]) == 2
 

@@ -41,7 +41,7 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.nn.functional import all_reduce
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -116,11 +116,29 @@ class ReplicatedKVHeads(ParallelStyle):
         return distribute_module(module, device_mesh, self._replicate, self._replicated_input, self._own_head)
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient: every rank's output feeds only its
+    own shard of what follows, so the input's gradient is the sum of all ranks' contributions."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _sharded_rms_norm(module: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
     """``RMSNorm.forward`` on this rank's slice of the normalised dim (the same float32 math)."""
     weight = module.weight.to_local()
     xf = x.float()
-    total = all_reduce(xf.pow(2).sum(-1, keepdim=True), group=group)
+    total = _SumOverRanks.apply(xf.pow(2).sum(-1, keepdim=True), group)
     xf = xf * torch.rsqrt(total / module.weight.shape[0] + module.eps)
     return weight * xf.to(x.dtype)
 

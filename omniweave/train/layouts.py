@@ -104,9 +104,6 @@ def refusals(mode: Traits, lay: Layout) -> list[str]:
         if lay.cp > 1 and lay.cp_attention not in ("ring", "ulysses"):
             out.append(f"{mode.mode} with parallel.cp_attention={lay.cp_attention}: sequence parallelism over video "
                        "tokens runs ring or ulysses attention; set parallel.cp_attention to one of them")
-        if lay.cp > 1 and lay.tp > 1:
-            out.append(f"{mode.mode} with parallel.cp={lay.cp} and model.generator.tp={lay.tp}: sequence and tensor "
-                       "parallelism of a generator do not combine yet; use one of them (with dp)")
         for key, value in (("parallel.pp", lay.pp), ("parallel.seq_chunks", lay.seq_chunks)):
             if value > 1:
                 out.append(f"{mode.mode} with {key}={value}: a generator's rows run on dp (FSDP), cp (sequence "
