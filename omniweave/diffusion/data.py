@@ -11,7 +11,11 @@ never in training. ``data pack`` runs its usual phases over a clips conversion (
 - write: each clip decoded, resized, encoded by the VAE (posterior mean, normalised), patchified
   at the generator's patch size, its caption encoded by the text encoder; stored per document
   (clip) as arrays: ``latents [tokens, C·p]``, ``grid [3]``, ``text [len, D]`` and the encoded
-  empty prompt ``empty_text [E, D]`` (caption dropout feeds it).
+  empty prompt ``empty_text [E, D]`` (caption dropout feeds it). An image-to-video recipe (the
+  generator's ``image_dim`` set, a ``model.image_conditioner``) adds the clip's first-frame
+  conditioning (:func:`i2v_condition`): ``cond [tokens, (4 + C)·p]`` (the 4-channel first-frame mask,
+  then the VAE latent of [first frame, zero frames], patchified as the latents) and the image
+  conditioner's features of the first frame ``image [N, image_dim]``.
 
 A pack's token arrays are the clip tokens' slots: ids 0 without labels, so the loader's epoch
 order, balancing, resume and DP sharding run unchanged; :func:`diffusion_rows` gives the loader's
@@ -143,7 +147,63 @@ def decode_clip(data: bytes, meta: dict, plan: ClipPlan) -> np.ndarray:
         if missing:
             raise SampleRejected("too_short", f"frames {missing[:3]}... did not decode (the clip has fewer)")
         images = [images[i] for i in plan.frames]
-    return np.stack([np.asarray(im.resize((plan.width, plan.height), Image.BICUBIC)) for im in images])
+    return np.stack([resized_frame(im, plan.height, plan.width) for im in images])
+
+
+def resized_frame(image, height: int, width: int) -> np.ndarray:
+    """uint8 [H, W, 3] of a PIL image resized (bicubic) to ``height`` x ``width``: how every frame a
+    clip is encoded from is made, and the image ``generate video --image`` starts a clip from."""
+    from PIL import Image
+
+    return np.asarray(image.convert("RGB").resize((width, height), Image.BICUBIC))
+
+
+# ----------------------------------------------------------------------------- image-to-video
+
+VAE_TIME_FACTOR = 4  # video frames per latent frame (after the first): the mask's channels
+
+
+def first_frame_mask(frames: int, t: int, h: int, w: int):
+    """float32 ``[4, t, h, w]``: diffusers' ``WanImageToVideoPipeline.prepare_latents`` mask for a
+    clip of ``frames`` video frames whose first frame is given: the per-frame mask (1 on frame 0, 0
+    after) with frame 0 repeated 4 times, viewed as ``[t, 4]`` and put channel first -- 1 on all
+    4 channels of latent frame 0, 0 elsewhere."""
+    import torch
+
+    if frames != VAE_TIME_FACTOR * (t - 1) + 1:
+        raise ValueError(f"{frames} frames do not make {t} latent frames (4k + 1 frames -> k + 1)")
+    per_frame = torch.zeros(frames)
+    per_frame[0] = 1.0
+    per_frame = torch.cat([per_frame[:1].repeat(VAE_TIME_FACTOR), per_frame[1:]])  # [4t]
+    return per_frame.view(t, VAE_TIME_FACTOR).T[:, :, None, None].expand(VAE_TIME_FACTOR, t, h, w).contiguous()
+
+
+def i2v_condition(vae, image_encoder, first_frame: np.ndarray, frames: int, patch):
+    """A clip's image-to-video conditioning from its first frame (uint8 ``[H, W, 3]``, the clip's
+    size): ``(cond [tokens, (4 + z_dim)·p], image [N, image_dim])``, float32 on the VAE's device.
+    The one function ``data pack`` (:class:`ClipEncoder`) and ``generate video --image`` use.
+
+    As diffusers' ``WanImageToVideoPipeline`` (0.42.1): the conditioning video is the frame (in
+    [-1, 1]) followed by ``frames - 1`` zero frames, VAE-encoded (the posterior mean) and normalised
+    by the VAE's statistics; the mask is :func:`first_frame_mask`; the condition is [mask 4 |
+    latent z_dim] along channels, patchified at the generator's ``patch``. The DiT's input is then
+    [noisy z_dim | mask 4 | latent z_dim] channels (``latent_model_input = cat([latents, condition])``):
+    :func:`~omniweave.models.components.wan_dit.patchify` lays each token out channel-major, so a
+    token's [noisy tokens | cond tokens] is exactly the patch of that channel-concatenated latent.
+    ``image`` is ``image_encoder.clip_features`` of the same frame (CLIP's penultimate states)."""
+    import torch
+
+    from omniweave.models.components.wan_dit import patchify
+
+    device = next(vae.parameters()).device
+    first_frame = np.array(first_frame)  # a writable copy (decoded frames are read-only views)
+    image = torch.from_numpy(first_frame).to(device).permute(2, 0, 1).float() / 127.5 - 1.0
+    video = torch.cat([image[:, None], image.new_zeros(3, frames - 1, *image.shape[1:])], dim=1)[None]
+    with torch.no_grad():
+        z = vae.normalize(vae.encode(video))[0].float()  # [z_dim, t, h, w]
+        features = image_encoder.clip_features(first_frame).float().to(device)
+    mask = first_frame_mask(frames, *z.shape[1:]).to(z)
+    return patchify(torch.cat([mask, z]), patch), features
 
 
 def placeholder_sample(sample_id: str, tokens: int):
@@ -155,7 +215,8 @@ def placeholder_sample(sample_id: str, tokens: int):
 
 
 class ClipEncoder:
-    """The write phase's models: the recipe's VAE and text encoder on ``device``, the generator's patch."""
+    """The write phase's models: the recipe's VAE and text encoder on ``device``, the generator's
+    patch; for an image-to-video recipe its image conditioner too (``codecs["image_conditioner"]``)."""
 
     def __init__(self, codecs: dict, settings: DiffusionSettings, device: str = "auto"):
         import torch
@@ -169,6 +230,8 @@ class ClipEncoder:
         self.vae = build_component("vae", codecs["vae"]).to(self.device).eval()
         self.text_encoder = build_component("text_encoder", codecs["text_encoder"]).to(self.device)
         self.empty = self.text_encoder.empty_states().float().cpu().numpy()
+        conditioner = codecs.get("image_conditioner")
+        self.image_encoder = None if not conditioner else build_component("image_conditioner", conditioner).to(self.device)
 
     def encode(self, frames: np.ndarray, caption: str) -> dict[str, np.ndarray]:
         """A clip's document arrays (module docstring)."""
@@ -183,8 +246,12 @@ class ClipEncoder:
         tokens = patchify(z.float(), self.patch)
         dtype = np.dtype(self.settings.latents_dtype)
         grid = [z.shape[1] // self.patch[0], z.shape[2] // self.patch[1], z.shape[3] // self.patch[2]]
-        return {"latents": tokens.cpu().numpy().astype(dtype), "grid": np.asarray(grid, np.int32),
-                "text": text.float().cpu().numpy().astype(dtype), "empty_text": self.empty.astype(dtype)}
+        arrays = {"latents": tokens.cpu().numpy().astype(dtype), "grid": np.asarray(grid, np.int32),
+                  "text": text.float().cpu().numpy().astype(dtype), "empty_text": self.empty.astype(dtype)}
+        if self.image_encoder is not None:  # image-to-video: the first frame's conditioning
+            cond, image = i2v_condition(self.vae, self.image_encoder, frames[0], len(frames), self.patch)
+            arrays["cond"], arrays["image"] = cond.cpu().numpy().astype(dtype), image.cpu().numpy().astype(dtype)
+        return arrays
 
 
 def tokenize_clip(raw, settings: DiffusionSettings, patch: tuple[int, int, int], encoder: ClipEncoder | None) -> list:
@@ -208,23 +275,31 @@ def tokenize_clip(raw, settings: DiffusionSettings, patch: tuple[int, int, int],
 def diffusion_rows(pack: dict) -> dict:
     """A pack's diffusion row keys (diffusion/objective.py), its documents' arrays concatenated:
     ``latents [T, C·p]``, ``grid [M, 3]``, ``text [S, D]``, ``text_cu_seqlens [M+1]``,
-    ``clip_samples [M]`` (raw sample indices: they seed each clip's draw), ``empty_text [E, D]``."""
+    ``clip_samples [M]`` (raw sample indices: they seed each clip's draw), ``empty_text [E, D]``;
+    image-to-video packs add ``cond [T, (4 + C)·p]``, ``image [N, image_dim]``, ``image_cu_seqlens [M+1]``."""
     import torch
 
     arrays = pack["doc_arrays"]
     if not arrays or any("latents" not in a for a in arrays):
         return {}
     lengths = [len(a["text"]) for a in arrays]
-    return {"latents": torch.from_numpy(np.concatenate([a["latents"] for a in arrays]).astype(np.float32)),
+    rows = {"latents": torch.from_numpy(np.concatenate([a["latents"] for a in arrays]).astype(np.float32)),
             "grid": torch.from_numpy(np.stack([a["grid"] for a in arrays]).astype(np.int64)),
             "text": torch.from_numpy(np.concatenate([a["text"] for a in arrays]).astype(np.float32)),
             "text_cu_seqlens": torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32),
             "clip_samples": torch.tensor([int(d["index"]) for d in pack["docs"]]),
             "empty_text": torch.from_numpy(np.array(arrays[0]["empty_text"], np.float32))}  # a copy: packs are read-only
+    if "cond" in arrays[0]:  # image-to-video (i2v_condition)
+        images = [len(a["image"]) for a in arrays]
+        rows.update(cond=torch.from_numpy(np.concatenate([a["cond"] for a in arrays]).astype(np.float32)),
+                    image=torch.from_numpy(np.concatenate([a["image"] for a in arrays]).astype(np.float32)),
+                    image_cu_seqlens=torch.tensor(np.r_[0, np.cumsum(images)], dtype=torch.int32))
+    return rows
 
 
 def check_recipe(model_cfg: dict, phase: str) -> None:
-    """A diffusion phase needs a generator, a VAE and a text encoder; a generator trains on nothing else."""
+    """A diffusion phase needs a generator, a VAE and a text encoder (and, for an image-to-video
+    generator, an image conditioner: :func:`check_i2v`); a generator trains on nothing else."""
     from omniweave.errors import UserError
 
     has_generator = bool(model_cfg.get("generator"))
@@ -233,25 +308,53 @@ def check_recipe(model_cfg: dict, phase: str) -> None:
         if missing:
             raise UserError(f"train.phase=diffusion needs model.{', model.'.join(missing)} (recipe demo_diffusion "
                             "shows all three)")
+        check_i2v(model_cfg)
     elif has_generator:
         raise UserError(f"model.generator (video diffusion) trains with train.phase=diffusion, not {phase!r}")
 
 
+def check_i2v(model_cfg: dict) -> None:
+    """An image-to-video generator (``image_dim`` set) comes with a ``model.image_conditioner`` and
+    takes 4 + 2 x its output channels in ([noisy | mask 4 | conditioning latent]); a text-to-video one
+    has no image conditioner. One line naming the key otherwise."""
+    from omniweave.errors import UserError
+
+    gen, conditioner = model_cfg["generator"], model_cfg.get("image_conditioner")
+    image_dim = gen.get("image_dim")
+    if image_dim and not conditioner:
+        raise UserError(f"model.generator.image_dim={image_dim} (image-to-video) needs model.image_conditioner "
+                        "(the first frame's features: recipe tiny_diffusion_i2v shows one)")
+    if conditioner and not image_dim:
+        raise UserError("model.image_conditioner is set but model.generator has no image_dim (a text-to-video "
+                        "generator): set model.generator.image_dim / added_kv_proj_dim or remove the conditioner")
+    if image_dim:
+        out = int(gen.get("out_channels", 16))
+        if int(gen.get("in_channels", 16)) != 2 * out + VAE_TIME_FACTOR:
+            raise UserError(f"model.generator.in_channels={gen.get('in_channels', 16)}: an image-to-video generator "
+                            f"takes {2 * out + VAE_TIME_FACTOR} ({out} noisy + {VAE_TIME_FACTOR} mask + {out} "
+                            "conditioning latent channels)")
+
+
 def codecs_of(model_cfg: dict) -> dict:
     """What a pack's latents and text states were made with: the recipe's VAE and text encoder
-    (their settings, without the training-only keys) and the generator's patch size."""
+    (their settings, without the training-only keys) and the generator's patch size; an
+    image-to-video recipe's image conditioner too (a text-to-video recipe's codecs have no such key,
+    so its packs' fingerprint is what it was)."""
     from omniweave.models.registry import COMMON_KEYS
 
     def settings(section: dict) -> dict:
         return {k: v for k, v in section.items() if k == "name" or k not in COMMON_KEYS}
 
     patch = model_cfg["generator"].get("patch_size", [1, 2, 2])
-    return {"vae": settings(model_cfg["vae"]), "text_encoder": settings(model_cfg["text_encoder"]),
-            "patch_size": [int(p) for p in patch]}
+    codecs = {"vae": settings(model_cfg["vae"]), "text_encoder": settings(model_cfg["text_encoder"]),
+              "patch_size": [int(p) for p in patch]}
+    if model_cfg.get("image_conditioner"):
+        codecs["image_conditioner"] = settings(model_cfg["image_conditioner"])
+    return codecs
 
 
 def with_codecs(data_cfg: dict, model_cfg: dict) -> dict:
     """``data_cfg`` with ``diffusion.codecs`` set from the recipe's model (:func:`codecs_of`): part of
-    the packs' fingerprint, so a run whose VAE, text encoder or patch differs from its packs' is
-    refused (the trainer checks it as any data setting)."""
+    the packs' fingerprint, so a run whose VAE, text encoder, image conditioner or patch differs
+    from its packs' is refused (the trainer checks it as any data setting)."""
     return {**data_cfg, "diffusion": {**dict(data_cfg.get("diffusion") or {}), "codecs": codecs_of(model_cfg)}}

@@ -2,7 +2,7 @@
 
     omniweave generate video RUN --prompt "a red disc moving left" [--prompt ...] [--prompts FILE.jsonl]
         [--frames 17] [--height 32] [--width 48] [--sampler unipc|euler] [--steps 30] [--guidance 5.0]
-        [--shift 3.0] [--negative ""] [--seed 0] [--output DIR] [--gif]
+        [--shift 3.0] [--negative ""] [--seed 0] [--output DIR] [--gif] [--image PATH [--image PATH ...]]
 
 The run's checkpoint gives the generator; its recipe's ``model.vae`` and ``model.text_encoder``
 (the codecs its packs were made with) encode the prompts and decode the latents. The sampler is
@@ -14,6 +14,14 @@ caption dropout fed the encoded empty prompt): ``v = v_neg + guidance · (v_text
 ``--guidance 1`` skips the negative branch. Each clip starts from its own noise (seed + its index),
 so a clip does not depend on the others in the call. Writes ``DIR/NNN.mp4`` (and ``.gif``) and
 ``DIR/generate.json`` (prompts, settings, files).
+
+An image-to-video run (its generator has ``image_dim``; its recipe a ``model.image_conditioner``)
+needs ``--image PATH``: one image for every prompt, or one per prompt (repeated, in order). Each
+image is resized (bicubic) to ``--height`` x ``--width`` -- as ``data pack`` resizes a clip's frames --
+and conditions its clip as the packs did (diffusion/data.py ``i2v_condition``: the VAE latent of
+[image, zero frames] and the first-frame mask after each token's noisy values, the image
+conditioner's features beside the text), in both guidance branches, as diffusers'
+``WanImageToVideoPipeline`` does. A text-to-video run refuses ``--image``.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--output", help="output folder (default RUN/generated)")
     p.add_argument("--gif", action="store_true", help="also write each clip as a GIF")
+    p.add_argument("--image", action="append", default=[],
+                   help="image-to-video runs: the first frame (one for all prompts, or one per prompt, repeated)")
 
 
 def read_prompts(args) -> list[str]:
@@ -84,14 +94,22 @@ class VideoGenerator:
         self.vae = build_component("vae", cfg["model"]["vae"]).eval()
         self.text_encoder = build_component("text_encoder", cfg["model"]["text_encoder"])
         self.text_len = int(((cfg.get("data") or {}).get("diffusion") or {}).get("text_len", 512))
+        conditioner = cfg["model"].get("image_conditioner")  # image-to-video (check_recipe: with image_dim)
+        self.image_encoder = build_component("image_conditioner", conditioner) if conditioner else None
         self.shift = float(((cfg.get("train") or {}).get("diffusion") or {}).get("shift", 3.0))
 
+    @property
+    def i2v(self) -> bool:
+        return self.generator.config.image_dim is not None
+
     def sample(self, prompts: list[str], frames: int, height: int, width: int, steps: int, guidance: float,
-               shift: float | None = None, negative: str = "", seed: int = 0, sampler: str = "unipc") -> list[np.ndarray]:
-        """uint8 [T, H, W, 3] clips, one per prompt."""
+               shift: float | None = None, negative: str = "", seed: int = 0, sampler: str = "unipc",
+               images: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """uint8 [T, H, W, 3] clips, one per prompt (I2V: each starting from its image, :meth:`sample_latents`)."""
         import torch
 
-        latents = self.sample_latents(prompts, frames, height, width, steps, guidance, shift, negative, seed, sampler)
+        latents = self.sample_latents(prompts, frames, height, width, steps, guidance, shift, negative, seed, sampler,
+                                      images)
         out = []
         for z in latents:
             with torch.no_grad():
@@ -100,8 +118,11 @@ class VideoGenerator:
         return out
 
     def sample_latents(self, prompts: list[str], frames: int, height: int, width: int, steps: int, guidance: float,
-                       shift: float | None = None, negative: str = "", seed: int = 0, sampler: str = "unipc") -> list:
-        """Normalised latents [z_dim, T', H/8, W/8], one per prompt (what :meth:`sample` decodes)."""
+                       shift: float | None = None, negative: str = "", seed: int = 0, sampler: str = "unipc",
+                       images: list[np.ndarray] | None = None) -> list:
+        """Normalised latents [z_dim, T', H/8, W/8], one per prompt (what :meth:`sample` decodes). An
+        image-to-video run takes ``images``: uint8 [height, width, 3] first frames, one for all
+        prompts or one per prompt (:func:`load_images` makes them)."""
         import torch
 
         from omniweave.diffusion.schedule import euler_sample, guided, inference_sigmas
@@ -112,6 +133,10 @@ class VideoGenerator:
             raise UserError(f"--frames {frames} must be 4k + 1 and --height {height} / --width {width} multiples of 16")
         if sampler not in SAMPLERS:
             raise UserError(f"--sampler {sampler}: choose from {', '.join(SAMPLERS)}")
+        images = check_images(images, len(prompts), self.i2v)
+        for image in images or ():
+            if tuple(np.shape(image)) != (height, width, 3):
+                raise ValueError(f"an image of shape {np.shape(image)}: sampling wants uint8 [{height}, {width}, 3]")
         z_dim, patch = self.vae.cfg.z_dim, self.generator.config.patch_size
         shape = (z_dim, 1 + (frames - 1) // 4, height // 8, width // 8)
         shift = self.shift if shift is None else shift
@@ -124,24 +149,68 @@ class VideoGenerator:
 
         texts = self.text_encoder.encode(prompts, max_sequence_length=self.text_len)
         neg = self.text_encoder.encode([negative], max_sequence_length=self.text_len)[0]
+        conditions = [self._condition(image, frames, patch) for image in images or ()]  # each given image once
         out = []
         for i, text in enumerate(texts):
             noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
             tokens, grid = patchify_clips([noise], patch)
+            cond, image = conditions[i % len(conditions)] if conditions else (None, {})
 
-            def velocity(x, sigma, text=text):
+            def velocity(x, sigma, text=text, cond=cond, image=image):
                 # float32 time; UniPC hands sigma in float64 so that this product is its integer timestep
                 t = (sigma * 1000).float().reshape(1)
                 cu = torch.tensor([0, len(text)], dtype=torch.int32)
-                v = self.generator(x, grid, t, text.float(), cu)
+                x = x if cond is None else torch.cat([x, cond.to(x.dtype)], dim=1)  # [noisy | mask | cond] per token
+                v = self.generator(x, grid, t, text.float(), cu, **image)
                 if guidance == 1.0:
                     return v
-                return guided(v, self.generator(x, grid, t, neg.float(), torch.tensor([0, len(neg)], dtype=torch.int32)),
-                              guidance)
+                neg_cu = torch.tensor([0, len(neg)], dtype=torch.int32)
+                return guided(v, self.generator(x, grid, t, neg.float(), neg_cu, **image), guidance)
 
             with torch.no_grad():
                 out.append(unpatchify_clips(solve(velocity, tokens), grid, z_dim, patch)[0])
         return out
+
+    def _condition(self, image: np.ndarray, frames: int, patch) -> tuple:
+        """(cond tokens, the generator's image kwargs) of one first frame, as ``data pack`` made them."""
+        import torch
+
+        from omniweave.diffusion.data import i2v_condition
+
+        cond, features = i2v_condition(self.vae, self.image_encoder, image, frames, patch)
+        return cond, {"image": features, "image_cu_seqlens": torch.tensor([0, len(features)], dtype=torch.int32)}
+
+
+def check_images(images: list | None, prompts: int, i2v: bool) -> list | None:
+    """The first frames (or their paths) given for ``prompts`` prompts, checked against the run: none
+    for a text-to-video run, one or one per prompt for an image-to-video run (one line otherwise)."""
+    images = list(images or [])
+    if not i2v:
+        if images:
+            raise UserError("--image: this run is text-to-video (its generator has no image_dim); "
+                            "drop --image or sample an image-to-video run")
+        return None
+    if not images:
+        raise UserError("this run is image-to-video: give --image PATH (one for all prompts, or one per prompt)")
+    if len(images) not in (1, prompts):
+        raise UserError(f"{len(images)} --image for {prompts} prompts: give one image for all, or one per prompt")
+    return images
+
+
+def load_images(paths: list[str], height: int, width: int) -> list[np.ndarray]:
+    """Each ``--image`` as uint8 [height, width, 3], resized as ``data pack`` resizes frames."""
+    from PIL import Image, UnidentifiedImageError
+
+    from omniweave.diffusion.data import resized_frame
+
+    out = []
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                out.append(resized_frame(im, height, width))
+        except (OSError, UnidentifiedImageError) as e:
+            raise UserError(f"--image {path}: cannot read it as an image ({e})") from None
+    return out
 
 
 def run(args) -> int:
@@ -150,8 +219,10 @@ def run(args) -> int:
     prompts = read_prompts(args)
     t0 = time.time()
     gen = VideoGenerator(args.run)
+    check_images(args.image, len(prompts), gen.i2v)  # before reading any image
+    images = load_images(args.image, args.height, args.width) if args.image else None
     clips = gen.sample(prompts, args.frames, args.height, args.width, args.steps, args.guidance, args.shift,
-                       args.negative, args.seed, args.sampler)
+                       args.negative, args.seed, args.sampler, images)
     out = Path(args.output) if args.output else Path(args.run) / "generated"
     out.mkdir(parents=True, exist_ok=True)
     files = []
@@ -167,7 +238,7 @@ def run(args) -> int:
     record = {"run": str(args.run), "prompts": prompts, "files": files, "frames": args.frames, "height": args.height,
               "width": args.width, "sampler": args.sampler, "steps": args.steps, "guidance": args.guidance,
               "shift": gen.shift if args.shift is None else args.shift, "negative": args.negative, "seed": args.seed,
-              "seconds": round(time.time() - t0, 2)}
+              "images": list(args.image), "seconds": round(time.time() - t0, 2)}
     (out / "generate.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"generate video: {len(clips)} clip(s) of {args.frames} frames at {args.width}x{args.height} "
           f"({args.sampler}, {args.steps} steps, guidance {args.guidance:g}) in {record['seconds']:.1f}s -> {out}")

@@ -26,8 +26,8 @@ runs under ``torch.no_grad`` in its dtype (float32 by default, as Wan's pipeline
 
 Registered as the ``image_conditioner`` component ``clip_vision`` (registry.DIFFUSION_SECTIONS):
 the registry's ``image_encoder`` kind is the vision tower of a multimodal LLM (a different
-contract, and a section a diffusion recipe refuses). Nothing reads it yet: first-frame latents at
-pack time, the 4-channel mask and I2V caption / image dropout are still to come (docs/diffusion.md).
+contract, and a section a diffusion recipe refuses). ``data pack`` and ``generate video --image``
+read it through diffusion/data.py ``i2v_condition`` (docs/diffusion.md, "Image-to-video").
 """
 
 from __future__ import annotations

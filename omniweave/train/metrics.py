@@ -93,19 +93,34 @@ def generator_flop_counts(g: nn.Module) -> tuple[int, int, int]:
     objective counts them and the cross-attention: ``cross_attention_flops``); the per-clip time and
     text embedders are negligible. Self-attention is bidirectional: each (query, key) pair costs
     twice a causal document's len² / 2 share, hence 2 x layers for ``step_flops``' 6 len² term."""
-    text_kv = {id(p) for b in g.blocks for m in (b.attn2.to_k, b.attn2.to_v) for p in m.parameters()}
+    text_kv = {id(p) for b in g.blocks for m in _context_kv(b) for p in m.parameters()}
     per_token = [*g.blocks.parameters(), *g.patch_embedding.parameters(), *g.proj_out.parameters()]
     n = sum(p.numel() for p in per_token if id(p) not in text_kv)
     return n, 2 * g.config.num_layers, g.config.inner_dim
 
 
-def cross_attention_flops(g: nn.Module, clip_tokens: list[int], text_tokens: list[int]) -> float:
+def _context_kv(block: nn.Module) -> list[nn.Module]:
+    """A DiT block's projections that run on its context (text; an I2V block's image tokens too)."""
+    a = block.attn2
+    return [a.to_k, a.to_v, *(getattr(a, name) for name in ("add_k_proj", "add_v_proj") if hasattr(a, name))]
+
+
+def cross_attention_flops(g: nn.Module, clip_tokens: list[int], text_tokens: list[int],
+                          image_tokens: list[int] | None = None) -> float:
     """A DiT's training FLOPs that scale with the text: each block's key / value projections over a
-    clip's text tokens (6 N), and each clip's queries against its own text (12 width per pair)."""
+    clip's text tokens (6 N), and each clip's queries against its own text (12 width per pair); an
+    image-to-video DiT's added key / value projections over its image tokens and the queries against
+    them likewise (the image embedder's few tokens are left out)."""
     c = g.config
     kv = sum(p.numel() for b in g.blocks for m in (b.attn2.to_k, b.attn2.to_v) for p in m.parameters())
     pairs = sum(q * k for q, k in zip(clip_tokens, text_tokens))
-    return 6.0 * kv * sum(text_tokens) + 12.0 * c.num_layers * c.inner_dim * pairs
+    flops = 6.0 * kv * sum(text_tokens) + 12.0 * c.num_layers * c.inner_dim * pairs
+    if image_tokens:
+        added = sum(p.numel() for b in g.blocks for m in (b.attn2.add_k_proj, b.attn2.add_v_proj)
+                    for p in m.parameters())
+        pairs = sum(q * k for q, k in zip(clip_tokens, image_tokens))
+        flops += 6.0 * added * sum(image_tokens) + 12.0 * c.num_layers * c.inner_dim * pairs
+    return flops
 
 
 def expert_flop_counts(expert: nn.Module) -> tuple[int, int, int]:

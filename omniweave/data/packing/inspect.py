@@ -117,7 +117,7 @@ def inspect_diffusion(root: Path, ds: PackedDataset, s: dict, color: bool, show:
     m = ds.manifest
     capacity = m["capacity"]
     fills, latent, text_width, text_len, sizes, frames, tokens = [], Counter(), Counter(), [], Counter(), Counter(), []
-    clips, per_pack = 0, []
+    clips, per_pack, images = 0, [], Counter()
     for sh in m["packed_shards"]:
         for rec in json.loads((root / f"{sh['name']}.json").read_text())["packs"]:
             fills.append(rec["length"])
@@ -129,6 +129,8 @@ def inspect_diffusion(root: Path, ds: PackedDataset, s: dict, color: bool, show:
                 if "latents" in arrays:
                     a = arrays["latents"]
                     latent[f"{np.dtype(a['dtype']).name} x {a['shape'][-1]}"] += 1
+                if "image" in arrays:  # image-to-video (diffusion/data.py i2v_condition)
+                    images[" x ".join(map(str, arrays["image"]["shape"]))] += 1
                 if "text" in arrays:
                     text_width[arrays["text"]["shape"][-1]] += 1
                     text_len.append(arrays["text"]["shape"][0])
@@ -150,6 +152,9 @@ def inspect_diffusion(root: Path, ds: PackedDataset, s: dict, color: bool, show:
     print(f"  tokens per clip {_dist(tokens)}; frames {_counts(frames)}; height x width {_counts(sizes)}")
     print(f"  latents (dtype x channels C·p) {_counts(latent)}; text states width {_counts(text_width)}, "
           f"length {_dist(text_len)}")
+    if images:
+        print(f"  image-to-video: image conditioner {codecs.get('image_conditioner', {}).get('name')}; first-frame "
+              f"features (tokens x width) {_counts(images)}")
     if s:
         dropped = s.get("dropped") or {}
         print(f"  clips packed {s.get('samples_packed', clips):,}/{s.get('samples', clips):,}, "
