@@ -238,7 +238,8 @@ def test_i2v_sequence_parallel_equals_one_process(clips, tmp_path):
 
 def test_generate_video_with_an_image(clips, tmp_path):
     """``VideoGenerator`` conditions a clip on its image exactly as the pack did (the same cond and
-    features for a packed clip's first frame); a clip is the same alone or beside another, one image
+    features for a packed clip's first frame); a clip is the same alone or packed beside another
+(within 1e-5), one image
     for all prompts = that image given per prompt, another image changes the clip; the CLI writes
     MP4s and generate.json (with the images); an I2V run without --image, a count that matches
     neither 1 nor the prompts, an unreadable image, and --image to a T2V run: one line each."""
@@ -263,7 +264,7 @@ def test_generate_video_with_an_image(clips, tmp_path):
     kw = dict(frames=5, height=32, width=48, steps=2, guidance=4.0)
     a, b = gen.sample_latents(["a red disc moving left", "a blue disc moving up"], seed=7, images=[first], **kw)
     (b_alone,) = gen.sample_latents(["a blue disc moving up"], seed=8, images=[first], **kw)
-    assert torch.equal(b, b_alone) and torch.isfinite(a).all()
+    assert (b - b_alone).abs().max() <= 1e-5 and torch.isfinite(a).all()  # packed beside a, or alone
     a2, _ = gen.sample_latents(["a red disc moving left", "a blue disc moving up"], seed=7, images=[first, first], **kw)
     assert torch.equal(a, a2)
     (c,) = gen.sample_latents(["a red disc moving left"], seed=7, images=[other], **kw)

@@ -2,7 +2,7 @@
 
     omniweave generate video RUN --prompt "a red disc moving left" [--prompt ...] [--prompts FILE.jsonl]
         [--frames 17] [--height 32] [--width 48] [--sampler unipc|euler] [--steps 30] [--guidance 5.0]
-        [--shift 3.0] [--negative ""] [--seed 0] [--output DIR] [--gif] [--image PATH [--image PATH ...]]
+        [--shift 3.0] [--negative ""] [--seed 0] [--batch 16] [--output DIR] [--gif] [--image PATH [--image PATH ...]]
 
 The run's checkpoint gives the generator; its recipe's ``model.vae`` and ``model.text_encoder``
 (the codecs its packs were made with) encode the prompts and decode the latents. The sampler is
@@ -11,8 +11,10 @@ diffusers checkpoints configure it for WanPipeline), or ``--sampler euler``: dif
 Euler schedule (diffusion/schedule.py: ``inference_sigmas(steps, shift)``). Either runs under
 classifier-free guidance against the encoded negative prompt (default "", as training's
 caption dropout fed the encoded empty prompt): ``v = v_neg + guidance · (v_text − v_neg)``;
-``--guidance 1`` skips the negative branch. Each clip starts from its own noise (seed + its index),
-so a clip does not depend on the others in the call. Writes ``DIR/NNN.mp4`` (and ``.gif``) and
+``--guidance 1`` skips the negative branch. Up to ``--batch`` clips are packed in one row per
+generator call (both guidance branches in it: attention never crosses a clip, as in training) and
+decoded together. Each clip starts from its own noise (seed + its index), so a clip does not
+depend on the others in the call (up to float rounding of the packed GEMMs). Writes ``DIR/NNN.mp4`` (and ``.gif``) and
 ``DIR/generate.json`` (prompts, settings, files).
 
 An image-to-video run (its generator has ``image_dim``; its recipe a ``model.image_conditioner``)
@@ -55,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timestep shift (default: the run's train.diffusion.shift)")
     p.add_argument("--negative", default="", help="the negative prompt (default: empty, as caption dropout trained)")
     p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--batch", type=integer(1), default=16,
+                   help="clips packed in one row per generator call and decoded together (default 16)")
     p.add_argument("--output", help="output folder (default RUN/generated)")
     p.add_argument("--gif", action="store_true", help="also write each clip as a GIF")
     p.add_argument("--image", action="append", default=[],
@@ -104,22 +108,24 @@ class VideoGenerator:
 
     def sample(self, prompts: list[str], frames: int, height: int, width: int, steps: int, guidance: float,
                shift: float | None = None, negative: str = "", seed: int = 0, sampler: str = "unipc",
-               images: list[np.ndarray] | None = None) -> list[np.ndarray]:
-        """uint8 [T, H, W, 3] clips, one per prompt (I2V: each starting from its image, :meth:`sample_latents`)."""
+               images: list[np.ndarray] | None = None, batch: int = 16) -> list[np.ndarray]:
+        """uint8 [T, H, W, 3] clips, one per prompt (I2V: each starting from its image, :meth:`sample_latents`);
+        ``batch`` clips per generator call and per VAE decode."""
         import torch
 
         latents = self.sample_latents(prompts, frames, height, width, steps, guidance, shift, negative, seed, sampler,
-                                      images)
+                                      images, batch)
         out = []
-        for z in latents:
+        for start in range(0, len(latents), batch):
             with torch.no_grad():
-                video = self.vae.decode(self.vae.denormalize(z[None]))[0]  # [3, T, H, W] in [-1, 1]
-            out.append(((video.permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy())
+                videos = self.vae.decode(self.vae.denormalize(torch.stack(latents[start:start + batch])))
+            for video in videos:  # [3, T, H, W] in [-1, 1]
+                out.append(((video.permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy())
         return out
 
     def sample_latents(self, prompts: list[str], frames: int, height: int, width: int, steps: int, guidance: float,
                        shift: float | None = None, negative: str = "", seed: int = 0, sampler: str = "unipc",
-                       images: list[np.ndarray] | None = None) -> list:
+                       images: list[np.ndarray] | None = None, batch: int = 16) -> list:
         """Normalised latents [z_dim, T', H/8, W/8], one per prompt (what :meth:`sample` decodes). An
         image-to-video run takes ``images``: uint8 [height, width, 3] first frames, one for all
         prompts or one per prompt (:func:`load_images` makes them)."""
@@ -147,29 +153,53 @@ class VideoGenerator:
             sigmas, timesteps = unipc_schedule(steps, shift)  # its own spacing, and integer model timesteps
             return unipc_sample(velocity, tokens, sigmas, order=2, timesteps=timesteps)
 
+        if batch < 1:
+            raise UserError(f"--batch {batch}: clips per generator call, >= 1")
         texts = self.text_encoder.encode(prompts, max_sequence_length=self.text_len)
         neg = self.text_encoder.encode([negative], max_sequence_length=self.text_len)[0]
         conditions = [self._condition(image, frames, patch) for image in images or ()]  # each given image once
         out = []
-        for i, text in enumerate(texts):
-            noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
-            tokens, grid = patchify_clips([noise], patch)
-            cond, image = conditions[i % len(conditions)] if conditions else (None, {})
+        for start in range(0, len(prompts), batch):  # up to `batch` clips packed in one row per generator call
+            ids = range(start, min(start + batch, len(prompts)))
+            noises = [torch.randn(shape, generator=torch.Generator().manual_seed(seed + i)) for i in ids]
+            tokens, grid = patchify_clips(noises, patch)
+            # the row the generator sees: these clips with their prompts, then (guidance) the same clips
+            # with the negative prompt -- one call per step for both branches
+            branches = [[texts[i] for i in ids]] + ([[neg] * len(ids)] if guidance != 1.0 else [])
+            row_texts = [t for branch in branches for t in branch]
+            text = torch.cat(row_texts).float()
+            text_cu = torch.tensor([0, *np.cumsum([len(t) for t in row_texts])], dtype=torch.int32)
+            row_grid = grid.repeat(len(branches), 1)
+            cond, image = self._row_condition([conditions[i % len(conditions)] for i in ids] if conditions else [],
+                                              len(branches))
 
-            def velocity(x, sigma, text=text, cond=cond, image=image):
+            def velocity(x, sigma, text=text, text_cu=text_cu, row_grid=row_grid, cond=cond, image=image):
                 # float32 time; UniPC hands sigma in float64 so that this product is its integer timestep
-                t = (sigma * 1000).float().reshape(1)
-                cu = torch.tensor([0, len(text)], dtype=torch.int32)
+                t = (sigma * 1000).float().reshape(1).expand(row_grid.shape[0])
+                x = x.repeat(len(branches), 1)
                 x = x if cond is None else torch.cat([x, cond.to(x.dtype)], dim=1)  # [noisy | mask | cond] per token
-                v = self.generator(x, grid, t, text.float(), cu, **image)
+                v = self.generator(x, row_grid, t, text, text_cu, **image)
                 if guidance == 1.0:
                     return v
-                neg_cu = torch.tensor([0, len(neg)], dtype=torch.int32)
-                return guided(v, self.generator(x, grid, t, neg.float(), neg_cu, **image), guidance)
+                v_text, v_neg = v.chunk(2)
+                return guided(v_text, v_neg, guidance)
 
             with torch.no_grad():
-                out.append(unpatchify_clips(solve(velocity, tokens), grid, z_dim, patch)[0])
+                out.extend(unpatchify_clips(solve(velocity, tokens), grid, z_dim, patch))
         return out
+
+    @staticmethod
+    def _row_condition(conditions: list[tuple], branches: int) -> tuple:
+        """The I2V conditioning of a row of clips (``_condition`` of each), repeated per guidance branch:
+        (cond tokens [T, 20·p] or None, the generator's image kwargs)."""
+        import torch
+
+        if not conditions:
+            return None, {}
+        conditions = conditions * branches
+        features = [c[1]["image"] for c in conditions]
+        cu = torch.tensor([0, *np.cumsum([len(f) for f in features])], dtype=torch.int32)
+        return torch.cat([c[0] for c in conditions]), {"image": torch.cat(features), "image_cu_seqlens": cu}
 
     def _condition(self, image: np.ndarray, frames: int, patch) -> tuple:
         """(cond tokens, the generator's image kwargs) of one first frame, as ``data pack`` made them."""
@@ -222,7 +252,7 @@ def run(args) -> int:
     check_images(args.image, len(prompts), gen.i2v)  # before reading any image
     images = load_images(args.image, args.height, args.width) if args.image else None
     clips = gen.sample(prompts, args.frames, args.height, args.width, args.steps, args.guidance, args.shift,
-                       args.negative, args.seed, args.sampler, images)
+                       args.negative, args.seed, args.sampler, images, args.batch)
     out = Path(args.output) if args.output else Path(args.run) / "generated"
     out.mkdir(parents=True, exist_ok=True)
     files = []
@@ -238,7 +268,7 @@ def run(args) -> int:
     record = {"run": str(args.run), "prompts": prompts, "files": files, "frames": args.frames, "height": args.height,
               "width": args.width, "sampler": args.sampler, "steps": args.steps, "guidance": args.guidance,
               "shift": gen.shift if args.shift is None else args.shift, "negative": args.negative, "seed": args.seed,
-              "images": list(args.image), "seconds": round(time.time() - t0, 2)}
+              "images": list(args.image), "batch": args.batch, "seconds": round(time.time() - t0, 2)}
     (out / "generate.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"generate video: {len(clips)} clip(s) of {args.frames} frames at {args.width}x{args.height} "
           f"({args.sampler}, {args.steps} steps, guidance {args.guidance:g}) in {record['seconds']:.1f}s -> {out}")
