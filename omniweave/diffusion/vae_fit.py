@@ -126,7 +126,7 @@ def evaluate_vae(vae: WanVAE, seeds: Sequence[int], render: Callable[[int], np.n
             "direction_accuracy": got["direction_accuracy"], "originals_prompt_accuracy": ref["prompt_accuracy"]}
 
 
-def fit_vae(vae: WanVAE | VAEComponentConfig | None = None, out: str | Path | None = None, *, steps: int = 600,
+def fit_vae(vae: WanVAE | VAEComponentConfig | None = None, out: str | Path | None = None, *, steps: int = 1500,
             lr: float = 2e-3, batch: int = 2, seed: int = 0, kl_weight: float = 1e-4, warmup: int = 20,
             frames: int = FRAMES, height: int = HEIGHT, width: int = WIDTH,
             render: Callable[[int], np.ndarray] | None = None, held_out: Sequence[Sequence[str]] | None = None,
@@ -201,7 +201,7 @@ def fit_vae(vae: WanVAE | VAEComponentConfig | None = None, out: str | Path | No
 def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m omniweave.diffusion.vae_fit", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for the fitted VAE (a diffusers AutoencoderKLWan folder)")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=2, help="clips per step")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--kl-weight", type=float, default=1e-4)
