@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from omniweave.diffusion.frozen import FrozenCodec
+
 _PROCESSOR_FILE = "preprocessor_config.json"
 
 
@@ -71,7 +73,7 @@ def _locate(path: Path) -> tuple[Path, Path]:
     return model_dir, proc_dir
 
 
-class WanImageEncoder(nn.Module):
+class WanImageEncoder(FrozenCodec):
     """Frozen CLIP vision tower + image processor (see the module docstring)."""
 
     def __init__(self, model: nn.Module, processor):
@@ -132,18 +134,6 @@ class WanImageEncoder(nn.Module):
         return path
 
     # ---- state -----------------------------------------------------------------------------
-
-    def train(self, mode: bool = True) -> WanImageEncoder:
-        """Frozen: always eval, whatever a parent's ``train()`` asks."""
-        return super().train(False)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
 
     @property
     def dim(self) -> int:

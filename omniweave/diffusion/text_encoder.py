@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from omniweave.diffusion.frozen import FrozenCodec
+
 WAN_TEXT_LEN = 512  # Wan's text_len: the pipeline's max_sequence_length and the DiT's cross-attention slots
 ENCODER_TYPES = ("umt5", "t5")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model")
@@ -138,7 +140,7 @@ def _locate(path: Path) -> tuple[Path, Path]:
     return model_dir, tok_dir
 
 
-class WanTextEncoder(nn.Module):
+class WanTextEncoder(FrozenCodec):
     """Frozen umT5 / T5 encoder + tokenizer (see the module docstring)."""
 
     def __init__(self, model: nn.Module, tokenizer, max_sequence_length: int = WAN_TEXT_LEN):
@@ -223,18 +225,6 @@ class WanTextEncoder(nn.Module):
         return path
 
     # ---- state -----------------------------------------------------------------------------
-
-    def train(self, mode: bool = True) -> WanTextEncoder:
-        """Frozen: always eval, whatever a parent's ``train()`` asks."""
-        return super().train(False)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype  # transformers' dtype (the first floating parameter's), as the pipeline reads it
 
     @property
     def dim(self) -> int:
