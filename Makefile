@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install demo demo-moe demo-omni demo-rl demo-dpo demo-vla test test-cuda-env venv-vllm test-vllm demo-rl-vllm bench clean
+.PHONY: install demo demo-moe demo-omni demo-rl demo-dpo demo-vla demo-diffusion test test-cuda-env venv-vllm test-vllm demo-rl-vllm bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ demo-dpo: install
 # a vision-language-action policy (action expert, flow matching) on a synthetic reaching task, closed loop (docs/vla.md)
 demo-vla: install
 	$(VENV)/bin/omniweave demo --vla --out runs/demo_vla
+
+# a tiny text-to-video diffusion model on synthetic clips of moving shapes, read by an analytic checker (docs/diffusion.md)
+demo-diffusion: install
+	$(VENV)/bin/omniweave demo --diffusion --out runs/demo_diffusion
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

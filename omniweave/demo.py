@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rl", action="store_true", help="the GRPO demo instead (omniweave/demo_rl.py)")
     p.add_argument("--dpo", action="store_true", help="the DPO demo instead (omniweave/demo_dpo.py)")
     p.add_argument("--vla", action="store_true", help="the vision-language-action demo instead (omniweave/vla/demo.py)")
+    p.add_argument("--diffusion", action="store_true",
+                   help="the text-to-video diffusion demo instead (omniweave/diffusion/demo.py)")
     p.add_argument("--samples", type=int, default=None, help="training samples to generate (default: the recipe's demo.samples)")
     p.add_argument("--eval-samples", type=int, default=None, help="held-out eval samples (default: the recipe's demo.eval_samples)")
     p.add_argument("--steps", type=int, default=None, help="training (with --rl: GRPO) steps (default: the recipe's)")
@@ -41,11 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="recipe overrides key=value, applied to both runs (--rl: the GRPO run)")
     from omniweave.demo_dpo import add_arguments as dpo_arguments
     from omniweave.demo_rl import add_arguments as rl_arguments
+    from omniweave.diffusion.demo import add_arguments as diffusion_arguments
     from omniweave.vla.demo import add_arguments as vla_arguments
 
     rl_arguments(p)
     dpo_arguments(p)
     vla_arguments(p)
+    diffusion_arguments(p)
 
 
 # ----------------------------------------------------------------------------- blank media
@@ -200,11 +204,16 @@ def run(args: argparse.Namespace) -> int:
     from omniweave.data.demo import generate
     from omniweave.errors import UserError
 
-    chosen = [flag for flag in ("rl", "dpo", "vla") if getattr(args, flag)]
+    chosen = [flag for flag in ("rl", "dpo", "vla", "diffusion") if getattr(args, flag)]
     if len(chosen) > 1:
         raise UserError(f"choose one demo: {' and '.join('--' + f for f in chosen)} were both given")
     if args.recipe and chosen:  # those demos run their own recipes; say so, don't drop it
         raise UserError(f"--recipe is for the SFT demo; --{chosen[0]} runs its own recipes")
+    if args.diffusion:
+        from omniweave.diffusion import demo as demo_diffusion
+
+        args.out = args.out or "runs/demo_diffusion"
+        return demo_diffusion.run(args)
     if args.vla:
         from omniweave.vla import demo as demo_vla
 

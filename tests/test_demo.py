@@ -113,3 +113,23 @@ def test_vla_demo_runs_both_stages_and_writes_its_report(tmp_path):
         assert 0.0 <= report[key] <= 1.0
     assert (out / "vision" / "hf" / "config.json").exists()
     assert len((out / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_diffusion_demo_runs_every_stage_and_writes_its_report(tmp_path):
+    """omniweave demo --diffusion at toy sizes: clips, the VAE fit (a diffusers folder the recipe
+    loads), convert, pack, train, the three sampled prompt sets read by the checker, the report
+    with its accuracies in [0, 1] and the frame grid / GIF."""
+    out = tmp_path / "diffusion"
+    code = main(["demo", "--diffusion", "--out", str(out), "--steps", "2", "--diffusion-clips", "24",
+                 "--diffusion-vae-steps", "2", "--diffusion-sample-steps", "2", "--diffusion-eval-per-pair", "1",
+                 "--workers", "1"])
+    assert code == 0
+    report = json.loads((out / "diffusion_report.json").read_text())
+    assert report["steps"] == 2 and report["clips"] == 24 and report["vae"]["steps"] == 2
+    for key in ("prompt_accuracy", "seen_prompt_accuracy", "control_prompt_accuracy", "colour_accuracy",
+                "direction_accuracy"):
+        assert 0.0 <= report[key] <= 1.0
+    assert report["details"]["held"]["n"] == 4 and report["details"]["seen"]["n"] == 12
+    assert (out / "vae" / "config.json").exists() and (out / "samples.png").exists() and (out / "samples.gif").exists()
+    assert len((out / "run" / "metrics.jsonl").read_text().splitlines()) >= 1
