@@ -21,6 +21,7 @@ import torch
 from omniweave.cli import main
 from omniweave.models.components.wan_dit import WanDiT, WanDiTConfig, patchify_clips, unpatchify_clips
 from omniweave.models.hf import wan
+from tests.test_wan_dit import _randomise
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -28,13 +29,6 @@ PATCH = (1, 2, 2)
 TINY = dict(num_attention_heads=3, attention_head_dim=20, in_channels=5, out_channels=3, text_dim=20, freq_dim=32,
             ffn_dim=44, num_layers=2, patch_size=PATCH)
 ATOL = 1e-4
-
-
-def _randomise(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
 @pytest.fixture(scope="module")

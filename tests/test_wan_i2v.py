@@ -14,6 +14,7 @@ import torch
 
 from omniweave.models.components.wan_dit import WanDiT, WanDiTConfig, patchify_clips, unpatchify_clips
 from omniweave.models.hf import wan
+from tests.test_wan_dit import _randomise
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -27,13 +28,6 @@ IMAGE_LENS = [11, 6, 9]
 TIMESTEPS = [937.5, 412.0, 18.25]
 TEXT_LEN = 512
 ATOL = 1e-4
-
-
-def _randomise(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
 def _ref(**extra):
