@@ -160,8 +160,7 @@ def run(args: argparse.Namespace) -> int:
                   "path": str(vae_dir), "steps": vae.get("steps"), "seconds": round(vae.get("seconds", 0.0), 1)},
               "train_seconds": round(train_seconds, 1), "sample_seconds": round(sample_seconds, 1),
               "seconds": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir),
-              "details": {name: {k: v for k, v in s.items() if k != "readings"} | {"readings": s["readings"]}
-                          for name, s in scores.items()},
+              "details": scores,  # per prompt set: counts, accuracies and each clip's reading
               "platform": platform_info()}
     (out / "diffusion_report.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
     print(f"demo --diffusion: held-out prompts {report['prompt_accuracy']:.0%} right (colour and direction; seen "
