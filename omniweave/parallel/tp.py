@@ -235,26 +235,31 @@ def expert_plan(cfg, tp: int) -> dict:
 
 
 def check_generator_tp(cfg, tp: int) -> None:
-    """A video-diffusion DiT (components/wan_dit.py): its heads and FFN split over tp."""
+    """A video-diffusion DiT (components/wan_dit.py): its heads and FFN split over tp (an I2V DiT's
+    added image keys / values split with the heads, so they need nothing more)."""
     _divisible("generator num_attention_heads", cfg.num_attention_heads, tp)
     _divisible("generator ffn_dim", cfg.ffn_dim, tp)
-    if getattr(cfg, "image_dim", None):
-        raise ValueError("model.generator.tp > 1 with an image-to-video generator (image_dim): its added image "
-                         "keys / values are not sharded yet; use tp 1")
 
 
 def generator_plan(cfg, tp: int) -> dict:
     """A Wan DiT's plan (Megatron TP, its activations ``[T, D]`` replicated as the ViT's): in both
     attentions q / k / v column-wise (each rank its heads), their RMSNorms over all heads sharded
     (``ShardedRMSNorm``: one all-reduce of the sums of squares), to_out row-wise; the FFN's fc1
-    column-wise, fc2 row-wise. The patch embedding, the time / text embedders, the modulation
-    tables, the cross-attention LayerNorm and proj_out stay replicated plain tensors."""
+    column-wise, fc2 row-wise. Image-to-video (``image_dim`` set): the cross-attention's added image
+    keys / values (``attn2.add_k_proj`` / ``add_v_proj``) column-wise too and their all-heads norm
+    ``attn2.norm_added_k`` sharded, so each rank attends its heads' queries to its heads of the image
+    tokens as of the text (wan_i2v.py: heads from the local width). The patch embedding, the time /
+    text / image embedders, the modulation tables, the cross-attention LayerNorm and proj_out stay
+    replicated plain tensors."""
     check_generator_tp(cfg, tp)
     block = {"ffn.fc1": ColwiseParallel(), "ffn.fc2": RowwiseParallel()}
     for attn in ("attn1", "attn2"):
         block.update({f"{attn}.{p}": ColwiseParallel() for p in ("to_q", "to_k", "to_v")})
         block.update({f"{attn}.to_out": RowwiseParallel(), f"{attn}.norm_q": ShardedRMSNorm(),
                       f"{attn}.norm_k": ShardedRMSNorm()})
+    if getattr(cfg, "image_dim", None):  # I2V: attn2 is a WanI2VCrossAttention
+        block.update({"attn2.add_k_proj": ColwiseParallel(), "attn2.add_v_proj": ColwiseParallel(),
+                      "attn2.norm_added_k": ShardedRMSNorm()})
     return {f"blocks.*.{name}": style for name, style in block.items()}
 
 

@@ -12,7 +12,10 @@ diffusers 0.42.1 ``WanTransformer3DModel`` with ``image_dim`` / ``added_kv_proj_
   image tokens (``add_k_proj`` / ``add_v_proj``, ``norm_added_k``: RMSNorm across heads); the two
   attention results are summed before ``to_out``. diffusers prepends the image tokens to the text
   and splits them off again by a hard-coded text length of 512; here they travel on their own
-  (``image [N, D]`` + ``image_cu_seqlens [M+1]``), so a clip's text may have any length.
+  (``image [N, D]`` + ``image_cu_seqlens [M+1]``), so a clip's text may have any length. Under
+  tensor parallelism (parallel/tp.py ``generator_plan``) ``add_k_proj`` / ``add_v_proj`` are
+  column-wise like ``to_k`` / ``to_v`` and ``norm_added_k`` sharded (``ShardedRMSNorm``): each rank
+  holds its heads of every projection, and the head count is taken from the local width.
 
 Kept out of wan_dit.py so the self-attention path there stays as it is; wan_dit.py builds these
 when its config has ``image_dim`` set.
