@@ -4,13 +4,16 @@ dataset -> ``data convert --format lerobot`` -> ``data pack --recipe demo_vla`` 
 Checked: every packed frame holds its observation prompt (all of it the bidirectional prefix), its
 camera frame as the image and its action chunk normalised exactly as lerobot_stats.json says; the
 loader's micro-batch carries the VLA keys; packing refuses the wrong kind of raw data in one line;
-the flow loss falls; a resumed run equals an uninterrupted one bit for bit; two data-parallel
-ranks, foundation tp 2 and cp 2 equal one process (losses and grad norms within 1e-5 relative)."""
+the flow loss falls; with data.vla.action_bins each frame's labelled tail is its digitised chunk and
+train.vla.text_weight adds that text's weighted cross-entropy; a resumed run equals an uninterrupted
+one bit for bit; two data-parallel ranks, foundation tp 2 and cp 2 equal one process (losses and
+grad norms within 1e-5 relative)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -107,6 +110,69 @@ def test_flow_loss_falls_and_a_resumed_run_equals_an_uninterrupted_one(vla_data,
     step4 = "checkpoints/step_000004"
     shutil.copytree(tmp_path / "whole" / step4, tmp_path / "cut" / step4)
     assert _run(vla_data, tmp_path / "cut", resume="auto", steps=8, train__save_interval=4, train__lr=3e-3) == whole[4:]
+
+
+def digitised(actions: np.ndarray, bins: int) -> str:
+    """The co-training answer written out independently of the packer: each normalised action value's
+    bin of ``bins`` equal bins over [-1, 1] (np.digitize - 1, no clipping), space-separated."""
+    edges = np.linspace(-1.0, 1.0, bins + 1)[:-1]
+    return " ".join(str(int(b) - 1) for b in np.digitize(actions.reshape(-1).astype(np.float64), edges))
+
+
+@pytest.fixture(scope="module")
+def binned(vla_data) -> Path:
+    """vla_data's frames packed with data.vla.action_bins=16: each chunk also as a labelled text answer."""
+    packed = vla_data["root"] / "packed_bins16"
+    assert cli(["data", "pack", "--input", str(vla_data["raw"]), "--output", str(packed), "--recipe", "demo_vla",
+                "--max-len", "512", "--workers", "1", "data.vla.action_bins=16"]) == 0
+    return packed
+
+
+def test_action_bins_label_each_frame_with_its_digitised_unpadded_chunk(vla_data, binned):
+    """data.vla.action_bins=16: every document's labelled tail is its chunk's unpadded normalised
+    actions digitised into 16 bins (then the chat template's end of turn), and it starts right after
+    the prefix (the expert never reads it); padded steps are left out of the answer."""
+    from omniweave.data.sources.shards import RawDataset
+    from omniweave.data.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("demo")
+    ds = PackedDataset(binned)
+    padded = docs = 0
+    for i in range(len(ds)):
+        pack = ds[i]
+        cu = pack["cu_seqlens"]
+        for d, doc in enumerate(pack["docs"]):
+            labels = pack["labels"][cu[d]:cu[d + 1]]
+            tail = np.flatnonzero(labels != -100)  # positions whose next token is labelled (labels are shifted)
+            assert tail[0] == doc["vla"]["prefix_len"] - 1 and np.array_equal(tail, np.arange(tail[0], tail[-1] + 1))
+            real = ~np.asarray(doc["vla"]["is_pad"])
+            padded += int(not real.all())
+            want = digitised(pack["doc_arrays"][d]["actions"][real], 16)
+            assert tok.decode(labels[tail].tolist()) == want + "<|im_end|>\n"
+            docs += 1
+    assert padded > 0 and docs == len(RawDataset(vla_data["raw"]))  # every frame; chunks past an episode's end too
+
+
+def test_co_training_adds_the_weighted_text_loss_on_the_action_normaliser(binned, tmp_path):
+    """Trained 2 steps on the action_bins packs with train.vla.text_weight=0.5, plain and with
+    knowledge insulation: text_loss is logged finite and the logged loss is the objective's
+    (flow SSE + 0.5 * text CE sum) / action values, i.e. flow_loss + 0.5 * text_loss * loss_tokens /
+    action_values, within 1e-6. Insulation changes the step-2 gradient only: at step 1 the expert's
+    gates are closed (zero-initialised), so no flow gradient reaches the backbone either way."""
+    runs = {}
+    for insulated in (False, True):
+        out = tmp_path / f"insulated_{insulated}"
+        train_in_process(binned, out, name="demo_vla", data__max_len=512, data__vla__action_bins=16, steps=2,
+                         train__vla__text_weight=0.5, model__action_expert__knowledge_insulation=insulated)
+        runs[insulated] = rows = read_metrics(out)
+        assert len(rows) == 2
+        for r in rows:
+            assert np.isfinite(r["text_loss"]) and r["text_loss"] > 0 and r["loss_tokens"] > 0
+            text_term = r["text_loss"] * r["loss_tokens"] / r["action_values"]  # the CE sum on the action normaliser
+            assert r["loss"] == pytest.approx(r["flow_loss"] + 0.5 * text_term, abs=1e-6)
+            assert r["loss"] - r["flow_loss"] > 1e-3  # the text term is really in it
+    plain, insulated = runs[False], runs[True]
+    assert plain[0]["grad_norm"] == insulated[0]["grad_norm"] and plain[1]["grad_norm"] != insulated[1]["grad_norm"]
 
 
 def test_activation_checkpointing_changes_nothing(vla_data, tmp_path):
