@@ -225,15 +225,27 @@ def test_data_tensor_and_context_parallel_ranks_equal_one_process(vla_data, tmp_
 
 
 def test_layouts_the_expert_cannot_run_under_are_refused():
-    """seq_chunks / pp with train.phase=vla: a LayoutError naming the key (tp and cp run)."""
+    """seq_chunks / pp with train.phase=vla: a LayoutError naming the key (tp and cp run). The
+    expert runs on the backbone's tp ranks, so a model.action_expert.tp of its own (other than 1 or
+    the foundation's, which say the same) is refused in one line naming model.foundation.tp, not
+    ignored."""
     from omniweave.config import load_recipe
     from omniweave.train.layouts import LayoutError, check
 
     check(load_recipe("demo_vla"))
     check(load_recipe("demo_vla", ["model.foundation.tp=2", "parallel.cp=2"]))
+    check(load_recipe("demo_vla", ["model.foundation.tp=2", "model.action_expert.tp=2"]))
     for key in ("parallel.seq_chunks", "parallel.pp"):
         with pytest.raises(LayoutError, match=f"train.phase=vla with {key}=2"):
             check(load_recipe("demo_vla", [f"{key}=2"]))
+    for overrides in (["model.action_expert.tp=2"], ["model.foundation.tp=2", "model.action_expert.tp=4"]):
+        with pytest.raises(LayoutError) as refused:
+            check(load_recipe("demo_vla", overrides))
+        foundation_tp = 2 if len(overrides) == 2 else 1
+        assert str(refused.value) == (
+            f"{overrides[-1]}: the action expert shares the backbone's tp (its queries read the backbone's local "
+            f"key/value heads), model.foundation.tp={foundation_tp}; set model.foundation.tp and leave "
+            "model.action_expert.tp at 1")
 
 
 def test_a_trained_run_samples_chunks_for_recorded_frames_and_live_observations(vla_data, tmp_path, capsys):

@@ -41,6 +41,7 @@ class Layout:
     pp: int = 1
     cp: int = 1
     tp: int = 1  # the foundation's (model.foundation.tp)
+    expert_tp: int = 1  # model.action_expert.tp: a VLA expert has no tp of its own (it runs on the foundation's)
     seq_chunks: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
@@ -55,9 +56,10 @@ class Layout:
 
         model = to_dict(cfg.model)
         par, foundation = section(cfg, "parallel"), (model.get("foundation") or model.get("generator") or {})
-        return cls(pp=par.pp, cp=par.cp, tp=_int(foundation.get("tp")), seq_chunks=seq_chunks_of(cfg),
-                   pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual, moe=bool(moe_layer_indices(foundation)),
-                   mix=(cfg.get("data") or {}).get("mix") is not None, cp_attention=par.cp_attention)
+        expert = model.get("action_expert") or {}
+        return cls(pp=par.pp, cp=par.cp, tp=_int(foundation.get("tp")), expert_tp=_int(expert.get("tp")),
+                   seq_chunks=seq_chunks_of(cfg), pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual,
+                   moe=bool(moe_layer_indices(foundation)), mix=(cfg.get("data") or {}).get("mix") is not None, cp_attention=par.cp_attention)
 
 
 def _int(value) -> int:
@@ -110,6 +112,10 @@ def refusals(mode: Traits, lay: Layout) -> list[str]:
                            "parallelism) and tp only so far")
         return out
     if mode.action_chunks:  # the chunks' attention reads every layer's keys / values of whole prefixes
+        if lay.expert_tp not in (1, lay.tp):  # the key exists on every component; the expert's would be ignored
+            out.append(f"model.action_expert.tp={lay.expert_tp}: the action expert shares the backbone's tp (its "
+                       f"queries read the backbone's local key/value heads), model.foundation.tp={lay.tp}; set "
+                       "model.foundation.tp and leave model.action_expert.tp at 1")
         for key, value in (("parallel.seq_chunks", lay.seq_chunks), ("parallel.pp", lay.pp)):
             if value > 1:
                 out.append(f"{mode.mode} with {key}={value}: the action expert reads every backbone layer's keys "
