@@ -108,6 +108,7 @@ def test_vla_demo_runs_both_stages_and_writes_its_report(tmp_path):
     assert code == 0
     report = json.loads((out / "vla_report.json").read_text())
     assert report["steps"] == 2 and report["vision_steps"] == 2 and report["eval_episodes"] == 3
+    assert "seconds" in report and report["seconds"] > 0  # the whole demo's wall time (rounded to 0.1 s)
     for key in ("success_rate", "control_success_rate", "wrong_instruction_success_rate", "random_success_rate",
                 "vision_slot_accuracy"):
         assert 0.0 <= report[key] <= 1.0

@@ -252,7 +252,8 @@ def test_a_trained_run_samples_chunks_for_recorded_frames_and_live_observations(
     """``omniweave vla sample`` on a 2-step run: one JSONL line per frame with an [H, 2] finite chunk
     in the dataset's units and the recorded one, the MSE summary; the Policy API on a live
     observation gives the same shape, and a camera the policy needs but the observation lacks is
-    one clear error."""
+    one clear error. The policy's chunk is the model's normalised sample for the same noise (seed)
+    unnormalised with the run's quantiles, within 1e-6."""
     from omniweave.vla.policy import Policy
     from omniweave.vla.sim import ReachSim
 
@@ -269,6 +270,17 @@ def test_a_trained_run_samples_chunks_for_recorded_frames_and_live_observations(
     assert policy(obs).shape == (H, 2)
     with pytest.raises(UserError, match="lacks camera"):
         policy({**obs, "images": {}})
+
+    # the chunk returned is the model's normalised sample, from the same noise, mapped back to the
+    # dataset's units with the quantiles: (y + 1) / 2 * (q99 - q01) + q01, written out here
+    got = Policy.load(tmp_path / "run", seed=7)(obs)
+    twin = Policy.load(tmp_path / "run", seed=7)
+    noise = torch.randn(1, H, twin.width, generator=twin.generator)
+    with torch.no_grad():
+        normalised = twin.model.sample_actions(twin.rows([obs]), noise).double().numpy()[0, :, :2]
+    q01, q99 = (np.asarray(twin.stats["action"][k], np.float64) for k in ("q01", "q99"))
+    assert (q99 - q01 > 1e-3).all() and not np.allclose(got, normalised, atol=1e-2)
+    np.testing.assert_allclose(got, (normalised + 1) / 2 * (q99 - q01) + q01, rtol=0, atol=1e-6)
 
 
 def test_save_hf_of_a_model_without_a_lerobot_layout_is_refused_before_training(vla_data, tmp_path):
