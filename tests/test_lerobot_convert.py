@@ -70,6 +70,7 @@ def test_every_sample_is_what_the_reader_yields(clean, tmp_path, horizon, stride
     rep = report(raw)
     assert rep["kind"] == "vla" and rep["input"] == rep["written"] + rep["rejected"] == len(expected)
     assert rep["rejected"] == 0 and (raw / "rejects.jsonl").read_text() == ""
+    assert rep["short_episodes"] == {"episodes": 1, "frames": 4}  # episode 1: 4 frames < 5, padded
     assert (rep["horizon"], rep["stride"]) == (horizon, stride) and [s["count"] for s in rep["shards"]][0] == 4
     assert "sample_type: omniweave_vla" in (raw / ".nv-meta/dataset.yaml").read_text()
     assert not (raw / ".work").exists()
@@ -83,14 +84,26 @@ def test_every_sample_is_what_the_reader_yields(clean, tmp_path, horizon, stride
     assert stats["cameras"] == list(F.CAMERAS) and stats["codebase_version"] == "v3.0"
 
 
-def test_only_referenced_videos_are_copied_and_short_episodes_drop_when_asked(clean, tmp_path):
+def test_only_referenced_videos_are_copied_and_short_episodes_drop_when_asked(clean, tmp_path, capsys):
+    """Horizon 8: episodes 0 (7 frames) and 1 (4) are short. By default their chunks are padded (no
+    drop) and the report and summary still count them; --drop-short-episodes drops their 11 frames
+    with the reason, and only the videos the kept episode references are copied."""
+    padded = tmp_path / "padded"
+    assert convert(clean, padded, "--horizon", "8") == 0
+    rep = report(padded)
+    assert rep["short_episodes"] == {"episodes": 2, "frames": 11} and rep["rejected"] == 0
+    assert rep["written"] == sum(F.LENGTHS) and rep["drop_short_episodes"] is False
+    assert "2 episode(s) shorter than H=8 (11 frames): their action chunks padded" in capsys.readouterr().out
+
     raw = tmp_path / "raw"
     assert convert(clean, raw, "--horizon", "8", "--drop-short-episodes") == 0  # episodes 0 (7) and 1 (4) short
+    assert "2 episode(s) shorter than H=8 (11 frames): dropped" in capsys.readouterr().out
     assert {s["episode_index"] for s in samples(raw)} == {2}
     assert sorted(str(p.relative_to(raw)) for p in (raw / "videos").rglob("*.mp4")) == [
         f"videos/{TOP}/chunk-000/file-001.mp4", "videos/observation.images.wrist/chunk-000/file-000.mp4"]
     rep = report(raw)
     assert rep["rejected_by_reason"] == {"episode_shorter_than_horizon": 11} and rep["written"] == 9
+    assert rep["short_episodes"] == {"episodes": 2, "frames": 11}
     assert sorted(rejects(raw)) == sorted([(0, t, "episode_shorter_than_horizon") for t in range(7)]
                                           + [(1, t, "episode_shorter_than_horizon") for t in range(4)])
     assert convert(clean, tmp_path / "strict", "--horizon", "8", "--drop-short-episodes", "--strict") == 1

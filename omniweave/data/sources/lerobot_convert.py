@@ -10,8 +10,9 @@ timestamp and ``cameras: {key: {"file": path relative to RAW, "timestamp": secon
 The mp4 files the kept frames reference are copied byte for byte to the same relative path in RAW
 (never re-encoded), so RAW is self-contained. Besides the shards and ``.nv-meta/`` (sample_type
 ``omniweave_vla``) RAW holds ``lerobot_stats.json`` (state / action q01, q99, mean, std; fps,
-horizon, ...), ``convert_report.json`` (``kind: "vla"``, input == written + rejected, by reason)
-and ``rejects.jsonl`` (one line per dropped frame: episode, frame, reason).
+horizon, ...), ``convert_report.json`` (``kind: "vla"``, input == written + rejected, by reason;
+``short_episodes``: the episodes shorter than H, padded or dropped) and ``rejects.jsonl`` (one line
+per dropped frame: episode, frame, reason).
 
 Crash safety as for conversations: shards and videos are written under ``RAW/.work/`` and moved
 into place only once everything is written. The conversion runs in one process (it writes small
@@ -148,6 +149,14 @@ def stats_json(ds, stats: dict, horizon: int, stride: int) -> dict:
             **{name: {k: v.tolist() for k, v in s.items()} for name, s in stats.items()}}
 
 
+def short_episodes(ds, horizon: int) -> dict:
+    """The episodes shorter than the horizon and their frames (their lengths summed): by default
+    every chunk of such an episode is padded past its end, which no drop reason records, so the
+    report counts them either way (``--drop-short-episodes`` drops them instead)."""
+    lengths = [int(ep["length"]) for ep in ds.episodes if int(ep["length"]) < horizon]
+    return {"episodes": len(lengths), "frames": sum(lengths)}
+
+
 def _clear_previous(out: Path) -> None:
     """What a previous LeRobot convert into ``out`` wrote beside the shards (only when it said so)."""
     report = out / "convert_report.json"
@@ -172,22 +181,28 @@ def _publish(args, ds, out: Path, work: Path, records: list, written: int, video
     assert rejected == len(ds.drops), "drop accounting is broken"
     seconds = time.perf_counter() - t0
     total_bytes = sum(s["bytes"] for s in shard_records)
+    short = short_episodes(ds, horizon)
     report = {
         "kind": KIND, "format": "lerobot", "source": str(ds.root), "codebase_version": ds.info["codebase_version"],
         "input": written + rejected, "written": written, "rejected": rejected, "rejected_by_reason": by_reason,
         "episodes": len(ds.episodes), "episodes_written": len(episodes), "tasks": dict(sorted(tasks.items())),
         "cameras": ds.camera_keys, "horizon": horizon, "stride": stride,
-        "drop_short_episodes": ds.drop_short_episodes, "video_files": len(videos), "video_bytes": video_bytes,
+        "drop_short_episodes": ds.drop_short_episodes, "short_episodes": short,
+        "video_files": len(videos), "video_bytes": video_bytes,
         "bytes": total_bytes, "seconds": round(seconds, 3), "maxcount": args.maxcount, "maxsize": args.maxsize,
         "shards": [{"name": s["name"], "count": s["count"], "bytes": s["bytes"]} for s in shard_records],
     }
     (out / "convert_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     reasons = ", ".join(f"{k}: {v}" for k, v in by_reason.items())
+    short_note = ""
+    if short["episodes"]:
+        handled = "dropped" if ds.drop_short_episodes else "their action chunks padded"
+        short_note = f"; {short['episodes']} episode(s) shorter than H={horizon} ({short['frames']} frames): {handled}"
     print(f"convert: {written + rejected} frames of {len(ds.episodes)} episode(s) -> {written} samples in "
           f"{len(shard_records)} shard(s) ({total_bytes / 1e6:.1f} MB), {len(videos)} video file(s) copied "
           f"({video_bytes / 1e6:.1f} MB), {rejected} dropped{f' ({reasons})' if reasons else ''} in {seconds:.1f}s "
-          f"-> {out}" + (f"; see {out / 'rejects.jsonl'}" if rejected else ""))
+          f"-> {out}" + (f"; see {out / 'rejects.jsonl'}" if rejected else "") + short_note)
     if rejected and not written:
         print(f"omniweave data convert: error: every frame was dropped ({reasons}); each frame and its reason is in "
               f"{out / 'rejects.jsonl'}", file=sys.stderr)
