@@ -78,6 +78,54 @@ def test_packed_frames_hold_prompts_images_and_normalised_chunks(vla_data):
     assert frames == len(raw)
 
 
+def test_two_camera_frames_pack_both_images_in_camera_order_or_the_cameras_asked_for(tmp_path):
+    """tests/lerobot_factory.py's two-camera dataset (top: grey frames; wrist: the same levels in red
+    here, so the two can be told apart; the cameras' videos hold different episodes per file) through
+    convert and pack with demo_vla: each document holds two images, top then wrist, each the frame of
+    the document's own global index (level colour(g) within 3 after H.264); the loader's micro-batch
+    has two image grids per document. data.vla.cameras=[wrist] packs the wrist camera alone."""
+    import io
+
+    from PIL import Image
+
+    from omniweave.config import load_recipe, to_dict
+    from omniweave.data.loading.loader import collate_pack
+    from omniweave.data.sources.lerobot_write import plan_dataset, write_tables
+    from tests import lerobot_factory as F
+
+    top, wrist = F.CAMERAS  # the factory's (and the conversion's) camera order
+    episodes = F.episodes()
+    for ep in episodes:
+        ep["images"][wrist] = ep["images"][wrist] * np.array([1, 0, 0], np.uint8)
+    write_tables(tmp_path / "ds", plan_dataset(episodes, fps=F.FPS, files=F.DATA_FILES, video_files=F.CAMERAS))
+    assert cli(["data", "convert", "--format", "lerobot", "--input", str(tmp_path / "ds"), "--output",
+                str(tmp_path / "raw"), "--horizon", str(H), "--no-progress"]) == 0
+
+    def mean_rgb(item: dict) -> np.ndarray:
+        return np.asarray(Image.open(io.BytesIO(item["bytes"])).convert("RGB"), np.float64).reshape(-1, 3).mean(0)
+
+    def looks_like(rgb: np.ndarray, camera: str, g: int) -> bool:
+        want = [F.colour(g)] * 3 if camera == top else [F.colour(g), 0, 0]
+        return bool(np.abs(rgb - want).max() <= 3)
+
+    for name, extra, cameras in (("both", [], [top, wrist]), ("wrist", [f"data.vla.cameras=[{wrist}]"], [wrist])):
+        packed = tmp_path / name
+        assert cli(["data", "pack", "--input", str(tmp_path / "raw"), "--output", str(packed), "--recipe", "demo_vla",
+                    "--max-len", "512", "--workers", "1", *extra]) == 0
+        ds, docs = PackedDataset(packed), 0
+        data_cfg = to_dict(load_recipe("demo_vla", extra).data)
+        for i in range(len(ds)):
+            pack = ds[i]
+            for d, doc in enumerate(pack["docs"]):
+                items = sorted((m for m in pack["media"] if m["doc"] == d), key=lambda m: m["start"])
+                assert [m["part"] for m in items] == cameras
+                g = doc["vla"]["frame"]
+                assert all(looks_like(mean_rgb(m), m["part"], g) for m in items), (name, g)
+                docs += 1
+            assert collate_pack(pack, data_cfg)["grid_thw"].shape[0] == len(cameras) * len(pack["docs"])
+        assert docs == sum(F.LENGTHS)
+
+
 def test_pack_refuses_the_other_kind_of_raw_data(vla_data, tmp_path):
     """Robot frames packed with a conversation recipe, or conversations with a VLA recipe: one line."""
     with pytest.raises(UserError, match="robot frames"):
