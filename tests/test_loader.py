@@ -109,6 +109,17 @@ def test_worker_processes_give_the_same_batches(packed):
     assert take(2) == take(0)
 
 
+def test_fingerprint_diff_names_a_field_set_on_one_side_only_without_guessing_why():
+    # I2V packs under a T2V recipe (or the reverse) differ by whole keys, not by an older omniweave
+    from omniweave.data.packing.packed import fingerprint_diff
+
+    built = {"max_len": 512, "diffusion": {"i2v": {"frames": 1}, "fps": 16}}
+    wanted = {"max_len": 512, "diffusion": {"fps": 16}, "vla": {"horizon": 8}}
+    assert fingerprint_diff(built, wanted) == [
+        "data.diffusion.i2v: packed with {'frames': 1}, now without it",
+        "data.vla: packed without it, now {'horizon': 8}"]
+
+
 def test_cost_balance_gives_each_rank_its_share_of_the_global_batch(packed):
     G = 4
     full = _ids(PackedLoader(packed, G, 0, 1), 3)

@@ -279,8 +279,10 @@ def fingerprint_diff(built: dict, wanted: dict, prefix: str = "data") -> list[st
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += fingerprint_diff(a, b, f"{prefix}.{key}")
         elif a != b:
-            was = "without it (an older omniweave)" if key not in built else f"with {a!r}"
-            diffs.append(f"{prefix}.{key}: packed {was}, now {b!r}")
+            # a key on one side only: another kind of recipe (I2V vs T2V packs) or an older omniweave
+            was = "without it" if key not in built else f"with {a!r}"
+            now = "without it" if key not in wanted else repr(b)
+            diffs.append(f"{prefix}.{key}: packed {was}, now {now}")
     return diffs
 
 
