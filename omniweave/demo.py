@@ -142,7 +142,8 @@ def pipeline(data_dir: Path, work: Path, recipe: Path, overrides: list[str], wor
     raw, packed, run_dir = work / "raw", work / "packed", work / "run"
     _cli("data", "convert", "--input", str(data_dir / "train.jsonl"), "--media-dir", str(data_dir / "media"),
          "--output", str(raw), "--workers", str(workers), "--strict")
-    _cli("data", "pack", "--input", str(raw), "--output", str(packed), "--recipe", str(recipe), "--workers", str(workers))
+    _cli("data", "pack", "--input", str(raw), "--output", str(packed), "--recipe", str(recipe), "--workers", str(workers),
+         *overrides)  # the same recipe as the training run: a data.* override must reach the packs too
     train_overrides = [f"data.path={packed}", f"output_dir={run_dir}", *overrides]
     t0 = time.perf_counter()
     _cli("train", str(recipe), *train_overrides)

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     _cli("data", "convert", "--format", "clips", "--input", str(jsonl), "--media-dir", str(out / "clips"),
          "--output", str(out / "raw"), "--no-progress")
     _cli("data", "pack", "--input", str(out / "raw"), "--output", str(out / "packed"), "--recipe", str(recipe),
-         "--workers", w, *codec)
+         "--workers", w, *codec, *args.overrides)  # as the training run's: the packs' codecs / data settings
     run_dir = out / "run"
     t_train = time.perf_counter()
     _cli("train", str(recipe), f"data.path={out / 'packed'}", f"output_dir={run_dir}", *codec, *steps, *args.overrides)

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     _cli("data", "convert", "--format", "lerobot", "--input", str(out / "dataset"), "--output", str(out / "raw"),
          "--horizon", str(horizon), "--strict", "--no-progress")
     _cli("data", "pack", "--input", str(out / "raw"), "--output", str(out / "packed"), "--recipe", str(recipe),
-         "--workers", w)
+         "--workers", w, *args.overrides)  # as the training run's: a data.* override must reach the packs too
     run_dir = out / "run"
     steps = [f"train.steps={args.steps}"] if args.steps else []
     t_train = time.perf_counter()
