@@ -20,13 +20,15 @@ never in training. ``data pack`` runs its usual phases over a clips conversion (
 A pack's token arrays are the clip tokens' slots: ids 0 without labels, so the loader's epoch
 order, balancing, resume and DP sharding run unchanged; :func:`diffusion_rows` gives the loader's
 row keys. Dropped clips, each counted with its reason: ``too_short`` (fewer frames than the recipe
-asks, or than one VAE step), ``too_small`` (below ``min_pixels`` after resizing) and whatever the
-decoder refuses (``unreadable:...``).
+asks, or than one VAE step), ``too_small`` (a side under 16 px or the area under ``min_pixels``
+after resizing: nothing is upscaled) and whatever the decoder refuses (``unreadable:...``).
 
 Frames: ``data.diffusion.frames`` (4k + 1) from the clip's start, ``fps`` apart (null: every
 frame); ``frames: null`` takes each clip's native length, the longest 4k + 1 up to ``max_frames``.
-Size: the clip's own aspect ratio at most ``max_pixels`` (never upscaled), each side a multiple of
-16 (the VAE's 8 x the patch's 2); an image is a one-frame clip.
+Size: the clip's own aspect ratio at most ``max_pixels`` (never upscaled), each side rounded down
+to a multiple of 16 (the VAE's 8 x the patch's 2); the frames are resized to cover that size and
+centre-cropped to it, so rounding crops a few pixels instead of squashing the picture; an image is
+a one-frame clip.
 """
 
 from __future__ import annotations
@@ -94,10 +96,11 @@ class ClipPlan:
 
 
 def resized_size(height: int, width: int, settings: DiffusionSettings) -> tuple[int, int]:
-    """The clip's aspect at most ``max_pixels`` (never upscaled), each side a multiple of 16."""
+    """The clip's aspect at most ``max_pixels`` (never upscaled), each side rounded down to a
+    multiple of 16 -- 0 for a side under 16 px after scaling (:func:`clip_plan` drops the clip)."""
     scale = min(1.0, math.sqrt(settings.max_pixels / (height * width)))
-    h = max(SIDE_MULTIPLE, int(height * scale) // SIDE_MULTIPLE * SIDE_MULTIPLE)
-    w = max(SIDE_MULTIPLE, int(width * scale) // SIDE_MULTIPLE * SIDE_MULTIPLE)
+    h = int(height * scale) // SIDE_MULTIPLE * SIDE_MULTIPLE
+    w = int(width * scale) // SIDE_MULTIPLE * SIDE_MULTIPLE
     return h, w
 
 
@@ -121,6 +124,9 @@ def clip_plan(meta: dict, settings: DiffusionSettings) -> ClipPlan:
             raise SampleRejected("too_short", f"{total} frames ({available} at the sampling rate); {needed} needed")
         wanted = [min(total - 1, int(round(k * step))) for k in range(n)]
     h, w = resized_size(int(meta["height"]), int(meta["width"]), settings)
+    if min(h, w) < SIDE_MULTIPLE:
+        raise SampleRejected("too_small", f"{meta['width']}x{meta['height']}: a side under {SIDE_MULTIPLE} px at "
+                             f"max_pixels {settings.max_pixels} (frames are never upscaled)")
     if h * w < settings.min_pixels:
         raise SampleRejected("too_small", f"{meta['width']}x{meta['height']} -> {w}x{h}, under min_pixels "
                              f"{settings.min_pixels}")
@@ -151,11 +157,19 @@ def decode_clip(data: bytes, meta: dict, plan: ClipPlan) -> np.ndarray:
 
 
 def resized_frame(image, height: int, width: int) -> np.ndarray:
-    """uint8 [H, W, 3] of a PIL image resized (bicubic) to ``height`` x ``width``: how every frame a
+    """uint8 [H, W, 3] of a PIL image resized (bicubic) to cover ``height`` x ``width`` with its own
+    aspect, then centre-cropped to it (an image of that aspect is just resized): how every frame a
     clip is encoded from is made, and the image ``generate video --image`` starts a clip from."""
     from PIL import Image
 
-    return np.asarray(image.convert("RGB").resize((width, height), Image.BICUBIC))
+    image = image.convert("RGB")
+    scale = max(height / image.height, width / image.width)
+    cover_w, cover_h = max(width, round(image.width * scale)), max(height, round(image.height * scale))
+    image = image.resize((cover_w, cover_h), Image.BICUBIC)
+    if (cover_w, cover_h) != (width, height):
+        left, top = (cover_w - width) // 2, (cover_h - height) // 2
+        image = image.crop((left, top, left + width, top + height))
+    return np.asarray(image)
 
 
 # ----------------------------------------------------------------------------- image-to-video
