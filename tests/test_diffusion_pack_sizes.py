@@ -103,3 +103,42 @@ def test_frames_are_resized_to_cover_and_centre_cropped_not_squashed():
     # an image of the asked aspect is only resized: the same pixels as PIL's resize
     same = Image.fromarray(_frames(1, 64, 96, 0)[0])
     np.testing.assert_array_equal(resized_frame(same, 32, 48), np.asarray(same.resize((48, 32), Image.BICUBIC)))
+
+
+def test_each_write_worker_runs_the_codecs_on_its_own_gpu(monkeypatch):
+    import torch
+
+    from omniweave.data.packing import pack
+    from omniweave.diffusion.data import codec_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [codec_device("auto", k) for k in range(6)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0", "cuda:1"]
+    assert codec_device("cuda", 5) == "cuda:1" and codec_device("cuda:2", 5) == "cuda:2" and codec_device("cpu", 5) == "cpu"
+    # --workers not given: one per GPU for a diffusion write; the CPU default otherwise
+    cpus = min(8, __import__("os").cpu_count() or 1)
+    assert pack._default_workers("diffusion", "auto") == 4 and pack._default_workers("diffusion", "cuda:1") == 1
+    assert pack._default_workers("sft", "auto") == cpus and pack._default_workers("diffusion", "cpu") == cpus
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert codec_device("auto", 3) == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert codec_device("auto", 3) == "cpu" and pack._default_workers("diffusion", "auto") == cpus
+
+
+def _worker_index(_):
+    import os
+    import time
+
+    from omniweave.data.packing.pack import _W
+
+    time.sleep(0.2)  # every worker gets tasks
+    return os.getpid(), _W["worker_index"]
+
+
+def test_pool_workers_take_the_indices_0_to_n_minus_1(monkeypatch):
+    from omniweave.data.packing import pack
+
+    monkeypatch.setattr(pack, "_init_worker", lambda *a: None)  # forked workers inherit the stub
+    seen = dict(pack._pool_map(_worker_index, list(range(6)), 2, (), "workers"))
+    assert sorted(set(seen.values())) == [0, 1] and len(seen) == 2  # two processes, one index each

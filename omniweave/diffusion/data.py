@@ -228,6 +228,19 @@ def placeholder_sample(sample_id: str, tokens: int):
                            position_ids=np.zeros((1, tokens), np.int32))
 
 
+def codec_device(device: str = "auto", worker: int = 0) -> str:
+    """Where write worker ``worker`` runs the codecs: ``auto`` is CUDA when there is one; on CUDA
+    worker k takes GPU k mod the GPU count, so ``--workers`` processes spread over a machine's GPUs
+    (an explicit ``cuda:N`` or ``cpu`` is kept). Called in the worker, after the fork."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and torch.cuda.device_count() > 1:
+        device = f"cuda:{worker % torch.cuda.device_count()}"
+    return device
+
+
 class ClipEncoder:
     """The write phase's models: the recipe's VAE and text encoder on ``device``, the generator's
     patch; for an image-to-video recipe its image conditioner too (``codecs["image_conditioner"]``)."""
@@ -237,9 +250,7 @@ class ClipEncoder:
 
         from omniweave.models.registry import build_component
 
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device, self.settings = torch.device(device), settings
+        self.device, self.settings = torch.device(codec_device(device)), settings
         self.patch = tuple(codecs["patch_size"])
         self.vae = build_component("vae", codecs["vae"]).to(self.device).eval()
         self.text_encoder = build_component("text_encoder", codecs["text_encoder"]).to(self.device)

@@ -56,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", required=True, help="recipe YAML (its data: section) or built-in recipe name")
     p.add_argument("overrides", nargs="*", help="key=value recipe overrides, as for `omniweave train` (e.g. data.max_len=2048)")
     p.add_argument("--max-len", type=integer(1), default=None, help="pack capacity and max sample length (default data.max_len)")
-    p.add_argument("--workers", type=integer(1), default=min(8, os.cpu_count() or 1), help="processes on this machine")
+    p.add_argument("--workers", type=integer(1), default=None,
+                   help="processes on this machine (default: min(8, CPU cores); a diffusion recipe's write phase on "
+                        "CUDA: one per GPU, worker k on GPU k mod the GPU count)")
     p.add_argument("--algorithm", choices=packing.ALGORITHMS, default="bfd")
     p.add_argument("--phase", choices=("scan", "plan", "write", "all"), default="all")
     p.add_argument("--worker-index", type=integer(0), default=0, help="this machine's slice (scan/write)")
@@ -135,13 +137,16 @@ def _init_worker(raw_root: str, data_cfg: dict, kind: str, media_kinds: list[str
         _W["ds"] = VLARawDataset(raw_root, VLASettings.from_mapping(data_cfg.get("vla")))
     elif kind == "diffusion":  # a clips conversion: latents made in the write phase (diffusion/data.py)
         from omniweave.data.sources.clips_convert import ClipRawDataset
-        from omniweave.diffusion.data import ClipEncoder, DiffusionSettings
+        from omniweave.diffusion.data import ClipEncoder, DiffusionSettings, codec_device
 
         _W["ds"] = ClipRawDataset(raw_root)
         settings = DiffusionSettings.from_mapping(data_cfg.get("diffusion"))
         codecs = data_cfg["diffusion"]["codecs"]
         _W["diffusion"] = (settings, tuple(codecs["patch_size"]))
-        _W["encoder"] = ClipEncoder(codecs, settings, device) if plan_file else None  # write only: the models
+        if plan_file:  # write only: the models, this worker's GPU among the machine's
+            _W["encoder"] = ClipEncoder(codecs, settings, codec_device(device, _W.get("worker_index", 0)))
+        else:
+            _W["encoder"] = None
     else:
         _W["ds"] = RawDataset(raw_root)
     _W["proc"] = SampleProcessor(data_cfg)
@@ -152,12 +157,17 @@ def _init_worker(raw_root: str, data_cfg: dict, kind: str, media_kinds: list[str
             _W["plan"] = {k: z[k] for k in z.files}
 
 
-def _init_pool_worker(threads: int, *initargs) -> None:
-    """A pool process: its share of the cores as torch's intra-op threads (a write phase running the
-    VAE in each of ``workers`` processes, each with every core's worth of OpenMP threads, spun and
-    stalled: 128 demo clips packed in 130 s at 2 workers on 2 cores), then :func:`_init_worker`."""
+def _init_pool_worker(threads: int, counter, *initargs) -> None:
+    """A pool process: its index among the pool's (``counter``: each process takes the next; a
+    diffusion write worker runs its codecs on GPU index mod the GPU count), its share of the cores
+    as torch's intra-op threads (a write phase running the VAE in each of ``workers`` processes,
+    each with every core's worth of OpenMP threads, spun and stalled: 128 demo clips packed in 130 s
+    at 2 workers on 2 cores), then :func:`_init_worker`."""
     import torch
 
+    with counter.get_lock():
+        _W["worker_index"] = counter.value
+        counter.value += 1
     torch.set_num_threads(threads)
     _init_worker(*initargs)
 
@@ -255,6 +265,21 @@ def _write_shard(shard: int) -> dict:
     return writer.close()
 
 
+def _default_workers(kind: str, device: str = "cpu") -> int:
+    """``--workers`` when not given: min(8, CPU cores); a diffusion write phase on CUDA one per GPU
+    (each worker holds the VAE and text encoder -- an fp32 umT5-XXL is ~23 GB -- on its own GPU; an
+    explicit ``--device cuda:N``: one). ``torch.cuda.device_count`` asks NVML, so the pool forked
+    after it can still use CUDA."""
+    cpus = min(8, os.cpu_count() or 1)
+    if kind != "diffusion" or device == "cpu":
+        return cpus
+    if device.startswith("cuda:"):
+        return 1
+    import torch
+
+    return torch.cuda.device_count() or cpus  # auto without a GPU: the codecs run on the CPU
+
+
 def _pool_map(fn, tasks: list, workers: int, initargs: tuple, desc: str, weights=None):
     """Ordered results of fn over tasks, in ``workers`` processes, with a progress bar."""
     bar = tqdm(total=sum(weights) if weights else len(tasks), desc=desc, unit="sample" if weights else "task",
@@ -265,8 +290,8 @@ def _pool_map(fn, tasks: list, workers: int, initargs: tuple, desc: str, weights
         it = map(fn, tasks)
         pool = None
     else:
-        n = min(workers, len(tasks))
-        pool = mp.get_context("fork").Pool(n, _init_pool_worker, (max(1, (os.cpu_count() or 1) // n), *initargs))
+        n, ctx = min(workers, len(tasks)), mp.get_context("fork")
+        pool = ctx.Pool(n, _init_pool_worker, (max(1, (os.cpu_count() or 1) // n), ctx.Value("i", 0), *initargs))
         it = pool.imap(fn, tasks)
     try:
         for k, r in enumerate(it):
@@ -289,9 +314,10 @@ def scan_phase(args, out: Path, data_cfg: dict, build: dict, n_raw: int) -> Path
         print(f"scan: slice {i}/{N} already done ({marker})", file=sys.stderr)
         return marker
     lo, hi = i * n_raw // N, (i + 1) * n_raw // N
-    step = max(1, min(256, (hi - lo) // max(1, 4 * args.workers) or 1))
+    workers = args.workers or _default_workers(build["kind"])
+    step = max(1, min(256, (hi - lo) // max(1, 4 * workers) or 1))
     chunks = [(a, min(a + step, hi)) for a in range(lo, hi, step)]
-    results = _pool_map(_scan_range, chunks, args.workers, (args.input, data_cfg, build["kind"], build["media_kinds"]),
+    results = _pool_map(_scan_range, chunks, workers, (args.input, data_cfg, build["kind"], build["media_kinds"]),
                         f"scan {i}/{N}",
                         weights=[b - a for a, b in chunks])
     arrays = {f: np.concatenate([r[0][f] for r in results]) if results else np.zeros(0, np.int64) for f in SCAN_FIELDS}
@@ -358,12 +384,13 @@ def plan_phase(args, out: Path, build: dict, n_raw: int) -> dict:
 def write_phase(args, out: Path, data_cfg: dict, build: dict, info: dict) -> list[int]:
     N, i = args.num_workers, args.worker_index
     mine = [s for s in range(info["num_shards"]) if s % N == i]
+    workers = args.workers or _default_workers(build["kind"], getattr(args, "device", "auto"))
     todo = [s for s in mine if not (out / f"{pack_shard_name(s)}.json").is_file()]
     if len(todo) < len(mine):
         print(f"write: {len(mine) - len(todo)} of {len(mine)} shards already done", file=sys.stderr)
     if todo:
         _W["out"] = str(out)
-        _pool_map(_write_shard, todo, args.workers,
+        _pool_map(_write_shard, todo, workers,
                   (args.input, data_cfg, build["kind"], build["media_kinds"], str(out / "plan" / "plan.npz"),
                    getattr(args, "device", "auto")),
                   f"write {i}/{N}")
