@@ -154,7 +154,7 @@ def test_generate_video_samples_each_prompt_on_its_own_and_writes_clips(clips, t
                 "--sampler", "unipc", "--steps", "2", "--gif", "--output", str(out)]) == 0
     record = json.loads((out / "generate.json").read_text())
     assert record["files"] == ["000.mp4"] and (out / "000.gif").is_file() and record["shift"] == 3.0
-    assert record["sampler"] == "unipc"
+    assert record["sampler"] == "unipc" and record["device"] == "cpu" and record["fps"] == 16  # auto here: no GPU
     assert cli(["generate", "video", str(tmp_path / "run"), "--prompt", "a red disc moving left", "--frames", "5",
                 "--sampler", "euler", "--steps", "2", "--output", str(tmp_path / "gen_euler")]) == 0
     assert json.loads((tmp_path / "gen_euler" / "generate.json").read_text())["sampler"] == "euler"

@@ -131,7 +131,7 @@ def write_mp4(path: str | Path, frames: np.ndarray, fps: int = FPS, codec: str |
     """uint8 [T, H, W, 3] (H, W even) as an MP4, frame i at pts i (time base 1 / fps)."""
     codec = codec or video_codec()
     with av.open(str(path), mode="w", format="mp4") as out:
-        stream = out.add_stream(codec, rate=Fraction(fps))
+        stream = out.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))  # 23.976 -> 24000/1001
         stream.height, stream.width = frames.shape[1:3]
         if codec == "libx264":
             stream.pix_fmt, stream.options = "yuv444p", {"crf": "0"}

@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="clips packed in one row per generator call and decoded together (default 16)")
     p.add_argument("--output", help="output folder (default RUN/generated)")
     p.add_argument("--gif", action="store_true", help="also write each clip as a GIF")
+    p.add_argument("--fps", type=positive(), default=None,
+                   help="frames per second of the MP4 / GIF (default: the run's data.diffusion.fps, else 16, Wan's)")
+    p.add_argument("--device", default="auto", help="where the models run (auto: cuda if any; default auto)")
     p.add_argument("--image", action="append", default=[],
                    help="image-to-video runs: the first frame (one for all prompts, or one per prompt, repeated)")
 
@@ -80,12 +83,15 @@ def read_prompts(args) -> list[str]:
 
 
 class VideoGenerator:
-    """A trained run's generator with its recipe's codecs, sampling clips for prompts."""
+    """A trained run's generator with its recipe's codecs on ``device`` (``auto``: CUDA when there is
+    one), sampling clips for prompts. The noise is drawn on the CPU from each clip's seed, so a seed
+    names the same starting noise on any device."""
 
-    def __init__(self, run: str | Path):
+    def __init__(self, run: str | Path, device: str = "auto"):
+        import torch
         import yaml
 
-        from omniweave.diffusion.data import check_recipe
+        from omniweave.diffusion.data import check_recipe, codec_device
         from omniweave.models.registry import build_component
         from omniweave.train.checkpoint import load_model, resolve_checkpoint
 
@@ -93,13 +99,14 @@ class VideoGenerator:
         cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
         check_recipe(cfg["model"], (cfg.get("train") or {}).get("phase"))
         self.cfg = cfg
+        self.device = torch.device(codec_device(device))
         model, _ = load_model(ckpt)
-        self.generator = model.generator.eval()
-        self.vae = build_component("vae", cfg["model"]["vae"]).eval()
-        self.text_encoder = build_component("text_encoder", cfg["model"]["text_encoder"])
+        self.generator = model.generator.eval().to(self.device)
+        self.vae = build_component("vae", cfg["model"]["vae"]).eval().to(self.device)
+        self.text_encoder = build_component("text_encoder", cfg["model"]["text_encoder"]).to(self.device)
         self.text_len = int(((cfg.get("data") or {}).get("diffusion") or {}).get("text_len", 512))
         conditioner = cfg["model"].get("image_conditioner")  # image-to-video (check_recipe: with image_dim)
-        self.image_encoder = build_component("image_conditioner", conditioner) if conditioner else None
+        self.image_encoder = build_component("image_conditioner", conditioner).to(self.device) if conditioner else None
         self.shift = float(((cfg.get("train") or {}).get("diffusion") or {}).get("shift", 3.0))
 
     @property
@@ -120,7 +127,7 @@ class VideoGenerator:
             with torch.no_grad():
                 videos = self.vae.decode(self.vae.denormalize(torch.stack(latents[start:start + batch])))
             for video in videos:  # [3, T, H, W] in [-1, 1]
-                out.append(((video.permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy())
+                out.append(((video.permute(1, 2, 3, 0).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu().numpy())
         return out
 
     def sample_latents(self, prompts: list[str], frames: int, height: int, width: int, steps: int, guidance: float,
@@ -161,15 +168,15 @@ class VideoGenerator:
         out = []
         for start in range(0, len(prompts), batch):  # up to `batch` clips packed in one row per generator call
             ids = range(start, min(start + batch, len(prompts)))
-            noises = [torch.randn(shape, generator=torch.Generator().manual_seed(seed + i)) for i in ids]
+            noises = [torch.randn(shape, generator=torch.Generator().manual_seed(seed + i)).to(self.device) for i in ids]
             tokens, grid = patchify_clips(noises, patch)
             # the row the generator sees: these clips with their prompts, then (guidance) the same clips
             # with the negative prompt -- one call per step for both branches
             branches = [[texts[i] for i in ids]] + ([[neg] * len(ids)] if guidance != 1.0 else [])
             row_texts = [t for branch in branches for t in branch]
             text = torch.cat(row_texts).float()
-            text_cu = torch.tensor([0, *np.cumsum([len(t) for t in row_texts])], dtype=torch.int32)
-            row_grid = grid.repeat(len(branches), 1)
+            text_cu = torch.tensor([0, *np.cumsum([len(t) for t in row_texts])], dtype=torch.int32, device=self.device)
+            row_grid = grid.to(self.device).repeat(len(branches), 1)
             cond, image = self._row_condition([conditions[i % len(conditions)] for i in ids] if conditions else [],
                                               len(branches))
 
@@ -198,7 +205,7 @@ class VideoGenerator:
             return None, {}
         conditions = conditions * branches
         features = [c[1]["image"] for c in conditions]
-        cu = torch.tensor([0, *np.cumsum([len(f) for f in features])], dtype=torch.int32)
+        cu = torch.tensor([0, *np.cumsum([len(f) for f in features])], dtype=torch.int32, device=features[0].device)
         return torch.cat([c[0] for c in conditions]), {"image": torch.cat(features), "image_cu_seqlens": cu}
 
     def _condition(self, image: np.ndarray, frames: int, patch) -> tuple:
@@ -208,7 +215,8 @@ class VideoGenerator:
         from omniweave.diffusion.data import i2v_condition
 
         cond, features = i2v_condition(self.vae, self.image_encoder, image, frames, patch)
-        return cond, {"image": features, "image_cu_seqlens": torch.tensor([0, len(features)], dtype=torch.int32)}
+        cu = torch.tensor([0, len(features)], dtype=torch.int32, device=features.device)
+        return cond, {"image": features, "image_cu_seqlens": cu}
 
 
 def check_images(images: list | None, prompts: int, i2v: bool) -> list | None:
@@ -248,27 +256,29 @@ def run(args) -> int:
 
     prompts = read_prompts(args)
     t0 = time.time()
-    gen = VideoGenerator(args.run)
+    gen = VideoGenerator(args.run, args.device)
     check_images(args.image, len(prompts), gen.i2v)  # before reading any image
     images = load_images(args.image, args.height, args.width) if args.image else None
     clips = gen.sample(prompts, args.frames, args.height, args.width, args.steps, args.guidance, args.shift,
                        args.negative, args.seed, args.sampler, images, args.batch)
+    fps = args.fps or ((gen.cfg.get("data") or {}).get("diffusion") or {}).get("fps") or FPS  # what it learnt
     out = Path(args.output) if args.output else Path(args.run) / "generated"
     out.mkdir(parents=True, exist_ok=True)
     files = []
     for i, clip in enumerate(clips):
         path = out / f"{i:03d}.mp4"
-        write_mp4(path, clip, fps=FPS)
+        write_mp4(path, clip, fps=fps)
         files.append(path.name)
         if args.gif:
             from PIL import Image
 
             frames = [Image.fromarray(f) for f in clip]
-            frames[0].save(out / f"{i:03d}.gif", save_all=True, append_images=frames[1:], duration=1000 // FPS, loop=0)
+            frames[0].save(out / f"{i:03d}.gif", save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
     record = {"run": str(args.run), "prompts": prompts, "files": files, "frames": args.frames, "height": args.height,
               "width": args.width, "sampler": args.sampler, "steps": args.steps, "guidance": args.guidance,
               "shift": gen.shift if args.shift is None else args.shift, "negative": args.negative, "seed": args.seed,
-              "images": list(args.image), "batch": args.batch, "seconds": round(time.time() - t0, 2)}
+              "images": list(args.image), "batch": args.batch, "device": str(gen.device), "fps": fps,
+              "seconds": round(time.time() - t0, 2)}
     (out / "generate.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"generate video: {len(clips)} clip(s) of {args.frames} frames at {args.width}x{args.height} "
           f"({args.sampler}, {args.steps} steps, guidance {args.guidance:g}) in {record['seconds']:.1f}s -> {out}")
