@@ -66,17 +66,24 @@ def test_packed_clips_hold_the_codecs_latents_and_text_states(clips):
     assert mb["text_cu_seqlens"][-1] == mb["text"].shape[0] and len(mb["clip_samples"]) == len(mb["grid"])
 
 
-def test_the_wrong_kind_of_raw_data_or_codecs_is_refused(clips, tmp_path):
+def test_the_wrong_kind_of_raw_data_or_codecs_is_refused(clips, tmp_path, capsys):
     """Clips packed with a conversation recipe, conversations with a diffusion recipe, and packs
     trained by a recipe whose VAE differs: one line each (exit 2 / UserError)."""
-    assert cli(["data", "pack", "--input", str(clips["raw"]), "--output", str(tmp_path / "p"), "--recipe", "demo"]) == 2
+    def refused(argv: list[str], *words: str) -> None:
+        capsys.readouterr()
+        assert cli(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+
+    refused(["data", "pack", "--input", str(clips["raw"]), "--output", str(tmp_path / "p"), "--recipe", "demo"],
+            "clips")
     assert cli(["data", "demo", str(tmp_path / "demo"), "--samples", "4", "--eval-samples", "1"]) == 0
     assert cli(["data", "convert", "--input", str(tmp_path / "demo" / "train.jsonl"), "--media-dir",
                 str(tmp_path / "demo" / "media"), "--output", str(tmp_path / "conv"), "--workers", "1"]) == 0
-    assert cli(["data", "pack", "--input", str(tmp_path / "conv"), "--output", str(tmp_path / "p2"),
-                "--recipe", "tiny_diffusion"]) == 2
-    assert cli(["train", "tiny_diffusion", f"data.path={clips['packed']}", f"output_dir={tmp_path / 'run'}",
-                "train.steps=1", "model.vae.base_dim=12"]) == 2
+    refused(["data", "pack", "--input", str(tmp_path / "conv"), "--output", str(tmp_path / "p2"),
+             "--recipe", "tiny_diffusion"], "diffusion")
+    refused(["train", "tiny_diffusion", f"data.path={clips['packed']}", f"output_dir={tmp_path / 'run'}",
+             "train.steps=1", "model.vae.base_dim=12"], "data.diffusion.codecs.vae.base_dim")
 
 
 def _run(clips, out, resume=None, **kw):
