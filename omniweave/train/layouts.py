@@ -59,7 +59,8 @@ class Layout:
         expert = model.get("action_expert") or {}
         return cls(pp=par.pp, cp=par.cp, tp=_int(foundation.get("tp")), expert_tp=_int(expert.get("tp")),
                    seq_chunks=seq_chunks_of(cfg), pp_schedule=par.pp_schedule, pp_virtual=par.pp_virtual,
-                   moe=bool(moe_layer_indices(foundation)), mix=(cfg.get("data") or {}).get("mix") is not None, cp_attention=par.cp_attention)
+                   moe=bool(moe_layer_indices(foundation)), mix=(cfg.get("data") or {}).get("mix") is not None,
+                   cp_attention=par.cp_attention)
 
 
 def _int(value) -> int:
