@@ -103,11 +103,11 @@ def test_wan_recipe_generator_is_the_shipped_yaml_and_builds_on_meta(name):
 def _tiny(name: str) -> torch.nn.Module:
     """The tiny recipe's DiffusionModel, 3 blocks (selective AC then wraps blocks 0 and 2, not 1), with
     random weights everywhere (the official init zeroes proj_out and the gradients above it)."""
+    from tests.test_wan_dit import _randomise
+
     torch.manual_seed(0)
     model = build_model(to_dict(load_recipe(name, ["model.generator.num_layers=3"]).model))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+    _randomise(model, seed=0)
     return model
 
 
